@@ -1,0 +1,147 @@
+"""The committer: restores input order, writes each part atomically, keeps progress facts on disk.
+
+A part is committed when `part-KKKKK.parquet` exists under its final name (DESIGN section 6); its
+key-value metadata carries the config hash, the model identity and the part's own counts, so that a
+resumed run can total what was done without reading the data. Knows Parquet and files, not models.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchgen.fsutil import fsync_dir, replace_durably, write_json_atomic
+from batchgen.records import OutputRow, Part
+
+OUTPUT_FIELDS = [
+    pa.field("id", pa.string(), nullable=False),
+    pa.field("sample_index", pa.int32(), nullable=False),
+    pa.field("generation", pa.string()),
+    pa.field("finish_reason", pa.string(), nullable=False),
+    pa.field("num_prompt_tokens", pa.int32(), nullable=False),
+    pa.field("num_generated_tokens", pa.int32(), nullable=False),
+    pa.field("seed", pa.int64()),
+    pa.field("error", pa.string()),
+]
+OUTPUT_COLUMNS = tuple(f.name for f in OUTPUT_FIELDS)
+PART_RE = re.compile(r"^part-(\d{5,})\.parquet$")
+SUCCESS = "_SUCCESS"
+
+
+@dataclass(slots=True)
+class PartStats:
+    """A part's counts, stored in its file metadata."""
+
+    rows: int = 0  # input rows
+    samples: int = 0  # output rows
+    errors: dict[str, int] = field(default_factory=dict)  # error rows by kind (`too_long`, `empty_prompt`, ...)
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+
+    @property
+    def error_rows(self) -> int:
+        return sum(self.errors.values())
+
+    def add(self, other: PartStats) -> None:
+        self.rows += other.rows
+        self.samples += other.samples
+        self.errors = dict(Counter(self.errors) + Counter(other.errors))
+        self.prompt_tokens += other.prompt_tokens
+        self.generated_tokens += other.generated_tokens
+
+
+def error_kind(error: str) -> str:
+    return error.split(":", 1)[0]
+
+
+def stats_of(part: Part, rows: list[OutputRow]) -> PartStats:
+    errors = Counter(error_kind(r.error) for r in rows if r.error is not None and r.sample_index == 0)
+    return PartStats(rows=part.num_rows, samples=len(rows), errors=dict(errors),
+                     prompt_tokens=sum(r.num_prompt_tokens for r in rows if r.sample_index == 0),
+                     generated_tokens=sum(r.num_generated_tokens for r in rows))
+
+
+class Committer:
+    def __init__(self, output_dir: Path, *, passthrough: list[str], metadata: dict[str, str]):
+        self.output_dir = output_dir
+        self.passthrough = passthrough
+        self.metadata = metadata  # file key-value metadata: config hash, model identity
+
+    def part_path(self, index: int) -> Path:
+        return self.output_dir / f"part-{index:05d}.parquet"
+
+    def committed(self) -> set[int]:
+        return {int(m.group(1)) for p in self.output_dir.iterdir() if (m := PART_RE.match(p.name))}
+
+    def read_stats(self, index: int) -> PartStats:
+        meta = pq.read_metadata(self.part_path(index)).metadata or {}
+        raw = meta.get(b"batchgen.stats")
+        return PartStats(**json.loads(raw)) if raw else PartStats()
+
+    def commit(self, part: Part, rows: list[OutputRow]) -> PartStats:
+        """Write the part under a temp name, fsync, then rename: never a torn file under a final name."""
+        stats = stats_of(part, rows)
+        table = self._table(part, rows, stats)
+        final = self.part_path(part.index)
+        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        with open(tmp, "wb") as f:
+            pq.write_table(table, f, compression="zstd")
+            f.flush()
+            os.fsync(f.fileno())
+        replace_durably(tmp, final)
+        return stats
+
+    def _table(self, part: Part, rows: list[OutputRow], stats: PartStats) -> pa.Table:
+        columns = {
+            "id": pa.array([r.id for r in rows], pa.string()),
+            "sample_index": pa.array([r.sample_index for r in rows], pa.int32()),
+            "generation": pa.array([r.generation for r in rows], pa.string()),
+            "finish_reason": pa.array([r.finish_reason for r in rows], pa.string()),
+            "num_prompt_tokens": pa.array([r.num_prompt_tokens for r in rows], pa.int32()),
+            "num_generated_tokens": pa.array([r.num_generated_tokens for r in rows], pa.int32()),
+            "seed": pa.array([r.seed for r in rows], pa.int64()),
+            "error": pa.array([r.error for r in rows], pa.string()),
+        }
+        fields = list(OUTPUT_FIELDS)
+        if self.passthrough:
+            taken = part.table.select(self.passthrough).take(pa.array([r.row for r in rows], pa.int64()))
+            for name in self.passthrough:
+                columns[name] = taken.column(name)
+                fields.append(taken.schema.field(name))
+        meta = self.metadata | {"batchgen.part": str(part.index), "batchgen.stats": json.dumps(_asdict(stats))}
+        schema = pa.schema(fields, metadata=meta)
+        return pa.Table.from_arrays([columns[f.name] for f in fields], schema=schema)
+
+    def write_empty(self, schema_fields: Optional[list[pa.Field]] = None) -> None:
+        """An empty dataset still yields a readable result: one part with the schema and no rows."""
+        schema = pa.schema(OUTPUT_FIELDS + (schema_fields or []), metadata=self.metadata)
+        path = self.part_path(0)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        pq.write_table(schema.empty_table(), tmp)
+        replace_durably(tmp, path)
+
+    def write_status(self, status: dict[str, Any], name: str = "_status.json") -> None:
+        write_json_atomic(self.output_dir / name, status | {"updated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+
+    def finish(self, total_parts: int) -> bool:
+        """Write _SUCCESS, last, once every part exists (whichever shard finishes last)."""
+        done = self.committed()
+        if any(k not in done for k in range(total_parts)):
+            return False
+        (self.output_dir / SUCCESS).write_text("")
+        fsync_dir(self.output_dir)
+        return True
+
+
+def _asdict(stats: PartStats) -> dict[str, Any]:
+    return {"rows": stats.rows, "samples": stats.samples, "errors": stats.errors,
+            "prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens}

@@ -1,0 +1,26 @@
+"""Engine registry: `engine.name` -> a loader. Heavy imports happen only when an engine is built."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from batchgen.engines.base import Engine, EngineConfig
+
+
+def _load_hf(cfg: EngineConfig, tokenizer: Any) -> Engine:
+    from batchgen.engines.hf import HFEngine
+
+    return HFEngine(cfg, tokenizer)
+
+
+def _load_vllm(cfg: EngineConfig, tokenizer: Any) -> Engine:
+    from batchgen.engines.vllm import VLLMEngine
+
+    return VLLMEngine(cfg, tokenizer)
+
+
+ENGINES: dict[str, Callable[[EngineConfig, Any], Engine]] = {"hf": _load_hf, "vllm": _load_vllm}
+
+
+def build_engine(cfg: EngineConfig, tokenizer: Any) -> Engine:
+    return ENGINES[cfg.name](cfg, tokenizer)

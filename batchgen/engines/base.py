@@ -1,0 +1,62 @@
+"""Engine contract: a window of Requests in, one Result per Request out, in request order.
+
+An engine owns batching, length bucketing, the KV cache, quantization and device placement.
+It knows nothing about files, parts, ids or Hydra.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
+
+from batchgen.records import Request, Result
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclass
+class EngineConfig:
+    name: str = "hf"  # hf | vllm (chosen with `engine=hf` / `engine=vllm`)
+    model: str = "???"  # local model directory (or hub id where the hub is reachable)
+    tokenizer: Optional[str] = None  # tokenizer directory; null = the model's
+    dtype: str = "auto"  # auto = the fastest exact-enough dtype for the device
+    quantization: Optional[str] = None  # weight quantization scheme, per engine
+    device: str = "auto"  # hf: auto | cpu | cuda | cuda:N
+    max_batch_tokens: Optional[int] = None  # token budget of one forward pass; null = engine default
+    max_batch_size: Optional[int] = None  # rows decoded together at most; null = engine default
+    max_model_len: Optional[int] = None  # prompt + generation limit; null = the model's own
+    threads: Optional[int] = None  # hf on CPU: torch threads; null = all cores
+    trust_remote_code: bool = False
+    tensor_parallel_size: int = 1  # vllm
+    gpu_memory_utilization: float = 0.9  # vllm
+    enable_prefix_caching: bool = True  # vllm
+    extra_args: dict[str, Any] = field(default_factory=dict)  # vllm: passed through to vllm.LLM
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.model in ("???", "", None):
+            out.append("engine.model is required (a local model directory)")
+        if self.dtype not in DTYPES:
+            out.append(f"engine.dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
+        for key in ("max_batch_tokens", "max_batch_size", "max_model_len", "threads"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                out.append(f"engine.{key} must be >= 1 or null (got {value})")
+        if self.tensor_parallel_size < 1:
+            out.append(f"engine.tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            out.append(f"engine.gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
+        return out
+
+
+class Engine(Protocol):
+    max_model_len: int  # prompt + generation limit in tokens
+    rows_per_part: int  # default commit unit for this engine
+
+    def identity(self) -> dict[str, Any]:
+        """What identifies the model and numerics: goes into the manifest and part metadata."""
+
+    def generate(self, requests: list[Request]) -> list[Result]:
+        """One Result per Request, in the same order."""
+
+    def close(self) -> None: ...

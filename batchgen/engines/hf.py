@@ -1,0 +1,225 @@
+"""The built-in engine: torch + transformers, on CPU or GPU.
+
+Owns device and dtype choice, length bucketing under a token budget, the decode loop with the KV
+cache, per-sample seeded sampling, EOS and stop strings. It sees token ids and sampling params only;
+it knows nothing about rows, files or parts.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import lru_cache
+from typing import Any, Optional
+
+import torch
+
+from batchgen.engines.base import EngineConfig
+from batchgen.records import Request, Result
+from batchgen.sampling import SampleParams
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DEFAULTS = {  # (max_batch_tokens, max_batch_size, rows_per_part) per device type
+    "cpu": (8192, 64, 256),
+    "cuda": (65536, 256, 1024),
+}
+
+
+@lru_cache(maxsize=1)
+def cpu_has_fast_bf16() -> bool:
+    """True where the CPU has native bf16 dot products (AVX-512 BF16 or AMX); elsewhere bf16 is emulated, slow."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+class HFEngine:
+    def __init__(self, cfg: EngineConfig, tokenizer: Any):
+        from transformers import AutoModelForCausalLM
+
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.tokenizer = tokenizer
+        self.model = AutoModelForCausalLM.from_pretrained(
+            cfg.model, dtype=self.dtype, trust_remote_code=cfg.trust_remote_code
+        ).to(self.device).eval()
+        budget, size, part = DEFAULTS["cuda" if self.device.type == "cuda" else "cpu"]
+        self.max_batch_tokens = cfg.max_batch_tokens or budget
+        self.max_batch_size = cfg.max_batch_size or size
+        self.rows_per_part = part
+        self.max_model_len = cfg.max_model_len or _model_max_len(self.model.config)
+        self.eos_ids = _eos_ids(self.model, tokenizer)
+        self.pad_id = _first(tokenizer.pad_token_id, *sorted(self.eos_ids), 0)
+        log.info("hf engine: %s on %s in %s, max_batch_tokens=%d, max_batch_size=%d",
+                 cfg.model, self.device, self.dtype, self.max_batch_tokens, self.max_batch_size)
+
+    def identity(self) -> dict[str, Any]:
+        return {"engine": "hf", "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch.")}
+
+    def close(self) -> None:
+        del self.model
+
+    @torch.inference_mode()
+    def generate(self, requests: list[Request]) -> list[Result]:
+        """Longest prompts first (an OOM shows at once), in buckets under the token budget."""
+        order = sorted(range(len(requests)), key=lambda i: -len(requests[i].prompt_ids))
+        results: list[Optional[Result]] = [None] * len(requests)
+        for bucket in self._buckets(order, requests):
+            for i, result in zip(bucket, self._generate_bucket([requests[i] for i in bucket])):
+                results[i] = result
+        return results  # type: ignore[return-value]
+
+    def _buckets(self, order: list[int], requests: list[Request]) -> list[list[int]]:
+        buckets: list[list[int]] = []
+        current: list[int] = []
+        for i in order:
+            width = max(len(requests[current[0]].prompt_ids) if current else 0, len(requests[i].prompt_ids))
+            if current and ((len(current) + 1) * width > self.max_batch_tokens or len(current) >= self.max_batch_size):
+                buckets.append(current)
+                current = []
+            current.append(i)
+        if current:
+            buckets.append(current)
+        return buckets
+
+    def _generate_bucket(self, reqs: list[Request]) -> list[Result]:
+        """Prefill the bucket left-padded, then decode; a row leaves the batch the step it finishes."""
+        from transformers import DynamicCache
+
+        ids, mask, positions = self._left_pad(reqs)  # [B, T] each
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(ids, mask, positions, cache)  # [B, V]
+        generators = [self._generator(r.seed) if not r.params.greedy else None for r in reqs]
+        generated: list[list[int]] = [[] for _ in reqs]
+        reasons: list[Optional[str]] = [None] * len(reqs)
+        active = list(range(len(reqs)))  # rows of `reqs` still in the batch
+        next_pos = positions[:, -1] + 1  # [B]
+        while True:
+            tokens = pick_tokens(logits, [reqs[a].params for a in active], [generators[a] for a in active])
+            keep = []
+            for j, a in enumerate(active):
+                generated[a].append(tokens[j])
+                reasons[a] = self._finish_reason(reqs[a].params, generated[a])
+                if reasons[a] is None:
+                    keep.append(j)
+            if not keep:
+                break
+            if len(keep) < len(active):
+                index = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(index)
+                mask, next_pos = mask[index], next_pos[index]
+                active = [active[j] for j in keep]
+                tokens = [tokens[j] for j in keep]
+            mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
+            step_ids = torch.tensor(tokens, device=self.device)[:, None]
+            logits = self._forward(step_ids, mask, next_pos[:, None], cache)
+            next_pos = next_pos + 1
+        return [self._result(r, g, reason) for r, g, reason in zip(reqs, generated, reasons)]
+
+    def _left_pad(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        width = max(len(r.prompt_ids) for r in reqs)
+        ids = torch.full((len(reqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(reqs), width), dtype=torch.long)
+        for b, r in enumerate(reqs):
+            ids[b, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            mask[b, width - len(r.prompt_ids):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        return ids.to(self.device), mask.to(self.device), positions.to(self.device)
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :]
+
+    def _generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def _finish_reason(self, params: SampleParams, generated: list[int]) -> Optional[str]:
+        if not params.ignore_eos and generated[-1] in self.eos_ids:
+            return "stop"
+        if params.stop and _find_stop(self.tokenizer.decode(generated, skip_special_tokens=True), params.stop) >= 0:
+            return "stop"
+        if len(generated) >= params.max_new_tokens:
+            return "length"
+        return None
+
+    def _result(self, req: Request, generated: list[int], reason: Optional[str]) -> Result:
+        text = self.tokenizer.decode(generated, skip_special_tokens=True)
+        cut = _find_stop(text, req.params.stop) if req.params.stop else -1
+        return Result(key=req.key, text=text if cut < 0 else text[:cut], finish_reason=reason or "length",
+                      num_prompt_tokens=len(req.prompt_ids), num_generated_tokens=len(generated))
+
+
+def pick_tokens(logits: torch.Tensor, params: list[SampleParams], generators: list[Optional[torch.Generator]]
+                ) -> list[int]:
+    """Next token per row: argmax for greedy rows, a draw from the row's own generator otherwise."""
+    tokens = logits.argmax(dim=-1).tolist()  # logits: [B, V]
+    for j, (p, gen) in enumerate(zip(params, generators)):
+        if not p.greedy:
+            tokens[j] = sample_token(logits[j], p, gen)
+    return tokens
+
+
+def sample_token(logits: torch.Tensor, p: SampleParams, gen: Optional[torch.Generator]) -> int:
+    """Temperature, then top-k, then top-p (nucleus), then one multinomial draw. logits: [V]."""
+    x = logits.float() / p.temperature
+    if p.top_k and p.top_k < x.numel():
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
+        x = x.scatter(0, order[drop], float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def _find_stop(text: str, stops: tuple[str, ...]) -> int:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else -1
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (gen_eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
+
+
+def _model_max_len(config: Any) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
+def _first(*values: Optional[int]) -> int:
+    return next(v for v in values if v is not None)
+

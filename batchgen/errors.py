@@ -1,0 +1,49 @@
+"""Exceptions that carry what a user needs to act on; the CLI maps them to exit codes (DESIGN section 7)."""
+
+from __future__ import annotations
+
+
+class BatchgenError(Exception):
+    """Base class: every batchgen error the CLI knows how to report."""
+
+    exit_code = 1
+
+
+class ConfigError(BatchgenError):
+    """One or more config problems, each naming the key as the user types it."""
+
+    exit_code = 2
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("invalid config:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+class InputError(BatchgenError):
+    """The input cannot be read at all (missing file, corrupt Parquet, missing column)."""
+
+    exit_code = 2
+
+
+class ResumeMismatchError(BatchgenError):
+    """output_dir holds a run whose input or output-affecting config differs from this one."""
+
+    exit_code = 2
+
+
+class LockedError(BatchgenError):
+    """Another live process holds the output_dir lock."""
+
+    exit_code = 2
+
+
+class ErrorRateExceeded(BatchgenError):
+    """More than run.max_error_rate of the rows so far recorded errors."""
+
+    exit_code = 1
+
+
+class TooLongError(BatchgenError):
+    """A prompt does not fit under run.too_long=fail."""
+
+    exit_code = 1

@@ -1,0 +1,83 @@
+"""The job's config: the root that composes engine, dataset and sampling configs, plus run settings.
+
+Plain dataclasses: the CLI fills them from Hydra once; nothing here imports omegaconf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from batchgen.engines import ENGINES
+from batchgen.engines.base import EngineConfig
+from batchgen.errors import ConfigError
+from batchgen.reader import DatasetConfig
+from batchgen.sampling import SamplingConfig
+
+ON_BAD_ROW = ("record", "fail")
+TOO_LONG = ("truncate_left", "skip", "fail")
+ROWS_PER_PART = {"hf": 256, "vllm": 1024}  # engine-dependent default commit unit
+QUANTIZATION = {"hf": (), "vllm": ("awq", "gptq", "fp8", "compressed-tensors", "bitsandbytes", "gguf", "awq_marlin",
+                                   "gptq_marlin", "experts_int8")}
+
+
+@dataclass
+class RunConfig:
+    rows_per_part: Optional[int] = None  # rows per output part (the unit of commit); null = engine default
+    on_bad_row: str = "record"  # record: write an error row and go on; fail: stop the job
+    too_long: str = "truncate_left"  # truncate_left | skip (error row) | fail
+    resume: bool = True  # resume into an existing output_dir
+    max_error_rate: float = 0.5  # stop after the current part when more rows than this erred
+    shard: int = 0  # this worker's share of the parts: parts k with k % num_shards == shard
+    num_shards: int = 1
+    progress: bool = True  # tqdm bar on stderr
+
+
+@dataclass
+class JobConfig:
+    name: str = "???"
+    output_dir: str = "data/outputs/${name}"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def rows_per_part(self) -> int:
+        return self.run.rows_per_part or ROWS_PER_PART[self.engine.name]
+
+
+def validate(cfg: JobConfig) -> JobConfig:
+    """Report every problem at once, naming keys as the user types them; raise ConfigError if any."""
+    problems: list[str] = []
+    if not cfg.name or cfg.name == "???":
+        problems.append("name is required: pick a job (job=demo) or set name=...")
+    if cfg.engine.name not in ENGINES:
+        problems.append(f"engine must be one of {', '.join(ENGINES)} (got {cfg.engine.name!r})")
+    else:
+        allowed = QUANTIZATION[cfg.engine.name]
+        if cfg.engine.quantization is not None and cfg.engine.quantization not in allowed:
+            choices = ", ".join(allowed) if allowed else "none yet (leave it null)"
+            problems.append(f"engine.quantization={cfg.engine.quantization!r} is not supported by "
+                            f"engine={cfg.engine.name}; choices: {choices}")
+    problems += cfg.engine.problems() + cfg.dataset.problems() + cfg.sampling.problems() + _run_problems(cfg.run)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def _run_problems(run: RunConfig) -> list[str]:
+    out = []
+    if run.rows_per_part is not None and run.rows_per_part < 1:
+        out.append(f"run.rows_per_part must be >= 1 or null (got {run.rows_per_part})")
+    if run.on_bad_row not in ON_BAD_ROW:
+        out.append(f"run.on_bad_row must be one of {', '.join(ON_BAD_ROW)} (got {run.on_bad_row!r})")
+    if run.too_long not in TOO_LONG:
+        out.append(f"run.too_long must be one of {', '.join(TOO_LONG)} (got {run.too_long!r})")
+    if not 0 <= run.max_error_rate <= 1:
+        out.append(f"run.max_error_rate must be in [0, 1] (got {run.max_error_rate})")
+    if run.num_shards < 1:
+        out.append(f"run.num_shards must be >= 1 (got {run.num_shards})")
+    elif not 0 <= run.shard < run.num_shards:
+        out.append(f"run.shard must be in [0, run.num_shards) = [0, {run.num_shards}) (got {run.shard})")
+    return out

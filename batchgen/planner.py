@@ -1,0 +1,181 @@
+"""The planner: cuts the input stream into parts, skips committed and other shards' parts, and turns
+a part's rows into engine Requests (render, tokenize, fit to max_model_len, per-sample seeds).
+
+Rows that cannot be generated become error rows here, before the engine sees them (DESIGN section 7).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import pyarrow as pa
+
+from batchgen.errors import TooLongError
+from batchgen.job import JobConfig
+from batchgen.reader import Reader
+from batchgen.records import InputBatch, OutputRow, Part, Request, Result
+from batchgen.render import Renderer
+from batchgen.sampling import SampleParams, derive_seed
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PlannedPart:
+    part: Part
+    requests: list[Request]  # one per sample of every generable row
+    errors: list[Optional[str]]  # per row: why it is an error row, else None
+    prompt_tokens: list[int]  # per row: prompt length after truncation (0 for error rows)
+
+
+class Planner:
+    def __init__(self, cfg: JobConfig, reader: Reader, renderer: Renderer, tokenizer: Any):
+        self.cfg = cfg
+        self.reader = reader
+        self.renderer = renderer
+        self.tokenizer = tokenizer
+        self.rows_per_part = cfg.rows_per_part
+        self.total_rows = 0  # rows seen so far; the input's size once parts() is exhausted
+
+    # -- cutting the stream into parts ------------------------------------------------------------
+
+    def parts(self, skip: set[int]) -> Iterator[Part]:
+        """This shard's parts not in `skip`, in order. Other parts are read past, never rendered."""
+        pending: list[InputBatch] = []
+        buffered = 0
+        index = 0
+        for batch in self.reader.iter_batches():
+            self.total_rows += batch.table.num_rows
+            pending.append(batch)
+            buffered += batch.table.num_rows
+            while buffered >= self.rows_per_part:
+                part, pending, buffered = self._cut(index, pending, self.rows_per_part)
+                if self._mine(index, skip):
+                    yield part
+                index += 1
+        if buffered:
+            part, _, _ = self._cut(index, pending, buffered)
+            if self._mine(index, skip):
+                yield part
+
+    @property
+    def total_parts(self) -> int:
+        return -(-self.total_rows // self.rows_per_part)
+
+    def _mine(self, index: int, skip: set[int]) -> bool:
+        return index % self.cfg.run.num_shards == self.cfg.run.shard and index not in skip
+
+    def _cut(self, index: int, pending: list[InputBatch], n: int) -> tuple[Part, list[InputBatch], int]:
+        tables, ids, errors, taken = [], [], [], 0
+        rest: list[InputBatch] = []
+        for b in pending:
+            if taken == n:
+                rest.append(b)
+                continue
+            k = min(n - taken, b.table.num_rows)
+            tables.append(b.table.slice(0, k))
+            ids += b.ids[:k]
+            errors += b.read_errors[:k]
+            taken += k
+            if k < b.table.num_rows:
+                rest.append(InputBatch(b.start + k, b.table.slice(k), b.ids[k:], b.read_errors[k:]))
+        start = pending[0].start
+        table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
+        return Part(index=index, start=start, table=table, ids=ids, read_errors=errors), rest, sum(
+            b.table.num_rows for b in rest)
+
+    # -- turning a part into requests --------------------------------------------------------------
+
+    def plan(self, part: Part, max_model_len: int) -> PlannedPart:
+        rendered = self.renderer.render(part.table)
+        errors = [read or render for read, render in zip(part.read_errors, rendered.errors)]
+        caps = self._caps(part.table, errors)
+        ids = self._tokenize([t if e is None else None for t, e in zip(rendered.texts, errors)],
+                             rendered.add_special_tokens)
+        n = self.cfg.sampling.n
+        requests: list[Request] = []
+        prompt_tokens = [0] * part.num_rows
+        for row in range(part.num_rows):
+            if errors[row] is not None:
+                continue
+            fitted, errors[row] = self._fit(ids[row], caps[row], max_model_len, part.ids[row])
+            if errors[row] is not None:
+                continue
+            prompt_tokens[row] = len(fitted)
+            params = self._params(caps[row])
+            for s in range(n):
+                seed = None if params.greedy else derive_seed(self.cfg.sampling.seed, part.ids[row], s)
+                requests.append(Request(key=row * n + s, prompt_ids=fitted, params=params, seed=seed))
+        return PlannedPart(part=part, requests=requests, errors=errors, prompt_tokens=prompt_tokens)
+
+    def _caps(self, table: pa.Table, errors: list[Optional[str]]) -> list[int]:
+        """Per-row max_new_tokens: the sampling cap, lowered by dataset.max_new_tokens_column."""
+        default = self.cfg.sampling.max_new_tokens
+        column = self.cfg.dataset.max_new_tokens_column
+        if not column:
+            return [default] * table.num_rows
+        caps = []
+        for row, value in enumerate(table.column(column).to_pylist()):
+            if value is None:
+                caps.append(default)
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                caps.append(default)
+                errors[row] = errors[row] or f"bad_max_new_tokens: {value!r} is not a positive integer"
+            else:
+                caps.append(min(default, value))
+        return caps
+
+    def _tokenize(self, texts: list[Optional[str]], add_special_tokens: bool) -> list[list[int]]:
+        todo = [i for i, t in enumerate(texts) if t is not None]
+        out: list[list[int]] = [[] for _ in texts]
+        if todo:
+            encoded = self.tokenizer([texts[i] for i in todo], add_special_tokens=add_special_tokens)["input_ids"]
+            for i, ids in zip(todo, encoded):
+                out[i] = ids
+        return out
+
+    def _fit(self, ids: list[int], cap: int, max_model_len: int, row_id: str) -> tuple[list[int], Optional[str]]:
+        """Apply run.too_long: keep BOS and the prompt's tail, record the row as an error, or stop the job."""
+        room = max_model_len - cap
+        if len(ids) <= room:
+            return ids, None
+        why = f"too_long: {len(ids)} prompt tokens + {cap} new tokens > engine.max_model_len={max_model_len}"
+        policy = self.cfg.run.too_long
+        if policy == "fail":
+            raise TooLongError(f"row {row_id}: {why} (run.too_long=fail; use truncate_left or skip to go on)")
+        if policy == "skip" or room < 1:
+            return [], why
+        bos = self.tokenizer.bos_token_id
+        head = ids[:1] if bos is not None and ids and ids[0] == bos else []
+        return head + ids[len(ids) - (room - len(head)):], None
+
+    def _params(self, cap: int) -> SampleParams:
+        s = self.cfg.sampling
+        return SampleParams(max_new_tokens=cap, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                            stop=tuple(s.stop), ignore_eos=s.ignore_eos)
+
+
+def assemble(planned: PlannedPart, results: list[Result], *, n: int, job_seed: int, greedy: bool) -> list[OutputRow]:
+    """Output rows in input order, samples of a row consecutive; error rows get one row per sample."""
+    by_key = {r.key: r for r in results}
+    part = planned.part
+    rows: list[OutputRow] = []
+    for row in range(part.num_rows):
+        for s in range(n):
+            seed = None if greedy else derive_seed(job_seed, part.ids[row], s)
+            error = planned.errors[row]
+            if error is not None:
+                rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=None,
+                                      finish_reason="error", num_prompt_tokens=0, num_generated_tokens=0,
+                                      seed=seed, error=error))
+                continue
+            res = by_key.pop(row * n + s)  # KeyError here means the engine lost a request
+            rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=res.text,
+                                  finish_reason=res.finish_reason, num_prompt_tokens=res.num_prompt_tokens,
+                                  num_generated_tokens=res.num_generated_tokens, seed=seed, error=None))
+    if by_key:
+        raise RuntimeError(f"engine returned results for unknown requests: {sorted(by_key)[:5]}")
+    return rows

@@ -1,0 +1,70 @@
+"""Typed records that flow between reader/planner, engine and committer (DESIGN section 5)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from batchgen.sampling import SampleParams
+
+
+@dataclass(slots=True)
+class InputBatch:
+    """A slice of input rows, in input order, as the reader streams them."""
+
+    start: int  # index of the first row in the whole input order (0-based, across files)
+    table: pa.Table  # the rows' input columns
+    ids: list[str]  # one id per row (given or generated `<file>:<row>`)
+    read_errors: list[str | None]  # per row: why it could not be read (malformed JSONL line), else None
+
+
+@dataclass(slots=True)
+class Part:
+    """The unit of commit: input rows [index * rows_per_part, (index + 1) * rows_per_part)."""
+
+    index: int  # part number k
+    start: int  # first input row of the part
+    table: pa.Table
+    ids: list[str]
+    read_errors: list[str | None]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.ids)
+
+
+@dataclass(slots=True)
+class Request:
+    """One sample to generate: what the engine receives."""
+
+    key: int  # position of this sample in its part's output (row * n + sample_index)
+    prompt_ids: list[int]  # token ids, after any truncation
+    params: SampleParams
+    seed: int | None  # per-sample seed; None for greedy
+
+
+@dataclass(slots=True)
+class Result:
+    """What the engine returns for one Request."""
+
+    key: int
+    text: str  # decoded generation, special tokens skipped, cut before a matched stop string
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
+    num_prompt_tokens: int
+    num_generated_tokens: int
+
+
+@dataclass(slots=True)
+class OutputRow:
+    """One output row (one sample), as committed (DESIGN section 4)."""
+
+    row: int  # row position within the part (to take passthrough columns)
+    id: str
+    sample_index: int
+    generation: str | None
+    finish_reason: str  # "stop", "length" or "error"
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    seed: int | None
+    error: str | None

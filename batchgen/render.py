@@ -1,0 +1,110 @@
+"""Prompt rendering: a plain column, a `{column}` template, or the tokenizer's chat template.
+
+The renderer turns one part's input columns into prompt texts, or into a per-row error string
+(DESIGN section 7). It knows the tokenizer only for its chat template; it does not tokenize.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import pyarrow as pa
+
+from batchgen.errors import ConfigError
+from batchgen.reader import DatasetConfig
+
+
+@dataclass(slots=True)
+class Rendered:
+    texts: list[Optional[str]]  # prompt text per row, None where the row has an error
+    errors: list[Optional[str]]  # why the row could not be rendered, else None
+    add_special_tokens: bool  # False when the chat template already placed BOS and friends
+
+
+def template_fields(template: str) -> list[str]:
+    """Top-level column names a `{column}` template refers to."""
+    names = []
+    for _, field, _, _ in string.Formatter().parse(template):
+        if field:
+            names.append(field.split(".")[0].split("[")[0])
+    return names
+
+
+class Renderer:
+    def __init__(self, cfg: DatasetConfig, tokenizer: Any):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.chat = cfg.messages_column is not None or cfg.system_prompt is not None
+        if self.chat and not getattr(tokenizer, "chat_template", None):
+            key = "dataset.messages_column" if cfg.messages_column else "dataset.system_prompt"
+            raise ConfigError([f"{key} asks for chat rendering, but the model's tokenizer has no chat template; "
+                               "use a chat model, or dataset.template / dataset.prompt_column without "
+                               "dataset.system_prompt"])
+
+    def required_columns(self) -> list[str]:
+        if self.cfg.messages_column:
+            return [self.cfg.messages_column]
+        if self.cfg.template is not None:
+            return []  # rows lacking a field become error rows; the whole-input check is in the planner
+        return [self.cfg.prompt_column]
+
+    def render(self, table: pa.Table) -> Rendered:
+        rows = table.to_pylist()
+        texts: list[Optional[str]] = []
+        errors: list[Optional[str]] = []
+        for row in rows:
+            text, error = self._render_row(row)
+            texts.append(text if error is None else None)
+            errors.append(error)
+        return Rendered(texts=texts, errors=errors, add_special_tokens=not self.chat)
+
+    def _render_row(self, row: dict) -> tuple[Optional[str], Optional[str]]:
+        if self.cfg.messages_column:
+            return self._chat(row.get(self.cfg.messages_column))
+        text, error = self._plain(row)
+        if error is None and self.chat:
+            return self._chat([{"role": "user", "content": text}])
+        return text, error
+
+    def _plain(self, row: dict) -> tuple[Optional[str], Optional[str]]:
+        if self.cfg.template is not None:
+            return _format(self.cfg.template, row)
+        return _check_prompt(row.get(self.cfg.prompt_column))
+
+    def _chat(self, messages: Any) -> tuple[Optional[str], Optional[str]]:
+        if messages is None or (isinstance(messages, list) and not messages):
+            return None, "empty_prompt"
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            return None, f"bad_messages: expected a list of {{role, content}}, got {type(messages).__name__}"
+        messages = [{"role": m.get("role"), "content": m.get("content")} for m in messages]
+        if any(not isinstance(m["role"], str) or not isinstance(m["content"], str) for m in messages):
+            return None, "bad_messages: every message needs a string role and string content"
+        if self.cfg.system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.cfg.system_prompt}, *messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # jinja errors from a user's template are row errors, not job failures
+            return None, f"bad_template: chat template: {type(exc).__name__}: {exc}"
+        return _check_prompt(text)
+
+
+def _format(template: str, row: dict) -> tuple[Optional[str], Optional[str]]:
+    for name in template_fields(template):
+        if row.get(name) is None:
+            return None, f"bad_template: field {name!r} is missing or null"
+    try:
+        return _check_prompt(template.format_map(row))
+    except (KeyError, IndexError, ValueError, AttributeError, TypeError) as exc:
+        return None, f"bad_template: {type(exc).__name__}: {exc}"
+
+
+def _check_prompt(value: Any) -> tuple[Optional[str], Optional[str]]:
+    if value is None:
+        return None, "empty_prompt"
+    if not isinstance(value, str):
+        return None, f"non_string_prompt: got {type(value).__name__}"
+    if not value.strip():
+        return None, "empty_prompt"
+    return value, None

@@ -1,0 +1,60 @@
+"""Sampling settings and per-sample seeds; knows nothing about torch or engines."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingConfig:
+    max_new_tokens: int = 256  # cap on generated tokens per sample
+    temperature: float = 0.0  # 0.0 means greedy
+    top_p: float = 1.0  # nucleus mass kept; 1.0 = off
+    top_k: int = 0  # tokens kept; 0 = off
+    n: int = 1  # samples per prompt
+    seed: int = 0  # job seed; each sample's seed derives from (seed, row id, sample index)
+    stop: list[str] = field(default_factory=list)  # stop strings; the generation is cut before the first match
+    ignore_eos: bool = False  # keep generating past EOS up to the cap
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.max_new_tokens < 1:
+            out.append(f"sampling.max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        if self.temperature < 0:
+            out.append(f"sampling.temperature must be >= 0 (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            out.append(f"sampling.top_p must be in (0, 1] (got {self.top_p})")
+        if self.top_k < 0:
+            out.append(f"sampling.top_k must be >= 0, 0 = off (got {self.top_k})")
+        if self.n < 1:
+            out.append(f"sampling.n must be >= 1 (got {self.n})")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            out.append("sampling.stop must be a list of non-empty strings")
+        return out
+
+
+@dataclass(slots=True, frozen=True)
+class SampleParams:
+    """What one engine request needs to sample; a view of SamplingConfig plus the row's own cap."""
+
+    max_new_tokens: int  # this sample's cap (row override applied)
+    temperature: float
+    top_p: float
+    top_k: int
+    stop: tuple[str, ...]
+    ignore_eos: bool
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def derive_seed(job_seed: int, row_id: str, sample_index: int) -> int:
+    """A 63-bit seed that depends only on (job seed, row id, sample index), never on batching or sharding."""
+    digest = hashlib.blake2b(f"{job_seed}\x1f{row_id}\x1f{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)

@@ -1,0 +1,50 @@
+"""`batchgen status OUTPUT_DIR`: a run's progress, errors and lock holder, read from the files on disk."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from batchgen.committer import SUCCESS
+from batchgen.lock import OutputLock
+
+
+def describe(output_dir: Path) -> str:
+    if not (output_dir / "_manifest.json").exists():
+        return f"{output_dir}: no batchgen run here (no _manifest.json)"
+    lines = [f"{output_dir}: {'complete' if (output_dir / SUCCESS).exists() else 'incomplete'}"]
+    for path in sorted(output_dir.glob("_status*.json")):
+        s = json.loads(path.read_text())
+        total = s.get("rows_total")
+        pct = f" ({100 * s['rows_done'] / total:.1f}%)" if total else ""
+        eta = f", ETA {s['eta_s']:.0f}s" if s.get("eta_s") is not None and s.get("state") == "running" else ""
+        errors = ", ".join(f"{k}={v}" for k, v in sorted((s.get("errors") or {}).items())) or "none"
+        lines.append(f"  {path.name}: {s.get('state')}: rows {s['rows_done']}/{total if total else '?'}{pct}, "
+                     f"error rows {s.get('rows_failed', 0)} ({errors}), {s.get('generated_tokens', 0)} generated "
+                     f"tokens, {s.get('tokens_per_s', 0)} tok/s{eta}, updated {s.get('updated_at')}")
+        if s.get("error"):
+            lines.append(f"    last error: {s['error']}")
+    parts = sorted(output_dir.glob("part-*.parquet"))
+    lines.append(f"  committed parts: {len(parts)}")
+    held = False
+    for lock_path in sorted(output_dir.glob("_lock*")):
+        if lock_path.name.endswith(".holder.json"):
+            continue
+        lock = OutputLock(output_dir, lock_path.name)
+        if lock.is_held():
+            held = True
+            h = lock.holder() or {}
+            lines.append(f"  running: {lock_path.name} held by pid {h.get('pid')} on {h.get('host')} since "
+                         f"{h.get('since')}")
+    if not held:
+        lines.append("  no run holds the lock")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="batchgen status", description=__doc__)
+    parser.add_argument("output_dir", type=Path)
+    args = parser.parse_args(argv)
+    print(describe(args.output_dir))
+    return 0 if (args.output_dir / "_manifest.json").exists() else 2

@@ -1,0 +1,63 @@
+"""Stand-in models for the demo, tests and benchmarks: a Llama-architecture model with random
+weights and a byte-level BPE tokenizer trained on the given text, saved as a normal checkpoint so
+that batchgen loads it through the real `from_pretrained` path. Not a language model: its output is
+noise, but noise that exercises every code path (batching, cache, EOS, sampling, chat templates).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|end|>"]
+
+SIZES = {  # name: (hidden, layers, heads, kv_heads, intermediate, vocab)
+    "tiny": (64, 2, 4, 2, 128, 512),
+    "small": (256, 4, 8, 4, 688, 2048),
+    "bench": (768, 12, 12, 4, 2048, 8192),  # about 100M parameters
+}
+
+
+def build_tokenizer(texts: Iterable[str], vocab_size: int, path: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   add_bos_token=True)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
+def build_model(path: str | Path, texts: Iterable[str], *, size: str = "tiny", seed: int = 0,
+                max_position_embeddings: int = 2048) -> Path:
+    """Write a random-weight Llama checkpoint with its tokenizer to `path` and return it."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    hidden, layers, heads, kv_heads, inter, vocab = SIZES[size]
+    build_tokenizer(texts, vocab, path)
+    tok = AutoTokenizer.from_pretrained(path)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, intermediate_size=inter, max_position_embeddings=max_position_embeddings,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id)
+    model.save_pretrained(path)
+    return path

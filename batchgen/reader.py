@@ -67,7 +67,8 @@ class Reader:
         self.fs = fs
         self.root = root
 
-    def columns(self) -> list[str]:
+    def columns(self) -> Optional[list[str]]:
+        """Column names, or None where the input has no readable record to tell them from."""
         raise NotImplementedError
 
     def count_rows(self) -> Optional[int]:
@@ -145,8 +146,10 @@ class JsonlReader(Reader):
         super().__init__(*args, **kwargs)
         self._schema: Optional[pa.Schema] = None
 
-    def columns(self) -> list[str]:
-        return self.schema().names
+    def columns(self) -> Optional[list[str]]:
+        """None for an input without a single readable record: nothing to check."""
+        names = self.schema().names
+        return names if names else None
 
     def count_rows(self) -> Optional[int]:
         if any(self.fs.protocol not in ("file", ("file", "local")) or p.endswith((".gz", ".zst", ".bz2", ".xz"))
@@ -190,8 +193,12 @@ class JsonlReader(Reader):
         schema = self.schema()
         rows: list[dict] = []
         errors: list[str | None] = []
+        prompt = self.cfg.prompt_column if self.cfg.template is None and not self.cfg.messages_column else None
         for _, record, error in self._records(path):
             rows.append(record or {})
+            value = record.get(prompt) if record and prompt else None
+            if error is None and value is not None and not isinstance(value, str):
+                error = f"non_string_prompt: got {type(value).__name__}"  # before a mixed column becomes text
             errors.append(error)
             if len(rows) >= self.cfg.batch_rows:
                 yield _to_table(rows, schema), errors

@@ -150,6 +150,8 @@ def check_columns(cfg: JobConfig, reader: Reader, renderer: Renderer) -> list[st
     """Every column the config names must exist; returns the passthrough columns."""
     ds = cfg.dataset
     available = reader.columns()
+    if available is None:
+        return []
     where = ", ".join(reader.files[:3]) + (" ..." if len(reader.files) > 3 else "")
     wanted = {"dataset.id_column": ds.id_column, "dataset.max_new_tokens_column": ds.max_new_tokens_column}
     if ds.messages_column:

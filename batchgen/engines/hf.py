@@ -7,6 +7,7 @@ it knows nothing about rows, files or parts.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from functools import lru_cache
 from typing import Any, Optional
@@ -69,6 +70,8 @@ class HFEngine:
         self.max_batch_size = cfg.max_batch_size or size
         self.rows_per_part = part
         self.max_model_len = cfg.max_model_len or _model_max_len(self.model.config)
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
         self.eos_ids = _eos_ids(self.model, tokenizer)
         self.pad_id = _first(tokenizer.pad_token_id, *sorted(self.eos_ids), 0)
         log.info("hf engine: %s on %s in %s, max_batch_tokens=%d, max_batch_size=%d",
@@ -148,8 +151,8 @@ class HFEngine:
         return ids.to(self.device), mask.to(self.device), positions.to(self.device)
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                         use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1, **{self._cache_kw: cache})
         return out.logits[:, -1, :]
 
     def _generator(self, seed: int) -> torch.Generator:

@@ -1,0 +1,80 @@
+"""Shared fixtures: a tiny random Llama built once per session, datasets written per test, and the
+real Hydra config composed the way the CLI composes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hydra import compose, initialize_config_dir
+
+from batchgen.cli import CONF_DIR, to_job_config
+from batchgen.job import JobConfig
+
+WORDS = ("the river town market opened closed with many people after rain sun night lamp bread "
+         "clock train harbour music quiet loud green blue small large old new fast slow").split()
+REPO = Path(__file__).resolve().parent.parent
+
+
+def corpus(n: int = 400, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 30))) for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    from batchgen.toymodel import build_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny-llama"
+    build_model(path, corpus(), size="tiny")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def compose_job(overrides: list[str]) -> JobConfig:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    return to_job_config(cfg)
+
+
+def job_overrides(tiny_model: str, data: Path, out: Path, *extra: str) -> list[str]:
+    return [f"name=t", f"output_dir={out}", f"dataset.path={data}", "dataset.format=auto",
+            f"engine.model={tiny_model}", "engine.dtype=float32", "run.progress=false", *extra]
+
+
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def write_jsonl(path: Path, rows: list[dict | str | bytes]) -> Path:
+    with open(path, "wb") as f:
+        for r in rows:
+            line = r if isinstance(r, bytes) else (r if isinstance(r, str) else json.dumps(r)).encode()
+            f.write(line + b"\n")
+    return path
+
+
+def read_output(out: Path) -> pa.Table:
+    import pyarrow.dataset as ds
+
+    return ds.dataset(str(out), format="parquet").to_table()
+
+
+def run_cli(args: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "batchgen", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=kwargs.pop("cwd", REPO), env=env, **kwargs)

@@ -1,0 +1,144 @@
+"""The hf engine: greedy equivalence with one-row HF generate, seeds independent of batching,
+EOS / stop strings / per-row caps, and the sampling filters."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from batchgen.engines.base import EngineConfig
+from batchgen.engines.hf import HFEngine, resolve_dtype, sample_token
+from batchgen.records import Request
+from batchgen.runner import run_job
+from batchgen.sampling import SampleParams
+from tests.conftest import WORDS, compose_job, job_overrides, read_output, write_parquet
+
+GREEDY = SampleParams(max_new_tokens=16, temperature=0.0, top_p=1.0, top_k=0, stop=(), ignore_eos=False)
+
+
+def prompts_with_lengths(tokenizer, lengths: list[int], seed: int = 0) -> list[str]:
+    """Texts whose tokenized length (BOS included) is close to each target length."""
+    rng = random.Random(seed)
+    out = []
+    for target in lengths:
+        words: list[str] = []
+        while len(tokenizer(" ".join(words)).input_ids) < target:
+            words.append(rng.choice(WORDS))
+        out.append(" ".join(words) or rng.choice(WORDS))
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tokenizer):
+    return HFEngine(EngineConfig(model=tiny_model, dtype="float32", max_batch_tokens=2048, max_batch_size=16),
+                    tokenizer)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+def generate_alone(model, ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def test_greedy_job_equals_one_row_generate(tiny_model, tokenizer, reference, tmp_path):
+    """64 rows, prompts of 1 to 300 tokens, through a real job: each row equals HF generate on it alone."""
+    lengths = [1 + round(i * 299 / 63) for i in range(64)]
+    random.Random(1).shuffle(lengths)
+    texts = prompts_with_lengths(tokenizer, lengths)
+    data = write_parquet(tmp_path / "in.parquet", [{"id": f"r{i}", "prompt": t} for i, t in enumerate(texts)])
+    cfg = compose_job(job_overrides(tiny_model, data, tmp_path / "out", "sampling.max_new_tokens=24",
+                                    "dataset.id_column=id", "run.rows_per_part=24", "engine.max_batch_size=8"))
+    run_job(cfg)
+    out = read_output(tmp_path / "out").to_pylist()
+    assert [r["id"] for r in out] == [f"r{i}" for i in range(64)]
+    spread = [len(tokenizer(t).input_ids) for t in texts]
+    assert min(spread) <= 2 and max(spread) >= 300
+    for row, text in zip(out, texts):
+        ids = tokenizer(text).input_ids
+        expected = generate_alone(reference, ids, 24)
+        assert row["num_generated_tokens"] == len(expected), row["id"]
+        assert row["generation"] == tokenizer.decode(expected, skip_special_tokens=True), row["id"]
+        assert row["num_prompt_tokens"] == len(ids)
+
+
+def test_rows_with_different_caps_leave_the_batch_independently(engine, reference, tokenizer):
+    """Rows of one bucket with caps 1..40 finish at different steps; each still equals its solo run."""
+    texts = prompts_with_lengths(tokenizer, [5, 40, 12, 60, 33, 8, 21, 50], seed=3)
+    caps = [1, 40, 7, 23, 2, 31, 15, 9]
+    reqs = []
+    for i, (t, cap) in enumerate(zip(texts, caps)):
+        params = SampleParams(max_new_tokens=cap, temperature=0.0, top_p=1.0, top_k=0, stop=(), ignore_eos=True)
+        reqs.append(Request(key=i, prompt_ids=tokenizer(t).input_ids, params=params, seed=None))
+    results = engine.generate(reqs)
+    for req, res in zip(reqs, results):
+        assert res.key == req.key
+        assert res.num_generated_tokens == req.params.max_new_tokens
+        assert res.finish_reason == "length"
+        model_cfg = reference.generation_config
+        eos, model_cfg.eos_token_id = model_cfg.eos_token_id, None  # ignore_eos on the reference too
+        try:
+            expected = generate_alone(reference, req.prompt_ids, req.params.max_new_tokens)
+        finally:
+            model_cfg.eos_token_id = eos
+        assert res.text == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_sample_depends_on_seed_not_on_batch(engine, tokenizer):
+    params = SampleParams(max_new_tokens=12, temperature=1.0, top_p=0.9, top_k=50, stop=(), ignore_eos=True)
+    texts = prompts_with_lengths(tokenizer, [10, 30, 20, 5], seed=5)
+    reqs = [Request(key=i, prompt_ids=tokenizer(t).input_ids, params=params, seed=1000 + i) for i, t in enumerate(texts)]
+    together = engine.generate(reqs)
+    alone = [engine.generate([r])[0] for r in reqs]
+    assert [r.text for r in together] == [r.text for r in alone]
+    reseeded = engine.generate([Request(key=0, prompt_ids=reqs[0].prompt_ids, params=params, seed=7)])
+    assert len({reseeded[0].text, together[0].text}) == 2  # a different seed gives a different sample
+
+
+def test_stop_string_cuts_generation(engine, tokenizer):
+    ids = tokenizer("the river town").input_ids
+    free = engine.generate([Request(key=0, prompt_ids=ids, params=GREEDY, seed=None)])[0]
+    assert len(free.text) > 4
+    stop = free.text[2:4]
+    params = SampleParams(max_new_tokens=16, temperature=0.0, top_p=1.0, top_k=0, stop=(stop,), ignore_eos=False)
+    cut = engine.generate([Request(key=0, prompt_ids=ids, params=params, seed=None)])[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == free.text[: free.text.find(stop)]
+    assert cut.num_generated_tokens <= free.num_generated_tokens
+
+
+def test_sampling_filters_keep_only_allowed_tokens():
+    logits = torch.tensor([5.0, 4.0, 3.0, -1.0, -2.0])
+    gen = torch.Generator().manual_seed(0)
+    top_k = SampleParams(max_new_tokens=1, temperature=1.0, top_p=1.0, top_k=2, stop=(), ignore_eos=False)
+    assert {sample_token(logits, top_k, gen) for _ in range(200)} <= {0, 1}
+    top_p = SampleParams(max_new_tokens=1, temperature=1.0, top_p=0.5, top_k=0, stop=(), ignore_eos=False)
+    assert {sample_token(logits, top_p, gen) for _ in range(200)} == {0}
+
+
+def test_auto_dtype_is_fp32_on_a_cpu_without_native_bf16(monkeypatch):
+    import batchgen.engines.hf as hf
+
+    monkeypatch.setattr(hf, "cpu_has_fast_bf16", lambda: False)
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    monkeypatch.setattr(hf, "cpu_has_fast_bf16", lambda: True)
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_engine_generates(tiny_model, tokenizer):
+    eng = HFEngine(EngineConfig(model=tiny_model, device="cuda"), tokenizer)
+    res = eng.generate([Request(key=0, prompt_ids=tokenizer("the river").input_ids, params=GREEDY, seed=None)])
+    assert res[0].num_generated_tokens >= 1 and eng.dtype in (torch.bfloat16, torch.float16)
+

@@ -7,7 +7,7 @@ It knows nothing about files, parts, ids or Hydra.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from batchgen.records import Request, Result
 
@@ -56,7 +56,9 @@ class Engine(Protocol):
     def identity(self) -> dict[str, Any]:
         """What identifies the model and numerics: goes into the manifest and part metadata."""
 
-    def generate(self, requests: list[Request]) -> list[Result]:
-        """One Result per Request, in the same order."""
+    def generate(self, requests: list[Request], on_result: Optional[Callable[[Result], None]] = None
+                 ) -> list[Result]:
+        """One Result per Request, in the same order. `on_result` is called with each Result as soon as it is
+        final (in completion order), so that the caller can journal finished work before the window ends."""
 
     def close(self) -> None: ...

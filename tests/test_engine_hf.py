@@ -96,7 +96,8 @@ def test_rows_with_different_caps_leave_the_batch_independently(engine, referenc
 def test_sample_depends_on_seed_not_on_batch(engine, tokenizer):
     params = SampleParams(max_new_tokens=12, temperature=1.0, top_p=0.9, top_k=50, stop=(), ignore_eos=True)
     texts = prompts_with_lengths(tokenizer, [10, 30, 20, 5], seed=5)
-    reqs = [Request(key=i, prompt_ids=tokenizer(t).input_ids, params=params, seed=1000 + i) for i, t in enumerate(texts)]
+    reqs = [Request(key=i, prompt_ids=tokenizer(t).input_ids, params=params, seed=1000 + i)
+            for i, t in enumerate(texts)]
     together = engine.generate(reqs)
     alone = [engine.generate([r])[0] for r in reqs]
     assert [r.text for r in together] == [r.text for r in alone]
@@ -142,3 +143,55 @@ def test_cuda_engine_generates(tiny_model, tokenizer):
     res = eng.generate([Request(key=0, prompt_ids=tokenizer("the river").input_ids, params=GREEDY, seed=None)])
     assert res[0].num_generated_tokens >= 1 and eng.dtype in (torch.bfloat16, torch.float16)
 
+
+
+def test_generic_path_matches_the_fast_path(engine, tokenizer):
+    texts = prompts_with_lengths(tokenizer, [3, 17, 64, 9, 120, 33], seed=9)
+    params = SampleParams(max_new_tokens=12, temperature=0.9, top_p=0.95, top_k=0, stop=(), ignore_eos=False)
+    reqs = [Request(key=i, prompt_ids=tokenizer(t).input_ids, params=params if i % 2 else GREEDY, seed=50 + i)
+            for i, t in enumerate(texts)]
+    fast = engine.generate(reqs)
+    engine.fast = False
+    try:
+        generic = engine.generate(reqs)
+    finally:
+        engine.fast = True
+    assert [(r.text, r.finish_reason, r.num_generated_tokens) for r in fast] == \
+        [(r.text, r.finish_reason, r.num_generated_tokens) for r in generic]
+
+
+def test_no_decode_step_is_spent_on_a_finished_row(tiny_model, tokenizer):
+    eng = HFEngine(EngineConfig(model=tiny_model, dtype="float32", max_batch_size=4), tokenizer)
+    caps = [1, 30, 5, 12, 2, 25, 8, 3, 17, 6]
+    reqs = [Request(key=i, prompt_ids=tokenizer("the river " * (i + 1)).input_ids,
+                    params=SampleParams(max_new_tokens=c, temperature=0.0, top_p=1.0, top_k=0, stop=(),
+                                        ignore_eos=True), seed=None) for i, c in enumerate(caps)]
+    results = eng.generate(reqs)
+    assert [r.num_generated_tokens for r in results] == caps
+    # the first token of each row comes from its prefill; every decode row-step yields one more useful token
+    assert eng.stats.decode_row_steps == sum(c - 1 for c in caps)
+    assert eng.stats.decode_steps < sum(caps)  # rows shared steps: 4 slots, waiting rows joined as others left
+
+
+def test_out_of_memory_in_prefill_halves_the_budget_and_retries(engine, tokenizer, monkeypatch):
+    from batchgen.engines.llama_step import LlamaStepper
+
+    texts = prompts_with_lengths(tokenizer, [40, 35, 30, 25, 20, 15], seed=11)
+    reqs = [Request(key=i, prompt_ids=tokenizer(t).input_ids, params=GREEDY, seed=None) for i, t in enumerate(texts)]
+    expected = engine.generate(reqs)
+    real = LlamaStepper.prefill
+
+    def tight_memory(self, cache, first_slot, prompts):
+        if len(prompts) > 2:  # a fault injected at the allocation point: big buckets do not fit
+            raise torch.OutOfMemoryError("injected: out of memory")
+        return real(self, cache, first_slot, prompts)
+
+    monkeypatch.setattr(LlamaStepper, "prefill", tight_memory)
+    before = engine.stats.oom_backoffs
+    budget = engine.max_batch_tokens
+    try:
+        got = engine.generate(reqs)
+    finally:
+        engine.max_batch_tokens = budget
+    assert [r.text for r in got] == [r.text for r in expected]
+    assert engine.stats.oom_backoffs > before

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
 from batchgen.engines.base import EngineConfig
+from batchgen.engines.llama_step import LlamaStepper, supports
+from batchgen.engines.scheduler import Scheduler, SchedulerStats
 from batchgen.records import Request, Result
 from batchgen.sampling import SampleParams
 
@@ -73,6 +76,8 @@ class HFEngine:
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
         self.eos_ids = _eos_ids(self.model, tokenizer)
+        self.fast = True  # continuous batching on the pre-allocated cache where the architecture allows
+        self.stats = EngineStats()
         self.pad_id = _first(tokenizer.pad_token_id, *sorted(self.eos_ids), 0)
         log.info("hf engine: %s on %s in %s, max_batch_tokens=%d, max_batch_size=%d",
                  cfg.model, self.device, self.dtype, self.max_batch_tokens, self.max_batch_size)
@@ -86,7 +91,21 @@ class HFEngine:
     @torch.inference_mode()
     def generate(self, requests: list[Request], on_result: Optional[Callable[[Result], None]] = None
                  ) -> list[Result]:
-        """Longest prompts first (an OOM shows at once), in buckets under the token budget."""
+        if not requests:
+            return []
+        max_len = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
+        if self.fast and supports(self.model, max_len):
+            scheduler = Scheduler(self, LlamaStepper(self.model), max_batch_tokens=self.max_batch_tokens,
+                                  max_batch_size=self.max_batch_size)
+            results = scheduler.run(requests, on_result)
+            self.max_batch_tokens = scheduler.max_batch_tokens  # keep an OOM backoff for the next window
+            self.stats.add(scheduler.stats)
+            return results
+        return self._generate_generic(requests, on_result)
+
+    def _generate_generic(self, requests: list[Request], on_result: Optional[Callable[[Result], None]]
+                          ) -> list[Result]:
+        """Any architecture: length-sorted static buckets through the model's own forward and DynamicCache."""
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i].prompt_ids))
         results: list[Optional[Result]] = [None] * len(requests)
         for bucket in self._buckets(order, requests):
@@ -95,6 +114,21 @@ class HFEngine:
                 if on_result is not None:
                     on_result(result)
         return results  # type: ignore[return-value]
+
+    # -- what the scheduler asks of the engine ---------------------------------------------------
+
+    def generator(self, req: Request) -> Optional[torch.Generator]:
+        return None if req.params.greedy else self._generator(req.seed)
+
+    def pick(self, logits: torch.Tensor, reqs: list[Request], generators: list[Optional[torch.Generator]]
+             ) -> list[int]:
+        return pick_tokens(logits, [r.params for r in reqs], generators)
+
+    def finish_reason(self, params: SampleParams, generated: list[int]) -> Optional[str]:
+        return self._finish_reason(params, generated)
+
+    def make_result(self, req: Request, generated: list[int], reason: str) -> Result:
+        return self._result(req, generated, reason)
 
     def _buckets(self, order: list[int], requests: list[Request]) -> list[list[int]]:
         buckets: list[list[int]] = []
@@ -175,6 +209,14 @@ class HFEngine:
         cut = _find_stop(text, req.params.stop) if req.params.stop else -1
         return Result(key=req.key, text=text if cut < 0 else text[:cut], finish_reason=reason or "length",
                       num_prompt_tokens=len(req.prompt_ids), num_generated_tokens=len(generated))
+
+
+class EngineStats(SchedulerStats):
+    """Scheduler counters summed over windows."""
+
+    def add(self, other: SchedulerStats) -> None:
+        for name in SchedulerStats.__slots__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 def pick_tokens(logits: torch.Tensor, params: list[SampleParams], generators: list[Optional[torch.Generator]]

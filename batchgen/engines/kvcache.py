@@ -1,0 +1,46 @@
+"""A KV cache allocated once: `slots` sequences of up to `max_len` tokens, for every layer.
+
+Live sequences always occupy slots [0, n): when one finishes, the last live sequence moves into its
+slot, so a decode step reads the cache through views, never through a gather, a concat or a
+reallocation. Knows tensors, not models or requests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SlotKVCache:
+    def __init__(self, *, layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (layers, slots, kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, max_len, head_dim]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(slots, dtype=torch.long, device=device)  # valid tokens per slot
+        self.slots = slots
+        self.max_len = max_len
+
+    def write_prefill(self, layer: int, first_slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [n, kv_heads, T, head_dim] for slots [first_slot, first_slot + n), positions [0, T)."""
+        n, _, t, _ = k.shape
+        self.k[layer, first_slot:first_slot + n, :, :t] = k
+        self.v[layer, first_slot:first_slot + n, :, :t] = v
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [n, kv_heads, 1, head_dim] for slots [0, n), each at its own position lengths[slot]."""
+        n = k.shape[0]
+        rows = torch.arange(n, device=k.device)
+        positions = self.lengths[:n]
+        self.k[layer, rows, :, positions] = k[:, :, 0]
+        self.v[layer, rows, :, positions] = v[:, :, 0]
+
+    def view(self, layer: int, n: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of slots [0, n), positions [0, length): views, [n, kv_heads, length, head_dim]."""
+        return self.k[layer, :n, :, :length], self.v[layer, :n, :, :length]
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy sequence `src` into slot `dst` (all layers, valid positions only)."""
+        length = int(self.lengths[src])
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        self.lengths[dst] = self.lengths[src]

@@ -1,0 +1,110 @@
+"""Prefill and decode steps for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3) on a SlotKVCache.
+
+The model's own modules (embeddings, norms, projections, rotary embedding, MLP, LM head) are called
+as they are; only attention and the cache are ours: decode attention reads the pre-allocated cache
+through views and masks each row to its own length. Architectures outside the list use the generic
+path in hf.py. Knows the model's modules, not requests, sampling or tokenizers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from batchgen.engines.kvcache import SlotKVCache
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def supports(model: Any, max_len: int) -> bool:
+    """True when the fast path computes exactly what the model's own forward does."""
+    config = model.config
+    if getattr(config, "model_type", None) not in SUPPORTED:
+        return False
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and window < max_len:
+        return False
+    return all(hasattr(model.model, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb"))
+
+
+class LlamaStepper:
+    def __init__(self, model: Any):
+        self.model = model
+        self.inner = model.model
+        self.layers = list(self.inner.layers)
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.kv_heads = model.config.num_key_value_heads
+        self.heads = model.config.num_attention_heads
+        self.scaling = attn.scaling
+        self.dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+
+    def new_cache(self, slots: int, max_len: int) -> SlotKVCache:
+        return SlotKVCache(layers=len(self.layers), slots=slots, kv_heads=self.kv_heads, max_len=max_len,
+                           head_dim=self.head_dim, dtype=self.dtype, device=self.device)
+
+    def prefill(self, cache: SlotKVCache, first_slot: int, prompts: list[list[int]]) -> torch.Tensor:
+        """Run right-padded prompts into slots [first_slot, first_slot + n); logits of each last token: [n, V]."""
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        width = int(lengths.max())
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
+        x = self.inner.embed_tokens(ids.to(self.device))  # [n, T, hidden]
+        positions = torch.arange(width, device=self.device).expand(len(prompts), width)
+        cos_sin = self.inner.rotary_emb(x, positions)
+        for i, layer in enumerate(self.layers):
+            h = layer.input_layernorm(x)
+            q, k, v = self._qkv(layer.self_attn, h, cos_sin)  # [n, heads, T, d], [n, kv_heads, T, d] x2
+            cache.write_prefill(i, first_slot, k, v)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
+            x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        cache.lengths[first_slot:first_slot + len(prompts)] = lengths
+        last = x[torch.arange(len(prompts), device=self.device), lengths - 1]  # [n, hidden]
+        return self.model.lm_head(self.inner.norm(last))
+
+    def decode(self, cache: SlotKVCache, tokens: torch.Tensor) -> torch.Tensor:
+        """One token for each live slot [0, n): tokens [n] -> logits [n, V]."""
+        n = tokens.shape[0]
+        positions = cache.lengths[:n]
+        length = int(positions.max()) + 1
+        valid = torch.arange(length, device=self.device)[None, :] <= positions[:, None]  # [n, length]
+        bias = torch.zeros(valid.shape, dtype=torch.float32, device=self.device).masked_fill_(~valid, float("-inf"))
+        x = self.inner.embed_tokens(tokens[:, None])  # [n, 1, hidden]
+        cos_sin = self.inner.rotary_emb(x, positions[:, None])
+        for i, layer in enumerate(self.layers):
+            h = layer.input_layernorm(x)
+            q, k, v = self._qkv(layer.self_attn, h, cos_sin)
+            cache.append(i, k, v)
+            keys, values = cache.view(i, n, length)  # [n, kv_heads, length, d]
+            out = self._decode_attention(q, keys, values, bias)  # [n, heads * d]
+            x = x + layer.self_attn.o_proj(out[:, None, :])
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        cache.lengths[:n] += 1
+        return self.model.lm_head(self.inner.norm(x[:, 0]))
+
+    def _qkv(self, attn: Any, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        shape = (*h.shape[:2], -1, self.head_dim)  # [n, T, heads, d]
+        q = attn.q_proj(h).view(shape)
+        k = attn.k_proj(h).view(shape)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before rotary
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        v = attn.v_proj(h).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *cos_sin)
+        return q, k, v
+
+    def _decode_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          bias: torch.Tensor) -> torch.Tensor:
+        """q: [n, heads, 1, d]; keys, values: [n, kv_heads, L, d]; bias: [n, L] (0 or -inf)."""
+        n = q.shape[0]
+        group = self.heads // self.kv_heads
+        q = q.reshape(n, self.kv_heads, group, self.head_dim)  # query head j*group+g reads KV head j
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scaling  # [n, kv_heads, group, L]
+        probs = torch.softmax(scores + bias[:, None, None, :], dim=-1).to(values.dtype)
+        return torch.matmul(probs, values).reshape(n, self.heads * self.head_dim)

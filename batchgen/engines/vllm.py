@@ -62,6 +62,7 @@ class VLLMEngine:
         self.model_config = self.llm.llm_engine.model_config
         self.max_model_len = self.model_config.max_model_len
         self.rows_per_part = ROWS_PER_PART
+        self.top_k_off = self.vllm.SamplingParams().top_k  # "top-k off": 0 in recent vLLM, -1 in older ones
         log.info("vllm engine %s: %s in %s, max_model_len=%d", self.vllm.__version__, cfg.model,
                  self.model_config.dtype, self.max_model_len)
 
@@ -70,9 +71,10 @@ class VLLMEngine:
                 "dtype": str(self.model_config.dtype).removeprefix("torch.")}
 
     def close(self) -> None:
-        shutdown = getattr(self.llm.llm_engine, "shutdown", None)
-        if callable(shutdown):
-            shutdown()
+        """Stop vLLM's engine process now rather than at interpreter exit."""
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if core is not None and callable(getattr(core, "shutdown", None)):
+            core.shutdown()
         del self.llm
 
     def generate(self, requests: list[Request], on_result: Optional[Callable[[Result], None]] = None
@@ -93,7 +95,7 @@ class VLLMEngine:
         """One SamplingParams per sample: n=1 with the sample's own seed (None for greedy)."""
         p = req.params
         return self.vllm.SamplingParams(
-            n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else -1,
+            n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else self.top_k_off,
             max_tokens=p.max_new_tokens, stop=list(p.stop) or None, ignore_eos=p.ignore_eos, seed=req.seed,
             skip_special_tokens=True,
         )

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from batchgen.engines.kvcache import SlotKVCache
 
@@ -88,8 +89,6 @@ class LlamaStepper:
         return self.model.lm_head(self.inner.norm(x[:, 0]))
 
     def _qkv(self, attn: Any, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
         shape = (*h.shape[:2], -1, self.head_dim)  # [n, T, heads, d]
         q = attn.q_proj(h).view(shape)
         k = attn.k_proj(h).view(shape)

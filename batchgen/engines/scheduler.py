@@ -20,6 +20,7 @@ import torch
 from batchgen.records import Request, Result
 
 log = logging.getLogger(__name__)
+PAD_RATIO = 0.75  # a prefill group's shortest prompt is at least this fraction of its longest
 
 
 @dataclass(slots=True)
@@ -64,7 +65,7 @@ class Scheduler:
         while waiting or live:
             admitted = self._admit(waiting, requests, len(live), cache.slots)
             if admitted:
-                logits = self._prefill(cache, len(live), admitted)
+                logits = self._prefill_groups(cache, len(live), admitted)
                 live += admitted
                 self._advance(logits, live[len(live) - len(admitted):], len(live) - len(admitted), cache, live,
                               finish)
@@ -88,6 +89,18 @@ class Scheduler:
             index = waiting.popleft()
             admitted.append(Sequence(index, req, self.engine.generator(req)))
         return admitted
+
+    def _prefill_groups(self, cache: Any, first_slot: int, admitted: list[Sequence]) -> torch.Tensor:
+        """Prefill admitted rows (longest first) in groups of similar length, so padding stays under ~25%."""
+        logits, start = [], 0
+        while start < len(admitted):
+            width = len(admitted[start].request.prompt_ids)
+            end = start + 1
+            while end < len(admitted) and len(admitted[end].request.prompt_ids) >= PAD_RATIO * width:
+                end += 1
+            logits.append(self._prefill(cache, first_slot + start, admitted[start:end]))
+            start = end
+        return torch.cat(logits)
 
     def _prefill(self, cache: Any, first_slot: int, admitted: list[Sequence]) -> torch.Tensor:
         """Prefill a bucket; on out-of-memory halve the token budget and prefill it in halves."""

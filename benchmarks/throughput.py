@@ -1,0 +1,348 @@
+"""Throughput of batchgen's hf engine against HF generate, transformers continuous batching and vLLM (CPU).
+
+    python benchmarks/throughput.py            # full: ~100M-param Llama, 64 rows (see README for the table)
+    python benchmarks/throughput.py --quick    # tiny model, small workload, B1 and E only (the test suite's guard)
+
+Every runner is its own subprocess; runners are interleaved (B0 B1 B2 B3 E, repeated) and medians
+reported. Workload (seeded): prompt lengths log-normal around 100 tokens, capped at 1024; output
+lengths uniform in [16, 256] per row through a max_new_tokens column; EOS ignored (as `vllm bench
+throughput` does). Useful tokens = the per-row caps, summed. Model load is timed separately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+ROOT = Path(__file__).resolve().parent.parent
+RUNNERS = ("B0", "B1", "B2", "B3", "E")
+WORDS = ("the river town market opened closed with many people after rain sun night lamp bread clock train "
+         "harbour music quiet loud green blue small large old new fast slow city field stone road").split()
+
+
+# -- setup (parent process) -----------------------------------------------------------------------
+
+def build(workdir: Path, *, size: str, rows: int, seed: int) -> tuple[Path, Path]:
+    """The benchmark model and the workload Parquet (prompts + per-row max_new_tokens), cached in workdir."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    from batchgen.toymodel import build_model
+
+    model = workdir / f"model-{size}"
+    if not (model / "config.json").exists():
+        rng = random.Random(seed)
+        texts = [" ".join(rng.choice(WORDS) for _ in range(200)) for _ in range(200)]
+        build_model(model, texts, size=size, max_position_embeddings=2048)
+    data = workdir / f"workload-{size}-{rows}-{seed}.parquet"
+    if not data.exists():
+        tok = AutoTokenizer.from_pretrained(model)
+        rng = random.Random(seed)
+        prompts, caps = [], []
+        for _ in range(rows):
+            target = min(1024, max(4, int(rng.lognormvariate(4.6, 0.6))))  # median e^4.6 ~ 100 tokens
+            words = [rng.choice(WORDS) for _ in range(target)]
+            while len(tok(" ".join(words)).input_ids) > target:
+                words.pop()
+            prompts.append(" ".join(words))
+            caps.append(rng.randint(16, 256))
+        pq.write_table(pa.table({"prompt": prompts, "max_new_tokens": caps}), data)
+    return model, data
+
+
+def calibrate(dtype_name: str) -> dict:
+    """GEMM FLOP/s in the engine's dtype and read bandwidth, measured now, on this machine."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    a, b = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
+    a @ b
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    flops = 10 * 2 * 1024**3 / (time.perf_counter() - t)
+    big = torch.ones(128 * 1024 * 1024 // 4, dtype=torch.float32)  # 512 MiB
+    big.sum()
+    t = time.perf_counter()
+    for _ in range(5):
+        big.sum()
+    bandwidth = 5 * big.numel() * 4 / (time.perf_counter() - t)
+    return {"gemm_flops": flops, "read_bytes_per_s": bandwidth}
+
+
+# -- runners (child processes) --------------------------------------------------------------------
+
+def load_workload(data: Path, model: Path) -> tuple[list[list[int]], list[int]]:
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    table = pq.read_table(data)
+    tok = AutoTokenizer.from_pretrained(model)
+    return tok(table.column("prompt").to_pylist()).input_ids, table.column("max_new_tokens").to_pylist()
+
+
+def load_hf(model: Path, dtype: str, **kwargs):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    t = time.perf_counter()
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype), **kwargs).eval()
+    m.generation_config.eos_token_id = None  # ignore EOS: every row runs to its cap
+    return m, time.perf_counter() - t
+
+
+def run_b0(model: Path, data: Path, dtype: str, subset: int) -> dict:
+    """HF generate, one row at a time (on the first `subset` rows: the rate is what compares)."""
+    import torch
+
+    ids, caps = load_workload(data, model)
+    m, load_s = load_hf(model, dtype)
+    useful = 0
+    t = time.perf_counter()
+    with torch.inference_mode():
+        for p, cap in list(zip(ids, caps))[:subset]:
+            m.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=cap,
+                       min_new_tokens=cap, do_sample=False)
+            useful += cap
+    return {"useful_tokens": useful, "gen_s": time.perf_counter() - t, "load_s": load_s, "row_steps": useful}
+
+
+def run_b1(model: Path, data: Path, dtype: str, batch: int = 16) -> dict:
+    """HF generate, fixed batches of 16 in input order (left-padded, each batch runs to its longest cap)."""
+    import torch
+
+    ids, caps = load_workload(data, model)
+    m, load_s = load_hf(model, dtype)
+    pad = m.config.pad_token_id or 0
+    row_steps = 0
+    t = time.perf_counter()
+    with torch.inference_mode():
+        for start in range(0, len(ids), batch):
+            chunk, chunk_caps = ids[start:start + batch], caps[start:start + batch]
+            width = max(len(p) for p in chunk)
+            x = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            m.generate(x, attention_mask=mask, max_new_tokens=max(chunk_caps), min_new_tokens=max(chunk_caps),
+                       do_sample=False, pad_token_id=pad)
+            row_steps += len(chunk) * max(chunk_caps)
+    return {"useful_tokens": sum(caps), "gen_s": time.perf_counter() - t, "load_s": load_s, "row_steps": row_steps}
+
+
+def run_b2(model: Path, data: Path, dtype: str) -> dict:
+    """transformers continuous batching (paged attention), per-row max_new_tokens."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    ids, caps = load_workload(data, model)
+    m, load_s = load_hf(model, dtype, attn_implementation="paged|sdpa")
+    gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max(caps), eos_token_id=None)
+    cb_cfg = ContinuousBatchingConfig(max_batch_tokens=512, page_size=64)
+    t = time.perf_counter()
+    done = 0
+    with m.continuous_batching_context_manager(generation_config=gen_cfg, continuous_batching_config=cb_cfg,
+                                               block=True, timeout=5) as manager:
+        for i, (p, cap) in enumerate(zip(ids, caps)):
+            manager.add_request(p, request_id=str(i), max_new_tokens=cap)
+        while done < len(ids):
+            result = manager.get_result(timeout=60)
+            if result is None:
+                raise RuntimeError("continuous batching stalled")
+            done += result.is_finished()
+    return {"useful_tokens": sum(caps), "gen_s": time.perf_counter() - t, "load_s": load_s, "row_steps": sum(caps)}
+
+
+def run_b3(model: Path, data: Path, dtype: str) -> dict:
+    """vLLM (CPU build), offline LLM.generate on token ids, per-row max_tokens, ignore_eos."""
+    from vllm import LLM, SamplingParams
+
+    ids, caps = load_workload(data, model)
+    t = time.perf_counter()
+    llm = LLM(model=str(model), dtype=dtype, max_model_len=2048, seed=0)
+    load_s = time.perf_counter() - t
+    params = [SamplingParams(temperature=0.0, max_tokens=c, ignore_eos=True) for c in caps]
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    gen_s = time.perf_counter() - t
+    useful = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"useful_tokens": useful, "gen_s": gen_s, "load_s": load_s, "row_steps": useful}
+
+
+def run_engine(model: Path, data: Path, dtype: str) -> dict:
+    """batchgen's hf engine alone (no reader, no committer): the baseline for job overhead."""
+    from transformers import AutoTokenizer
+
+    from batchgen.engines.base import EngineConfig
+    from batchgen.engines.hf import HFEngine
+    from batchgen.records import Request
+    from batchgen.sampling import SampleParams
+
+    ids, caps = load_workload(data, model)
+    t = time.perf_counter()
+    engine = HFEngine(EngineConfig(model=str(model), dtype=dtype), AutoTokenizer.from_pretrained(model))
+    load_s = time.perf_counter() - t
+    reqs = [Request(key=i, prompt_ids=p, seed=None, params=SampleParams(max_new_tokens=c, temperature=0.0, top_p=1.0,
+                    top_k=0, stop=(), ignore_eos=True)) for i, (p, c) in enumerate(zip(ids, caps))]
+    t = time.perf_counter()
+    results = engine.generate(reqs)
+    gen_s = time.perf_counter() - t
+    s = engine.stats
+    return {"useful_tokens": sum(r.num_generated_tokens for r in results), "gen_s": gen_s, "load_s": load_s,
+            "row_steps": s.decode_row_steps + s.prefill_rows, "prefill_tokens": s.prefill_tokens}
+
+
+def run_e(model: Path, data: Path, dtype: str, out: Path, rows: int) -> dict:
+    """A real batchgen job: Parquet in, Parquet out, through the CLI."""
+    import shutil
+
+    import pyarrow.dataset as ds
+
+    shutil.rmtree(out, ignore_errors=True)
+    args = [sys.executable, "-m", "batchgen", "name=bench", f"output_dir={out}", f"dataset.path={data}",
+            "dataset.max_new_tokens_column=max_new_tokens", "sampling.max_new_tokens=256", "sampling.ignore_eos=true",
+            f"engine.model={model}", f"engine.dtype={dtype}", f"run.rows_per_part={rows}", "run.progress=false"]
+    t = time.perf_counter()
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-2000:])
+    line = next(x for x in proc.stdout.splitlines() if "this run:" in x)
+    job_s = float(line.split(" in ")[1].split("s")[0])  # the job's own wall time, model load included
+    load_s = float(line.split("model load ")[1].split("s")[0])  # start-up: imports, tokenizer, checks, model
+    useful = sum(ds.dataset(str(out)).to_table(columns=["num_generated_tokens"]).column(0).to_pylist())
+    return {"useful_tokens": useful, "gen_s": job_s - load_s, "load_s": load_s, "process_s": wall}
+
+
+def child(args: argparse.Namespace) -> None:
+    model, data, dtype = Path(args.model), Path(args.data), args.dtype
+    runner = {"B0": lambda: run_b0(model, data, dtype, args.b0_rows), "B1": lambda: run_b1(model, data, dtype),
+              "B2": lambda: run_b2(model, data, dtype), "B3": lambda: run_b3(model, data, dtype),
+              "ENG": lambda: run_engine(model, data, dtype),
+              "E": lambda: run_e(model, data, dtype, Path(args.workdir) / "e-out", args.rows)}[args.run]
+    print("RESULT " + json.dumps(runner()))
+
+
+# -- orchestration --------------------------------------------------------------------------------
+
+def spawn(name: str, args: argparse.Namespace, model: Path, data: Path, python: str) -> dict:
+    cmd = [python, __file__, "--run", name, "--model", str(model), "--data", str(data), "--dtype", args.dtype,
+           "--workdir", str(args.workdir), "--rows", str(args.rows), "--b0-rows", str(args.b0_rows)]
+    env = os.environ | {"OMP_WAIT_POLICY": "PASSIVE", "VLLM_CPU_KVCACHE_SPACE": "2",
+                        "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=3600)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1][:200] if (proc.stderr or proc.stdout)
+                else f"exit {proc.returncode}"}
+    return json.loads(line[len("RESULT "):])
+
+
+def summarize(samples: list[dict]) -> dict:
+    ok = [s for s in samples if "error" not in s]
+    if not ok:
+        return {"error": samples[0]["error"]}
+    out = {k: statistics.median(s[k] for s in ok) for k in ok[0] if isinstance(ok[0][k], (int, float))}
+    out["tok_s"] = statistics.median(s["useful_tokens"] / s["gen_s"] for s in ok)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny model, 24 rows, B1 and E only")
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--runners", default=",".join(RUNNERS))
+    parser.add_argument("--b0-rows", type=int, default=8, help="B0 runs on the first rows only (its rate compares)")
+    parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    parser.add_argument("--dtype", default=None, help="default: what engine.dtype=auto picks on this machine")
+    parser.add_argument("--workdir", type=Path, default=ROOT / ".bench")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="also write the medians here")
+    parser.add_argument("--run", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.dtype is None:
+        import torch
+
+        from batchgen.engines.hf import resolve_dtype
+
+        args.dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+    if args.run:
+        child(args)
+        return
+    if args.quick:
+        args.rows, args.runners, args.repeats = min(args.rows, 48), "B1,E", 2
+    size = "tiny" if args.quick else "bench"
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    model, data = build(args.workdir, size=size, rows=args.rows, seed=args.seed)
+    report(args, model, data, size)
+
+
+def report(args: argparse.Namespace, model: Path, data: Path, size: str) -> None:
+    runners = [r for r in args.runners.split(",") if r]
+    calib = calibrate(args.dtype)
+    has_vllm = Path(args.vllm_python).exists()
+    extra = [] if args.quick else ["ENG"]  # the engine alone, for job overhead and efficiency
+    samples: dict[str, list[dict]] = {r: [] for r in runners + extra}
+    for _ in range(args.repeats):
+        for name in runners + extra:
+            if name == "B3" and not has_vllm:
+                samples[name].append({"error": f"no vLLM environment at {Path(args.vllm_python).parent.parent.name}/ "
+                                               "(make vllm-venv)"})
+                continue
+            python = args.vllm_python if name == "B3" else sys.executable
+            samples[name].append(spawn(name, args, model, data, python))
+            print(f"  {name}: {samples[name][-1]}", file=sys.stderr, flush=True)
+    med = {name: summarize(s) for name, s in samples.items()}
+    print_table(args, med, calib, model, size)
+    if args.json:
+        args.json.write_text(json.dumps({"medians": med, "calibration": calib}, indent=2))
+
+
+def print_table(args: argparse.Namespace, med: dict, calib: dict, model: Path, size: str) -> None:
+    import json as _json
+
+    cfg = _json.loads((model / "config.json").read_text())
+    params = _count_params(cfg)
+    print(f"\nmodel: random-weight Llama '{size}' ({params / 1e6:.0f}M params), dtype {args.dtype}, "
+          f"{args.rows} rows, {args.repeats} repeats (medians), {os.cpu_count()} CPUs")
+    print(f"calibration: GEMM {calib['gemm_flops'] / 1e9:.0f} GFLOP/s ({args.dtype}), read bandwidth "
+          f"{calib['read_bytes_per_s'] / 1e9:.1f} GB/s")
+    print(f"{'run':<4} {'useful tok/s':>12} {'E/run':>7} {'efficiency':>10} {'load s':>7}")
+    e = med.get("E", {})
+    for name in [n for n in RUNNERS if n in med]:
+        m = med[name]
+        if "error" in m:
+            print(f"{name:<4} {'n/a':>12} {'n/a':>7} {'':>10} {'':>7}  ({m['error']})")
+            continue
+        ratio = e["tok_s"] / m["tok_s"] if "tok_s" in e else float("nan")
+        ref = m if "row_steps" in m else med.get("ENG", {})
+        eff = f"{100 * ref['useful_tokens'] / ref['row_steps']:>9.1f}%" if "row_steps" in ref else f"{'':>10}"
+        print(f"{name:<4} {m['tok_s']:>12.1f} {ratio:>7.2f} {eff} {m['load_s']:>7.1f}")
+    if "tok_s" in e and "tok_s" in med.get("ENG", {}):
+        eng = med["ENG"]
+        overhead = e["gen_s"] / eng["gen_s"] - 1
+        print(f"job overhead: job {e['gen_s']:.1f}s vs engine alone {eng['gen_s']:.1f}s (model load excluded): "
+              f"{100 * overhead:+.1f}%")
+        flops = 2 * params * (eng["prefill_tokens"] + eng["useful_tokens"]) / eng["gen_s"]
+        print(f"roofline: E computes {flops / 1e9:.1f} GFLOP/s of weight matmuls = "
+              f"{100 * flops / calib['gemm_flops']:.0f}% of measured GEMM peak")
+
+
+def _count_params(cfg: dict) -> int:
+    h, i, L, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
+    return L * (2 * h * h + 2 * h * kv + 3 * h * i) + 2 * v * h
+
+
+if __name__ == "__main__":
+    main()

@@ -60,11 +60,20 @@ def _hydra_main(cfg: DictConfig) -> None:
     except StopRequested as exc:
         print(f"batchgen: {exc}; committed parts and journaled results are kept, rerun the same command to resume",
               file=sys.stderr)
-        sys.exit(exc.exit_code)
+        _exit_now(exc.exit_code)
     except KeyboardInterrupt:
         print("batchgen: interrupted; committed parts are kept, rerun the same command to resume", file=sys.stderr)
         sys.exit(130)
     print(summary.render())
+
+
+def _exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown (about 3 s with torch loaded, measured on 2 CPU cores): on a stop
+    everything durable is already on disk (journal fsynced, status written, lock released)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main() -> None:

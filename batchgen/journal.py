@@ -47,13 +47,15 @@ def journal_key(*, part: int, first_row: int, ids: list[str], config_hash: str, 
             "config_hash": config_hash, "n": n}
 
 
-def crash_window(where: str) -> None:
-    """Test hook for the kill harness: when BATCHGEN_TEST_CRASH_WINDOW_S is set, sleep that long at the
-    points a crash must survive, so that random kills land in them often. Never set it in production."""
+def crash_window(where: str, *, per_part: bool = True) -> None:
+    """Test hook for the kill harness: when BATCHGEN_TEST_CRASH_WINDOW_S is set, sleep at the points a crash
+    must survive, so that random kills land in them often: that long inside each journal frame, ten times
+    that at the once-per-part points (a part under its temp name, a committed part's journal not yet
+    removed). Never set it in production."""
     delay = os.environ.get(CRASH_WINDOW_ENV)
     if delay:
         log.debug("crash-test window: %s", where)
-        time.sleep(float(delay))
+        time.sleep(float(delay) * (10 if per_part else 1))
 
 
 def encode_frame(obj: Any) -> bytes:
@@ -118,7 +120,7 @@ class Journal:
         frame = encode_frame(asdict(result))
         if os.environ.get(CRASH_WINDOW_ENV):  # test hook: a kill in the window leaves a torn frame
             os.write(self.fd, frame[: len(frame) // 2])
-            crash_window("journal frame half written")
+            crash_window("journal frame half written", per_part=False)
             os.write(self.fd, frame[len(frame) // 2:])
         else:
             os.write(self.fd, frame)

@@ -60,8 +60,9 @@ class Summary:
         if self.reused_samples:
             lines.append(f"  resumed: {self.reused_samples} samples reused from part journals")
         if self.state != "already_done":
-            lines.append(f"  this run: {self.generated_tokens} generated tokens in {self.wall_s:.1f}s (start-up and model "
-                         f"load {self.load_s:.1f}s), {self.generated_tokens / gen_s:.1f} generated tok/s after load")
+            lines.append(f"  this run: {self.generated_tokens} generated tokens in {self.wall_s:.1f}s (start-up and "
+                         f"model load {self.load_s:.1f}s), {self.generated_tokens / gen_s:.1f} generated tok/s after "
+                         f"load")
         return "\n".join(lines)
 
 

@@ -1,0 +1,106 @@
+"""Crash safety end to end: random SIGKILLs (the kill harness), SIGTERM / SIGINT stops, write failures."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from batchgen import committer as committer_module
+from batchgen.committer import OutputWriteError
+from batchgen.journal import read_journal
+from batchgen.runner import run_job
+from tests.conftest import REPO, compose_job, corpus, job_overrides, read_output, write_parquet
+
+KILLS = int(os.environ.get("BATCHGEN_KILLS", "5"))  # BATCHGEN_KILLS=20 pytest tests/test_crash.py -k random
+
+
+def load_harness():
+    spec = importlib.util.spec_from_file_location("kill_harness", REPO / "scripts" / "kill_harness.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kill_harness"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_random_kills_never_lose_duplicate_or_tear_a_row(tiny_model, tmp_path, capsys):
+    harness = load_harness()
+    report = harness.run_harness(KILLS, work=tmp_path, model=tiny_model, rows=30, seed=7)
+    with capsys.disabled():
+        print("\n" + report.render())
+    assert report.kills >= KILLS and report.rows_checked >= 30
+
+
+def journaled_samples(out) -> int:
+    return sum(len(read_journal(p)[1]) for p in out.glob("_part-*.journal"))
+
+
+def wait_for_journal(out, proc, at_least: int, timeout: float = 240.0) -> None:
+    deadline = time.time() + timeout
+    while not (list(out.glob("_part-*.journal")) and journaled_samples(out) >= at_least):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline, "no journal appeared"
+        time.sleep(0.02)
+
+
+def test_sigterm_and_sigint_stop_within_10s_with_finished_rows_journaled(tiny_model, tmp_path):
+    """Each signal lands mid-part: the job exits within 10 s (143 / 130), the status says stopped and counts
+    what the journal holds, and the resumed job reuses all of it and equals an uninterrupted run."""
+    data = write_parquet(tmp_path / "in.parquet", [{"prompt": t} for t in corpus(16, seed=3)])
+    out = tmp_path / "out"
+    args = job_overrides(tiny_model, data, out, "run.rows_per_part=8", "sampling.max_new_tokens=48",
+                         "sampling.ignore_eos=true", "engine.max_batch_size=1", "engine.threads=1")
+    journaled = 0
+    for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+        proc = subprocess.Popen([sys.executable, "-m", "batchgen", *args], cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        wait_for_journal(out, proc, journaled + 2)
+        sent = time.monotonic()
+        os.kill(proc.pid, sig)
+        proc.wait(timeout=10)
+        waited = time.monotonic() - sent
+        assert proc.returncode == code, proc.stderr[-3000:]
+        assert waited < 10 and "rerun the same command to resume" in proc.stderr.read()
+        status = json.loads((out / "_status.json").read_text())
+        journaled = journaled_samples(out)
+        assert status["state"] == "stopped" and status["pid"] == proc.pid
+        assert status["current_part"]["samples_journaled"] == journaled > 0
+        assert not (out / "part-00001.parquet").exists()
+        print(f"{signal.Signals(sig).name}: exit {proc.returncode} {waited:.2f}s after the signal, "
+              f"{journaled} samples journaled")
+    cfg = compose_job(args)
+    summary = run_job(cfg)
+    assert summary.state == "done" and summary.reused_samples == journaled
+    run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "clean", *args[7:])))
+    assert read_output(out).equals(read_output(tmp_path / "clean"))
+
+
+def test_a_write_failure_stops_the_job_and_keeps_committed_parts(tiny_model, tmp_path, monkeypatch):
+    data = write_parquet(tmp_path / "in.parquet", [{"prompt": t} for t in corpus(12, seed=5)])
+    out = tmp_path / "out"
+    cfg = compose_job(job_overrides(tiny_model, data, out, "run.rows_per_part=4", "sampling.max_new_tokens=3"))
+    real_write = committer_module.pq.write_table
+    calls = {"n": 0}
+
+    def full_disk(table, where, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second part's write hits a full disk
+            raise OSError(28, "No space left on device")
+        return real_write(table, where, **kwargs)
+
+    monkeypatch.setattr(committer_module.pq, "write_table", full_disk)
+    with pytest.raises(OutputWriteError, match=r"part-00001.parquet: No space left on device.*rerun the same"):
+        run_job(cfg)
+    assert [p.name for p in out.glob("part-*")] == ["part-00000.parquet"]
+    assert read_output(out).num_rows == 4 and not list(out.glob(".part-*"))
+    assert json.loads((out / "_status.json").read_text())["state"] == "failed"
+    monkeypatch.setattr(committer_module.pq, "write_table", real_write)
+    assert run_job(cfg).state == "done" and read_output(out).num_rows == 12
+

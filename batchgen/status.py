@@ -1,4 +1,5 @@
-"""`batchgen status OUTPUT_DIR`: a run's progress, errors and lock holder, read from the files on disk."""
+"""`batchgen status OUTPUT_DIR`: a run's progress, errors, journaled work in flight and lock holder, read
+from the files on disk (so it tells a killed run's state as well as a live one's)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from pathlib import Path
 
 from batchgen.committer import SUCCESS
+from batchgen.journal import JOURNAL_RE, read_journal
 from batchgen.lock import OutputLock
 
 
@@ -23,10 +25,13 @@ def describe(output_dir: Path) -> str:
         lines.append(f"  {path.name}: {s.get('state')}: rows {s['rows_done']}/{total if total else '?'}{pct}, "
                      f"error rows {s.get('rows_failed', 0)} ({errors}), {s.get('generated_tokens', 0)} generated "
                      f"tokens, {s.get('tokens_per_s', 0)} tok/s{eta}, updated {s.get('updated_at')}")
+        if s.get("duplicate_ids"):
+            lines.append(f"    duplicate ids: {s['duplicate_ids']} rows repeat an earlier row's id")
         if s.get("error"):
             lines.append(f"    last error: {s['error']}")
     parts = sorted(output_dir.glob("part-*.parquet"))
     lines.append(f"  committed parts: {len(parts)}")
+    lines += _journals(output_dir)
     held = False
     for lock_path in sorted(output_dir.glob("_lock*")):
         if lock_path.name.endswith(".holder.json"):
@@ -40,6 +45,21 @@ def describe(output_dir: Path) -> str:
     if not held:
         lines.append("  no run holds the lock")
     return "\n".join(lines)
+
+
+def _journals(output_dir: Path) -> list[str]:
+    """One line per part in flight: samples journaled (kept by a resume) and any torn tail (dropped by it)."""
+    lines = []
+    for path in sorted(p for p in output_dir.iterdir() if JOURNAL_RE.match(p.name)):
+        try:
+            key, results, torn = read_journal(path)
+        except OSError:
+            continue  # removed while we looked: the part was just committed
+        planned = f" of {key['rows'] * key['n']}" if key else ""
+        tail = f", torn tail of {torn} bytes (dropped on resume)" if torn else ""
+        lines.append(f"  part {JOURNAL_RE.match(path.name).group(1)} in flight: {len(results)}{planned} samples "
+                     f"journaled{tail}")
+    return lines
 
 
 def main(argv: list[str]) -> int:

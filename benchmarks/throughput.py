@@ -240,8 +240,9 @@ def spawn(name: str, args: argparse.Namespace, model: Path, data: Path, python: 
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=3600)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
-        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1][:200] if (proc.stderr or proc.stdout)
-                else f"exit {proc.returncode}"}
+        lines = (proc.stderr + proc.stdout).strip().splitlines()
+        errors = [x for x in lines if "Error" in x or "error" in x] or lines or [f"exit {proc.returncode}"]
+        return {"error": errors[-1].strip()[-200:]}
     return json.loads(line[len("RESULT "):])
 
 
@@ -259,7 +260,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny model, 24 rows, B1 and E only")
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--runners", default=",".join(RUNNERS))
+    parser.add_argument("--runners", default=None, help=f"comma-separated subset of {','.join(RUNNERS)}")
     parser.add_argument("--b0-rows", type=int, default=8, help="B0 runs on the first rows only (its rate compares)")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     parser.add_argument("--dtype", default=None, help="default: what engine.dtype=auto picks on this machine")
@@ -280,7 +281,9 @@ def main() -> None:
         child(args)
         return
     if args.quick:
-        args.rows, args.runners, args.repeats = min(args.rows, 48), "B1,E", 2
+        args.rows, args.repeats = min(args.rows, 48), 2
+        args.runners = args.runners or "B1,E"
+    args.runners = args.runners or ",".join(RUNNERS)
     size = "tiny" if args.quick else "bench"
     args.workdir.mkdir(parents=True, exist_ok=True)
     model, data = build(args.workdir, size=size, rows=args.rows, seed=args.seed)

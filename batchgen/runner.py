@@ -72,7 +72,7 @@ def run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]] = None) -> Summar
     1. open the input and load the tokenizer; check columns and chat template (before any model loads)
     2. lock output_dir and check or write the manifest (refuse a mismatched resume)
     3. stop here if the job is already complete
-    4. load the engine
+    4. write the first status, load the engine
     5. for each of this shard's uncommitted parts: plan, reuse its journal, generate the rest (journaling each
        result), assemble, commit, drop the journal, report
     6. write _SUCCESS once every part exists, and the summary
@@ -99,39 +99,39 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
             summary = Summary(output_dir, "already_done", _totals(committer))
             log.info("%s is already complete; nothing to do", output_dir)
             return summary
-        engine = build_engine(cfg.engine, tokenizer)
-        summary = Summary(output_dir, "partial", load_s=time.perf_counter() - started)
+        summary = Summary(output_dir, "partial", _totals(committer))
+        planner = Planner(cfg, reader, renderer, tokenizer)
+        progress = Progress(cfg, committer, reader.count_rows(), summary.totals, stop)
         try:
-            _generate_parts(cfg, Planner(cfg, reader, renderer, tokenizer), engine, committer, summary, stop)
-        finally:
-            engine.close()
+            engine = build_engine(cfg.engine, tokenizer)
+            summary.load_s = time.perf_counter() - started
+            try:
+                _generate_parts(cfg, planner, engine, committer, summary, progress)
+            finally:
+                engine.close()
+        except BaseException as exc:
+            summary.state = "failed" if isinstance(exc, Exception) else "stopped"
+            progress.duplicate_ids = planner.duplicate_ids
+            progress.close(summary.state, None, error=str(exc))
+            raise
         summary.wall_s = time.perf_counter() - started
         return summary
 
 
 def _generate_parts(cfg: JobConfig, planner: Planner, engine: Any, committer: Committer, summary: Summary,
-                    stop: GracefulStop) -> None:
-    done = committer.committed()
-    summary.totals = _totals(committer)
-    progress = Progress(cfg, committer, planner.reader.count_rows(), summary.totals, stop)
-    try:
-        for part in planner.parts(skip=done):
-            stats, generated = _generate_part(cfg, planner, part, engine, committer, progress, summary)
-            summary.totals.add(stats)
-            summary.generated_tokens += generated
-            progress.update(stats, generated)
-            _check_error_rate(cfg, summary.totals)
-        summary.duplicate_ids = progress.duplicate_ids = planner.duplicate_ids
-        if planner.total_rows == 0 and cfg.run.shard == 0:
-            committer.write_empty()
-        complete = committer.finish(max(planner.total_parts, 1 if planner.total_rows == 0 else 0))
-        summary.state = "done" if complete else "partial"
-        progress.close(summary.state, planner.total_rows)
-    except BaseException as exc:
-        summary.state = "failed" if isinstance(exc, Exception) else "stopped"
-        progress.duplicate_ids = planner.duplicate_ids
-        progress.close(summary.state, None, error=str(exc))
-        raise
+                    progress: Progress) -> None:
+    for part in planner.parts(skip=committer.committed()):
+        stats, generated = _generate_part(cfg, planner, part, engine, committer, progress, summary)
+        summary.totals.add(stats)
+        summary.generated_tokens += generated
+        progress.update(stats, generated)
+        _check_error_rate(cfg, summary.totals)
+    summary.duplicate_ids = progress.duplicate_ids = planner.duplicate_ids
+    if planner.total_rows == 0 and cfg.run.shard == 0:
+        committer.write_empty()
+    complete = committer.finish(max(planner.total_parts, 1 if planner.total_rows == 0 else 0))
+    summary.state = "done" if complete else "partial"
+    progress.close(summary.state, planner.total_rows)
 
 
 def _generate_part(cfg: JobConfig, planner: Planner, part: Part, engine: Any, committer: Committer,

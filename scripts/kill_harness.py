@@ -100,11 +100,12 @@ def start(args: list[str], window_s: float) -> subprocess.Popen:
 
 
 def wait_until_generating(proc: subprocess.Popen, out: Path, timeout: float = 300) -> bool:
-    """True once this process has written its first status (lock held, model loaded); False if it exited."""
+    """True once this process works on a part (its status names one); False if it exited first."""
     deadline = time.time() + timeout
     while proc.poll() is None and time.time() < deadline:
         try:
-            if json.loads((out / "_status.json").read_text()).get("pid") == proc.pid:
+            status = json.loads((out / "_status.json").read_text())
+            if status.get("pid") == proc.pid and status.get("current_part"):
                 return True
         except (OSError, ValueError):
             pass

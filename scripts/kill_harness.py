@@ -138,6 +138,16 @@ def inspect(out: Path, expected_ids: list[str], rows_per_part: int, n: int) -> l
     return seen or ["between parts or at start-up"]
 
 
+def progress_of(out: Path) -> tuple[int, int]:
+    """(parts committed, samples journaled): grows whenever a killed run got something done."""
+    from batchgen.journal import read_journal
+
+    if not out.exists():
+        return (0, 0)
+    journaled = sum(len(read_journal(p)[1]) for p in out.glob("_part-*.journal"))
+    return (len(list(out.glob("part-*.parquet"))), journaled)
+
+
 def check_final(out: Path, reference: pa.Table, expected_ids: list[str], n: int) -> None:
     got = read_output(out)
     pairs = list(zip(got.column("id").to_pylist(), got.column("sample_index").to_pylist()))
@@ -158,6 +168,8 @@ def run_harness(kills: int, *, work: Path, model: str | None = None, rows: int =
     parts = -(-rows // rows_per_part)
     gen_est = gen_s + window_s * (2 * rows + 20 * parts)  # generation with the crash windows (see crash_window)
     out = work / "run-1"
+    base_delay = max_delay = 2.0 * gen_est / kills
+    progress = progress_of(out)
     while True:
         args = overrides(model, data, out, rows_per_part, max_new_tokens)
         proc = start(args, window_s)
@@ -165,7 +177,7 @@ def run_harness(kills: int, *, work: Path, model: str | None = None, rows: int =
             if rng.random() < 0.15:
                 time.sleep(rng.uniform(0.0, 3.0))  # during start-up, before or while the lock is taken
             elif wait_until_generating(proc, out):
-                time.sleep(rng.uniform(0.0, 2.0 * gen_est / kills))
+                time.sleep(rng.uniform(0.0, max_delay))
         else:
             proc.wait(timeout=600)
         if proc.poll() is None:
@@ -174,6 +186,9 @@ def run_harness(kills: int, *, work: Path, model: str | None = None, rows: int =
             report.kills += 1
             landed = inspect(out, expected_ids, rows_per_part, 2)
             report.landed.update(landed)
+            now = progress_of(out)  # no progress since the last kill: allow longer runs, so the job cannot livelock
+            max_delay = base_delay if now > progress else max_delay * 1.5
+            progress = max(progress, now)
             log(f"kill {report.kills}: {', '.join(landed)}; {len(list(out.glob('part-*.parquet')))} parts committed")
             continue
         err = proc.stderr.read().decode() if proc.stderr else ""
@@ -185,6 +200,7 @@ def run_harness(kills: int, *, work: Path, model: str | None = None, rows: int =
             break
         report.rounds += 1  # finished before its kill: go on in a fresh output_dir
         out = work / f"run-{report.rounds}"
+        max_delay, progress = base_delay, (0, 0)
     report.wall_s = time.time() - t0
     return report
 

@@ -17,8 +17,9 @@ from batchgen.sampling import SamplingConfig
 ON_BAD_ROW = ("record", "fail")
 TOO_LONG = ("truncate_left", "skip", "fail")
 ROWS_PER_PART = {"hf": 256, "vllm": 1024}  # engine-dependent default commit unit
-QUANTIZATION = {"hf": (), "vllm": ("awq", "gptq", "fp8", "compressed-tensors", "bitsandbytes", "gguf", "awq_marlin",
-                                   "gptq_marlin", "experts_int8")}
+QUANTIZATION = {"hf": ("int8", "int4", "bnb-int8", "bnb-nf4"),  # per device and dtype: engines/quant.py
+                "vllm": ("awq", "gptq", "fp8", "compressed-tensors", "bitsandbytes", "gguf", "awq_marlin",
+                         "gptq_marlin", "experts_int8")}
 
 
 @dataclass
@@ -60,6 +61,10 @@ def validate(cfg: JobConfig) -> JobConfig:
             choices = ", ".join(allowed) if allowed else "none yet (leave it null)"
             problems.append(f"engine.quantization={cfg.engine.quantization!r} is not supported by "
                             f"engine={cfg.engine.name}; choices: {choices}")
+        elif cfg.engine.name == "hf" and cfg.engine.quantization is not None:
+            from batchgen.engines import quant  # imports torch: only when a scheme is asked for
+
+            problems += quant.check(cfg.engine.quantization, cfg.engine.device, cfg.engine.dtype)
     problems += cfg.engine.problems() + cfg.dataset.problems() + cfg.sampling.problems() + _run_problems(cfg.run)
     if problems:
         raise ConfigError(problems)

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from batchgen.engines import quant
 from batchgen.engines.base import EngineConfig
 from batchgen.engines.llama_step import LlamaStepper, supports
 from batchgen.engines.scheduler import Scheduler, SchedulerStats
@@ -57,17 +58,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class HFEngine:
     def __init__(self, cfg: EngineConfig, tokenizer: Any):
-        from transformers import AutoModelForCausalLM
-
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
-        self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.dtype = quant.compute_dtype(cfg.quantization, self.device, resolve_dtype(cfg.dtype, self.device))
         self.tokenizer = tokenizer
-        self.model = AutoModelForCausalLM.from_pretrained(
-            cfg.model, dtype=self.dtype, trust_remote_code=cfg.trust_remote_code
-        ).to(self.device).eval()
+        self.model = quant.load_model(cfg.model, scheme_name=cfg.quantization, device=self.device, dtype=self.dtype,
+                                      trust_remote_code=cfg.trust_remote_code)  # from_pretrained, then quantized
         budget, size, part = DEFAULTS["cuda" if self.device.type == "cuda" else "cpu"]
         self.max_batch_tokens = cfg.max_batch_tokens or budget
         self.max_batch_size = cfg.max_batch_size or size
@@ -83,7 +81,9 @@ class HFEngine:
                  cfg.model, self.device, self.dtype, self.max_batch_tokens, self.max_batch_size)
 
     def identity(self) -> dict[str, Any]:
-        return {"engine": "hf", "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch.")}
+        quantization = {"quantization": self.cfg.quantization} if self.cfg.quantization else {}
+        return {"engine": "hf", "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                **quantization}
 
     def close(self) -> None:
         del self.model

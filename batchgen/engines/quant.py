@@ -1,0 +1,269 @@
+"""Weight quantization for the hf engine: one handler per `engine.quantization` scheme.
+
+A scheme says which devices and compute dtypes it runs on, what `from_pretrained` needs to load it
+(bitsandbytes quantizes while loading) and how to convert an already loaded model (torch's and
+torchao's kernels convert after loading). The engine calls `check` while validating the config and
+`load_model` instead of `from_pretrained`. Optional libraries (torchao, bitsandbytes) are imported
+only by the scheme that needs them, behind an install hint. Knows modules and tensors; nothing about
+requests, batching or the scheduler.
+
+What runs where (measured on an AVX2-only CPU without fast bf16; see README "Quantization"):
+- int8, CPU: `torch.ao.quantization.quantize_dynamic` (int8 weights per channel, activations
+  quantized per batch, fbgemm kernels), float32 compute; torchao's int8 weight-only was slower here.
+- int8, CUDA: torchao `Int8WeightOnlyConfig`.
+- int4, CPU: torchao `PrototypeInt4WeightOnlyConfig` (group 128), bfloat16 compute (its kernel's dtype).
+- int4, CUDA: torchao `Int4WeightOnlyConfig` with the tinygemm tile-packed layout, bfloat16 compute.
+- bnb-int8, bnb-nf4: bitsandbytes through `BitsAndBytesConfig`, CUDA only.
+With int8 the input embedding table is stored as int8 rows with one scale per row (`Int8Embedding`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+INT4_GROUP = 128  # weights per int4 scale/zero pair
+TORCHAO_HINT = "pip install 'batchgen[quant]' (torchao)"
+BNB_HINT = "pip install 'batchgen[bnb]' (bitsandbytes, CUDA only)"
+
+
+@dataclass(frozen=True, slots=True)
+class Scheme:
+    """One value of `engine.quantization` for the hf engine."""
+
+    name: str
+    dtypes: dict[str, tuple[str, ...]]  # device type -> compute dtypes it runs in, preferred first
+    requires: str  # the optional package it imports (torchao, bitsandbytes) or "" for none
+    load_kwargs: Optional[Callable[[torch.dtype], dict[str, Any]]] = None  # extra from_pretrained kwargs
+    why_not: dict[str, str] = field(default_factory=dict)  # device type -> why it does not run there
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(self.dtypes)
+
+
+# -- int8 -------------------------------------------------------------------------------------------
+
+class Int8Embedding(nn.Module):
+    """An embedding table stored as int8 rows, each with its own scale; looks up, then dequantizes."""
+
+    def __init__(self, weight: torch.Tensor):  # weight: [V, H] float
+        super().__init__()
+        scale = weight.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127  # [V, 1]
+        self.register_buffer("qweight", torch.round(weight.float() / scale).to(torch.int8))
+        self.register_buffer("scale", scale.to(weight.dtype))
+        self.embedding_dim = weight.shape[1]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [...] -> [..., H]
+        return self.qweight[ids].to(self.scale.dtype) * self.scale[ids]
+
+
+def quantize_embeddings_int8(model: nn.Module) -> None:
+    embed = model.get_input_embeddings()
+    if isinstance(embed, nn.Embedding) and embed.weight is not getattr(model.get_output_embeddings(), "weight", None):
+        model.set_input_embeddings(Int8Embedding(embed.weight.data))
+
+
+def int8_cpu(model: nn.Module, device: torch.device) -> nn.Module:
+    """fbgemm dynamic int8 linears: int8 weights per output channel, activations quantized on the fly."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.ao.quantization is deprecated, still shipped
+        warnings.simplefilter("ignore", UserWarning)  # ... and says so for each quantized tensor it creates
+        torch.backends.quantized.engine = "x86" if "x86" in torch.backends.quantized.supported_engines else "fbgemm"
+        model = torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
+    quantize_embeddings_int8(model)
+    return model
+
+
+def int8_cuda(model: nn.Module, device: torch.device) -> nn.Module:
+    torchao = import_or_hint("torchao.quantization", TORCHAO_HINT, "engine.quantization=int8 on cuda")
+    torchao.quantize_(model, torchao.Int8WeightOnlyConfig())
+    quantize_embeddings_int8(model)
+    return model
+
+
+# -- int4 -------------------------------------------------------------------------------------------
+
+def int4_cpu(model: nn.Module, device: torch.device) -> nn.Module:
+    import_or_hint("torchao.quantization", TORCHAO_HINT, "engine.quantization=int4")
+    from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+    from torchao.quantization import quantize_
+
+    quantize_(model, PrototypeInt4WeightOnlyConfig(group_size=INT4_GROUP), filter_fn=_groupable)
+    return model
+
+
+def int4_cuda(model: nn.Module, device: torch.device) -> nn.Module:
+    torchao = import_or_hint("torchao.quantization", TORCHAO_HINT, "engine.quantization=int4")
+    from torchao.quantization.quantize_.workflows import Int4PackingFormat
+
+    config = torchao.Int4WeightOnlyConfig(group_size=INT4_GROUP,
+                                          int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D)
+    torchao.quantize_(model, config, filter_fn=_groupable)
+    return model
+
+
+def _groupable(module: nn.Module, fqn: str) -> bool:
+    return isinstance(module, nn.Linear) and module.in_features % INT4_GROUP == 0
+
+
+# -- bitsandbytes (quantized while loading) ---------------------------------------------------------
+
+def bnb_kwargs(kind: str) -> Callable[[torch.dtype], dict[str, Any]]:
+    def kwargs(dtype: torch.dtype) -> dict[str, Any]:
+        import_or_hint("bitsandbytes", BNB_HINT, f"engine.quantization=bnb-{kind}")
+        from transformers import BitsAndBytesConfig
+
+        if kind == "int8":
+            return {"quantization_config": BitsAndBytesConfig(load_in_8bit=True)}
+        return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                          bnb_4bit_compute_dtype=dtype)}
+    return kwargs
+
+
+CUDA_ONLY = "bitsandbytes' kernels need CUDA"
+SCHEMES: dict[str, Scheme] = {
+    "int8": Scheme("int8", {"cpu": ("float32",), "cuda": ("bfloat16", "float16")}, requires=""),
+    "int4": Scheme("int4", {"cpu": ("bfloat16",), "cuda": ("bfloat16",)}, requires="torchao"),
+    "bnb-int8": Scheme("bnb-int8", {"cuda": ("bfloat16", "float16", "float32")}, requires="bitsandbytes",
+                       load_kwargs=bnb_kwargs("int8"), why_not={"cpu": CUDA_ONLY}),
+    "bnb-nf4": Scheme("bnb-nf4", {"cuda": ("bfloat16", "float16", "float32")}, requires="bitsandbytes",
+                      load_kwargs=bnb_kwargs("nf4"), why_not={"cpu": CUDA_ONLY}),
+}
+CONVERTERS = {("int8", "cpu"): int8_cpu, ("int8", "cuda"): int8_cuda,
+              ("int4", "cpu"): int4_cpu, ("int4", "cuda"): int4_cuda}
+
+
+# -- what the config and the engine call ------------------------------------------------------------
+
+def check(scheme_name: Optional[str], device: str, dtype: str) -> list[str]:
+    """Config problems of `engine.quantization` with `engine.device` and `engine.dtype`, before any load."""
+    if scheme_name is None:
+        return []
+    scheme = SCHEMES[scheme_name]
+    kind = device_type(device)
+    if kind not in scheme.dtypes:
+        reason = scheme.why_not.get(kind, f"no {scheme_name} kernels for {kind}")
+        where = f"engine.device={device}" + (f" (resolves to {kind}: no CUDA device)" if device == "auto" else "")
+        return [f"engine.quantization={scheme_name} does not run with {where}: {reason}; "
+                f"supported devices: {', '.join(scheme.devices)}"]
+    problems = []
+    allowed = scheme.dtypes[kind]
+    if dtype != "auto" and dtype not in allowed:
+        problems.append(f"engine.quantization={scheme_name} on {kind} computes in {' or '.join(allowed)}; "
+                        f"engine.dtype={dtype} is not supported; choices: auto, {', '.join(allowed)}")
+    package = "torchao" if (scheme_name, kind) == ("int8", "cuda") else scheme.requires
+    if package and importlib.util.find_spec(package) is None:
+        hint = BNB_HINT if package == "bitsandbytes" else TORCHAO_HINT
+        problems.append(f"engine.quantization={scheme_name} on {kind} needs {package}, not installed: {hint}")
+    return problems
+
+
+def compute_dtype(scheme_name: Optional[str], device: torch.device, resolved: torch.dtype) -> torch.dtype:
+    """The dtype to load in: the engine's own choice unless the scheme's kernels need another."""
+    if scheme_name is None:
+        return resolved
+    allowed = [getattr(torch, name) for name in SCHEMES[scheme_name].dtypes[device.type]]
+    if resolved in allowed:
+        return resolved
+    log.info("quantization %s on %s computes in %s (engine.dtype=auto would pick %s without it)",
+             scheme_name, device.type, allowed[0], resolved)
+    return allowed[0]
+
+
+def load_model(path: str, *, scheme_name: Optional[str], device: torch.device, dtype: torch.dtype,
+               trust_remote_code: bool) -> nn.Module:
+    """from_pretrained, placement on the device, then the scheme's conversion; eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    scheme = SCHEMES[scheme_name] if scheme_name else None
+    kwargs = scheme.load_kwargs(dtype) if scheme and scheme.load_kwargs else {}
+    if kwargs:
+        kwargs["device_map"] = {"": device}  # bitsandbytes places while loading; .to() is refused afterwards
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
+    except (ImportError, RuntimeError, ValueError) as exc:
+        raise RuntimeError(explain_load_failure(path, device, exc)) from exc
+    if not kwargs:
+        model = model.to(device)
+    if scheme is not None and scheme.load_kwargs is None:
+        model = CONVERTERS[(scheme.name, device.type)](model, device)
+        log.info("quantized %s to %s on %s: %.1f MB of weights", path, scheme.name, device.type,
+                 weight_bytes(model) / 1e6)
+    return model.eval()
+
+
+def explain_load_failure(path: str, device: torch.device, exc: Exception) -> str:
+    """Name a pre-quantized checkpoint's method when loading it fails (GPTQ/AWQ kernels are mostly CUDA-only)."""
+    method = checkpoint_quant_method(path)
+    if method is None:
+        return f"loading {path} failed: {exc}"
+    return (f"loading {path} failed: it is a pre-quantized {method} checkpoint and its kernels could not run on "
+            f"{device.type} (many GPTQ/AWQ kernels need CUDA, and an extra package such as gptqmodel, autoawq "
+            f"or compressed-tensors); leave engine.quantization null for such checkpoints. Cause: {exc}")
+
+
+def checkpoint_quant_method(path: str) -> Optional[str]:
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+    qcfg = getattr(config, "quantization_config", None)
+    if isinstance(qcfg, dict):
+        return qcfg.get("quant_method")
+    return getattr(qcfg, "quant_method", None)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes held by the model's weights as stored: parameters, buffers and quantized packed weights."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            total += tensor_bytes(tensor)
+    for module in model.modules():
+        packed = getattr(module, "_packed_params", None)  # torch.ao dynamic quantized Linear
+        if packed is not None and hasattr(packed, "_weight_bias"):
+            weight, bias = packed._weight_bias()
+            total += tensor_bytes(weight) + (tensor_bytes(bias) if bias is not None else 0)
+    return total
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Storage of a tensor; tensor subclasses (torchao) are counted by their inner tensors."""
+    if hasattr(t, "__tensor_flatten__") and type(t) not in (torch.Tensor, nn.Parameter):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, name)) for name in names)
+    if t.is_quantized:
+        extra = 0
+        if t.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
+            extra = t.q_per_channel_scales().nbytes + t.q_per_channel_zero_points().nbytes
+        return t.numel() * t.element_size() + extra
+    return t.numel() * t.element_size()
+
+
+def device_type(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device).type
+
+
+def import_or_hint(module: str, hint: str, needed_by: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"{needed_by} needs {module.split('.')[0]}: {hint}") from exc

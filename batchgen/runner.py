@@ -4,6 +4,7 @@ model loads, progress, the status file and the closing summary. Knows no Hydra.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -105,6 +106,8 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
         try:
             engine = build_engine(cfg.engine, tokenizer)
             summary.load_s = time.perf_counter() - started
+            committer.metadata["batchgen.engine"] = json.dumps(engine.identity())  # resolved dtype, device, version
+            progress.engine = engine
             try:
                 _generate_parts(cfg, planner, engine, committer, summary, progress)
             finally:
@@ -287,6 +290,7 @@ class Progress:
         self.duplicate_ids = 0
         self.part: Optional[dict[str, int]] = None  # the part in flight: index, samples planned, journaled, reused
         self.written_at = 0.0
+        self.engine: Any = None  # once loaded: its counters (OOM backoffs, decode steps) go into the status
         self.bar = tqdm(total=self.total, initial=min(done.rows, self.total or done.rows), unit="row",
                         disable=not cfg.run.progress, dynamic_ncols=True)
         self.write("running")
@@ -324,7 +328,7 @@ class Progress:
             "errors": dict(Counter(self.done.errors)), "samples_done": self.done.samples,
             "prompt_tokens": self.done.prompt_tokens, "generated_tokens": self.done.generated_tokens,
             "tokens_per_s": round(self.rate(), 2), "eta_s": None if eta is None else round(eta, 1),
-            "current_part": self.part, "duplicate_ids": self.duplicate_ids,
+            "current_part": self.part, "duplicate_ids": self.duplicate_ids, "engine": _engine_stats(self.engine),
             "shard": self.cfg.run.shard, "num_shards": self.cfg.run.num_shards,
             "pid": os.getpid(), "host": socket.gethostname(), "error": error,
         }
@@ -341,3 +345,9 @@ class Progress:
             if state in ("done", "partial"):
                 raise
             log.error("could not write the final status: %s", exc)
+
+
+def _engine_stats(engine: Any) -> Optional[dict[str, Any]]:
+    """The engine's counters (e.g. `oom_backoffs`: prefills retried with a halved token budget), if it keeps any."""
+    stats = getattr(engine, "stats", None)
+    return dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else None

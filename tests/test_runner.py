@@ -33,13 +33,16 @@ def test_every_output_row_maps_back_to_its_input(tiny_model, tmp_path):
         assert table.column("sample_index").to_pylist() == [0, 1, 2] * (len(ids) // 3)
         meta = table.schema.metadata
         assert b"batchgen.config_hash" in meta and b"batchgen.model" in meta
+        assert json.loads(meta[b"batchgen.engine"])["dtype"] == "float32"
     table = read_output(out)
     assert table.column("score").to_pylist()[:3] == [0.0, 0.0, 0.0]  # passthrough column, input type kept
     seeds = table.column("seed").to_pylist()
     assert len(set(seeds)) == len(seeds)  # every sample has its own seed
     for name in ("_manifest.json", "_status.json", "_SUCCESS"):
         assert (out / name).exists()
-    assert json.loads((out / "_status.json").read_text())["rows_done"] == 37
+    status = json.loads((out / "_status.json").read_text())
+    assert status["rows_done"] == 37
+    assert status["engine"]["decode_steps"] > 0 and status["engine"]["oom_backoffs"] == 0
 
 
 def test_output_reads_back_with_pyarrow_pandas_and_datasets(tiny_model, tmp_path):

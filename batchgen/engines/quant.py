@@ -115,7 +115,8 @@ def int4_cuda(model: nn.Module, device: torch.device) -> nn.Module:
 
 
 def _groupable(module: nn.Module, fqn: str) -> bool:
-    return isinstance(module, nn.Linear) and module.in_features % INT4_GROUP == 0
+    """Linears the int4 kernels take: whole groups along the input, outputs a multiple of 16 (CPU packing)."""
+    return isinstance(module, nn.Linear) and module.in_features % INT4_GROUP == 0 and module.out_features % 16 == 0
 
 
 # -- bitsandbytes (quantized while loading) ---------------------------------------------------------

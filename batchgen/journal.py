@@ -7,7 +7,8 @@ A frame is `length (u32 LE) | crc32 (u32 LE) | JSON payload`, written with one `
 kill therefore never loses a frame the engine reported, and a torn tail (a power loss, or a kill
 inside the crash-test window below) fails its length or CRC check and is cut off on reopen.
 The file is fsynced by the first append `fsync_interval_s` or more after the previous fsync, and on
-close; a machine crash (not a process kill) can also lose what was appended since the last fsync. A journal whose key differs from the part being planned is discarded. The
+close; a machine crash (not a process kill) can also lose what was appended since the last fsync. A journal
+whose key differs from the part being planned is discarded. The
 runner removes the journal once the part is committed. Knows files and Results, not parts or models.
 """
 

@@ -49,7 +49,8 @@ def main() -> None:
     for i in range(200):
         body = " ".join(sentence(rng) for _ in range(rng.randint(1, 4)))
         tickets.append({"ticket_id": 10_000 + i, "customer_tier": rng.choice(["free", "pro", "enterprise"]),
-                        "messages": [{"role": "user", "content": f"Ticket: {body} Please help, {rng.choice(labels)}?"}]})
+                        "messages": [{"role": "user",
+                                      "content": f"Ticket: {body} Please help, {rng.choice(labels)}?"}]})
     pq.write_table(pa.Table.from_pylist(tickets), out / "tickets.parquet")
 
 

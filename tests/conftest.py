@@ -51,7 +51,7 @@ def compose_job(overrides: list[str]) -> JobConfig:
 
 
 def job_overrides(tiny_model: str, data: Path, out: Path, *extra: str) -> list[str]:
-    return [f"name=t", f"output_dir={out}", f"dataset.path={data}", "dataset.format=auto",
+    return ["name=t", f"output_dir={out}", f"dataset.path={data}", "dataset.format=auto",
             f"engine.model={tiny_model}", "engine.dtype=float32", "run.progress=false", *extra]
 
 

@@ -77,7 +77,8 @@ def test_sigkill_after_first_part_then_resume_equals_an_uninterrupted_run(tiny_m
 def test_second_writer_is_refused_and_a_dead_holder_lock_is_taken_over(tiny_model, tmp_path):
     data = write_parquet(tmp_path / "in.parquet", [{"prompt": t} for t in corpus(60)])
     out = tmp_path / "out"
-    extra = ("run.rows_per_part=5", "sampling.max_new_tokens=160", "sampling.ignore_eos=true", "engine.max_batch_size=1")
+    extra = ("run.rows_per_part=5", "sampling.max_new_tokens=160", "sampling.ignore_eos=true",
+             "engine.max_batch_size=1")
     first = subprocess.Popen([sys.executable, "-m", "batchgen", *job_overrides(tiny_model, data, out, *extra)],
                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(out / "_lock.holder.json", first)

@@ -195,3 +195,34 @@ def test_out_of_memory_in_prefill_halves_the_budget_and_retries(engine, tokenize
         engine.max_batch_tokens = budget
     assert [r.text for r in got] == [r.text for r in expected]
     assert engine.stats.oom_backoffs > before
+
+
+def test_out_of_memory_allocating_the_cache_or_in_the_generic_path_backs_off(tiny_model, tokenizer, monkeypatch):
+    from batchgen.engines.llama_step import LlamaStepper
+
+    eng = HFEngine(EngineConfig(model=tiny_model, dtype="float32", max_batch_size=8), tokenizer)
+    reqs = [Request(key=i, prompt_ids=tokenizer("the river " * (i + 1)).input_ids, params=GREEDY, seed=None)
+            for i in range(6)]
+    expected = [r.text for r in eng.generate(reqs)]
+    real_cache = LlamaStepper.new_cache
+
+    def small_memory(self, slots, max_len):
+        if slots > 2:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: injected")
+        return real_cache(self, slots, max_len)
+
+    monkeypatch.setattr(LlamaStepper, "new_cache", small_memory)
+    assert [r.text for r in eng.generate(reqs)] == expected
+    assert eng.stats.oom_backoffs == 2 and eng.max_batch_size <= 2  # 6 slots -> 3 -> 1
+
+    real_bucket = HFEngine._generate_bucket
+
+    def tight_generic(self, bucket):
+        if len(bucket) > 1:
+            raise torch.OutOfMemoryError("injected: out of memory")
+        return real_bucket(self, bucket)
+
+    monkeypatch.setattr(HFEngine, "_generate_bucket", tight_generic)
+    eng.fast = False
+    assert [r.text for r in eng.generate(reqs)] == expected
+    assert eng.stats.oom_backoffs > 2

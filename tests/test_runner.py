@@ -159,7 +159,8 @@ def test_chat_without_a_chat_template_is_a_config_error(tiny_model, tmp_path):
     shutil.copytree(tiny_model, model)
     (model / "chat_template.jinja").unlink()
     cfg_file = model / "tokenizer_config.json"
-    cfg_file.write_text(json.dumps({k: v for k, v in json.loads(cfg_file.read_text()).items() if k != "chat_template"}))
+    kept = {k: v for k, v in json.loads(cfg_file.read_text()).items() if k != "chat_template"}
+    cfg_file.write_text(json.dumps(kept))
     data = write_parquet(tmp_path / "in.parquet", rows_of(2))
     with pytest.raises(ConfigError, match="dataset.system_prompt asks for chat rendering.*no chat template"):
         run_job(compose_job(job_overrides(str(model), data, tmp_path / "out", "dataset.system_prompt=hi")))

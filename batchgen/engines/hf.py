@@ -18,7 +18,7 @@ import torch
 from batchgen.engines import quant
 from batchgen.engines.base import EngineConfig
 from batchgen.engines.llama_step import LlamaStepper, supports
-from batchgen.engines.scheduler import Scheduler, SchedulerStats
+from batchgen.engines.scheduler import Scheduler, SchedulerStats, is_oom
 from batchgen.records import Request, Result
 from batchgen.sampling import SampleParams
 
@@ -99,6 +99,7 @@ class HFEngine:
                                   max_batch_size=self.max_batch_size)
             results = scheduler.run(requests, on_result)
             self.max_batch_tokens = scheduler.max_batch_tokens  # keep an OOM backoff for the next window
+            self.max_batch_size = scheduler.max_batch_size
             self.stats.add(scheduler.stats)
             return results
         return self._generate_generic(requests, on_result)
@@ -109,11 +110,25 @@ class HFEngine:
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i].prompt_ids))
         results: list[Optional[Result]] = [None] * len(requests)
         for bucket in self._buckets(order, requests):
-            for i, result in zip(bucket, self._generate_bucket([requests[i] for i in bucket])):
+            for i, result in zip(bucket, self._generate_bucket_or_halve([requests[i] for i in bucket])):
                 results[i] = result
                 if on_result is not None:
                     on_result(result)
         return results  # type: ignore[return-value]
+
+    def _generate_bucket_or_halve(self, reqs: list[Request]) -> list[Result]:
+        """On out-of-memory, halve the budget and generate the bucket in halves (logged, counted)."""
+        try:
+            return self._generate_bucket(reqs)
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            if len(reqs) == 1 or not is_oom(exc):
+                raise
+        self.stats.oom_backoffs += 1
+        self.max_batch_tokens = max(self.max_batch_tokens // 2, 1)
+        log.warning("out of memory generating %d rows; engine.max_batch_tokens lowered to %d and retrying",
+                    len(reqs), self.max_batch_tokens)
+        half = len(reqs) // 2
+        return self._generate_bucket_or_halve(reqs[:half]) + self._generate_bucket_or_halve(reqs[half:])
 
     # -- what the scheduler asks of the engine ---------------------------------------------------
 

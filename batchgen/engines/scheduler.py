@@ -54,7 +54,7 @@ class Scheduler:
         waiting = deque(order)
         results: list[Optional[Result]] = [None] * len(requests)
         max_len = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
-        cache = self.stepper.new_cache(min(self.max_batch_size, len(requests)), max_len)
+        cache = self._allocate(min(self.max_batch_size, len(requests)), max_len)
         live: list[Sequence] = []
 
         def finish(seq: Sequence, reason: str) -> None:
@@ -76,6 +76,18 @@ class Scheduler:
                 self.stats.decode_row_steps += len(live)
                 self._advance(logits, list(live), 0, cache, live, finish)
         return results  # type: ignore[return-value]
+
+    def _allocate(self, slots: int, max_len: int) -> Any:
+        """The window's KV cache; if it does not fit, halve the slots (engine.max_batch_size) until it does."""
+        while True:
+            try:
+                return self.stepper.new_cache(slots, max_len)
+            except (torch.OutOfMemoryError, RuntimeError) as exc:
+                if slots == 1 or not is_oom(exc):
+                    raise
+                slots = self.max_batch_size = max(slots // 2, 1)
+                self.stats.oom_backoffs += 1
+                log.warning("out of memory allocating the KV cache; engine.max_batch_size lowered to %d", slots)
 
     def _admit(self, waiting: deque, requests: list[Request], n_live: int, slots: int) -> list[Sequence]:
         """Next waiting requests for the free slots, as long as their padded prefill fits the token budget."""

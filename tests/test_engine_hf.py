@@ -223,6 +223,6 @@ def test_out_of_memory_allocating_the_cache_or_in_the_generic_path_backs_off(tin
         return real_bucket(self, bucket)
 
     monkeypatch.setattr(HFEngine, "_generate_bucket", tight_generic)
-    eng.fast = False
+    eng.fast, eng.max_batch_size = False, 8
     assert [r.text for r in eng.generate(reqs)] == expected
     assert eng.stats.oom_backoffs > 2

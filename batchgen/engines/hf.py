@@ -75,6 +75,7 @@ class HFEngine:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
         self.eos_ids = _eos_ids(self.model, tokenizer)
         self.fast = True  # continuous batching on the pre-allocated cache where the architecture allows
+        self._stepper: Optional[LlamaStepper] = None
         self.stats = EngineStats()
         self.pad_id = _first(tokenizer.pad_token_id, *sorted(self.eos_ids), 0)
         log.info("hf engine: %s on %s in %s, max_batch_tokens=%d, max_batch_size=%d",
@@ -95,7 +96,9 @@ class HFEngine:
             return []
         max_len = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
         if self.fast and supports(self.model, max_len):
-            scheduler = Scheduler(self, LlamaStepper(self.model), max_batch_tokens=self.max_batch_tokens,
+            if self._stepper is None:
+                self._stepper = LlamaStepper(self.model)  # built once: it stacks q/k/v and gate/up weights
+            scheduler = Scheduler(self, self._stepper, max_batch_tokens=self.max_batch_tokens,
                                   max_batch_size=self.max_batch_size)
             results = scheduler.run(requests, on_result)
             self.max_batch_tokens = scheduler.max_batch_tokens  # keep an OOM backoff for the next window

@@ -6,8 +6,9 @@ It knows nothing about files, parts, ids or Hydra.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 from batchgen.records import Request, Result
 

@@ -142,12 +142,6 @@ class HFEngine:
              ) -> list[int]:
         return pick_tokens(logits, [r.params for r in reqs], generators)
 
-    def finish_reason(self, params: SampleParams, generated: list[int]) -> Optional[str]:
-        return self._finish_reason(params, generated)
-
-    def make_result(self, req: Request, generated: list[int], reason: str) -> Result:
-        return self._result(req, generated, reason)
-
     def _buckets(self, order: list[int], requests: list[Request]) -> list[list[int]]:
         buckets: list[list[int]] = []
         current: list[int] = []
@@ -178,7 +172,7 @@ class HFEngine:
             keep = []
             for j, a in enumerate(active):
                 generated[a].append(tokens[j])
-                reasons[a] = self._finish_reason(reqs[a].params, generated[a])
+                reasons[a] = self.finish_reason(reqs[a].params, generated[a])
                 if reasons[a] is None:
                     keep.append(j)
             if not keep:
@@ -193,7 +187,7 @@ class HFEngine:
             step_ids = torch.tensor(tokens, device=self.device)[:, None]
             logits = self._forward(step_ids, mask, next_pos[:, None], cache)
             next_pos = next_pos + 1
-        return [self._result(r, g, reason) for r, g, reason in zip(reqs, generated, reasons)]
+        return [self.make_result(r, g, reason) for r, g, reason in zip(reqs, generated, reasons)]
 
     def _left_pad(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         width = max(len(r.prompt_ids) for r in reqs)
@@ -213,7 +207,7 @@ class HFEngine:
     def _generator(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
 
-    def _finish_reason(self, params: SampleParams, generated: list[int]) -> Optional[str]:
+    def finish_reason(self, params: SampleParams, generated: list[int]) -> Optional[str]:
         if not params.ignore_eos and generated[-1] in self.eos_ids:
             return "stop"
         if params.stop and _find_stop(self.tokenizer.decode(generated, skip_special_tokens=True), params.stop) >= 0:
@@ -222,7 +216,7 @@ class HFEngine:
             return "length"
         return None
 
-    def _result(self, req: Request, generated: list[int], reason: Optional[str]) -> Result:
+    def make_result(self, req: Request, generated: list[int], reason: Optional[str]) -> Result:
         text = self.tokenizer.decode(generated, skip_special_tokens=True)
         cut = _find_stop(text, req.params.stop) if req.params.stop else -1
         return Result(key=req.key, text=text if cut < 0 else text[:cut], finish_reason=reason or "length",

@@ -58,3 +58,9 @@ def derive_seed(job_seed: int, row_id: str, sample_index: int) -> int:
     """A 63-bit seed that depends only on (job seed, row id, sample index), never on batching or sharding."""
     digest = hashlib.blake2b(f"{job_seed}\x1f{row_id}\x1f{sample_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def find_stop(text: str, stops: tuple[str, ...]) -> int:
+    """Index of the earliest match of any stop string in `text`, or -1; the generation is cut there."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else -1

@@ -20,7 +20,7 @@ from batchgen.engines.base import EngineConfig
 from batchgen.engines.llama_step import LlamaStepper, supports
 from batchgen.engines.scheduler import Scheduler, SchedulerStats, is_oom
 from batchgen.records import Request, Result
-from batchgen.sampling import SampleParams
+from batchgen.sampling import SampleParams, find_stop
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ class HFEngine:
     def finish_reason(self, params: SampleParams, generated: list[int]) -> Optional[str]:
         if not params.ignore_eos and generated[-1] in self.eos_ids:
             return "stop"
-        if params.stop and _find_stop(self.tokenizer.decode(generated, skip_special_tokens=True), params.stop) >= 0:
+        if params.stop and find_stop(self.tokenizer.decode(generated, skip_special_tokens=True), params.stop) >= 0:
             return "stop"
         if len(generated) >= params.max_new_tokens:
             return "length"
@@ -218,7 +218,7 @@ class HFEngine:
 
     def make_result(self, req: Request, generated: list[int], reason: Optional[str]) -> Result:
         text = self.tokenizer.decode(generated, skip_special_tokens=True)
-        cut = _find_stop(text, req.params.stop) if req.params.stop else -1
+        cut = find_stop(text, req.params.stop) if req.params.stop else -1
         return Result(key=req.key, text=text if cut < 0 else text[:cut], finish_reason=reason or "length",
                       num_prompt_tokens=len(req.prompt_ids), num_generated_tokens=len(generated))
 
@@ -256,9 +256,6 @@ def sample_token(logits: torch.Tensor, p: SampleParams, gen: Optional[torch.Gene
     return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
-def _find_stop(text: str, stops: tuple[str, ...]) -> int:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else -1
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:

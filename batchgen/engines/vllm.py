@@ -17,6 +17,7 @@ from typing import Any, Optional
 from batchgen.engines.base import EngineConfig
 from batchgen.errors import BatchgenError, ConfigError
 from batchgen.records import Request, Result
+from batchgen.sampling import find_stop
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class VLLMEngine:
         """Decode the ids ourselves, in one piece, so that text equals the hf engine's for the same ids."""
         ids = list(completion.token_ids)  # the EOS token included when generation stopped on it
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        cut = _find_stop(text, req.params.stop) if req.params.stop else -1
+        cut = find_stop(text, req.params.stop) if req.params.stop else -1
         reason = completion.finish_reason
         if reason not in ("stop", "length"):
             raise BatchgenError(f"vLLM finished request {req.key} with finish_reason={reason!r}")
@@ -112,6 +113,3 @@ class VLLMEngine:
                       num_prompt_tokens=len(req.prompt_ids), num_generated_tokens=len(ids))
 
 
-def _find_stop(text: str, stops: tuple[str, ...]) -> int:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else -1

@@ -135,15 +135,17 @@ class Committer:
             raise
         return stats
 
-    def clean_stale(self, mine: Callable[[int], bool]) -> None:
-        """Remove what a killed run of this shard left behind: temp parts, and journals of committed parts."""
+    def clean_stale(self, mine: Callable[[int], bool], own_files: tuple[str, ...] = ()) -> None:
+        """Remove what a killed run of this shard left behind: temp parts, journals of committed parts, and
+        temp copies of the files only this shard writes (`own_files`, e.g. its status file)."""
         done = self.committed()
+        own_tmp = tuple(f".{name}.tmp-" for name in own_files)
         for p in self.output_dir.iterdir():
             tmp, journal = TMP_PART_RE.match(p.name), JOURNAL_RE.match(p.name)
             if tmp and mine(int(tmp.group(1))) or journal and int(journal.group(1)) in done:
                 log.info("removing %s left by an interrupted run", p.name)
                 p.unlink(missing_ok=True)
-            elif p.name.startswith("._part-") and ".journal.tmp-" in p.name:
+            elif p.name.startswith("._part-") and ".journal.tmp-" in p.name or p.name.startswith(own_tmp):
                 p.unlink(missing_ok=True)
 
     def _table(self, part: Part, rows: list[OutputRow], stats: PartStats) -> pa.Table:

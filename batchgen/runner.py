@@ -95,7 +95,7 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
     with OutputLock(output_dir, _lock_name(cfg)):
         prepare_output_dir(cfg, output_dir, reader, resolved or {})
         committer = Committer(output_dir, passthrough=passthrough, metadata=_file_metadata(cfg))
-        committer.clean_stale(lambda k: k % cfg.run.num_shards == cfg.run.shard)
+        committer.clean_stale(lambda k: k % cfg.run.num_shards == cfg.run.shard, (status_name(cfg),))
         if (output_dir / SUCCESS).exists():
             summary = Summary(output_dir, "already_done", _totals(committer))
             log.info("%s is already complete; nothing to do", output_dir)

@@ -226,3 +226,24 @@ def test_out_of_memory_allocating_the_cache_or_in_the_generic_path_backs_off(tin
     eng.fast, eng.max_batch_size = False, 8
     assert [r.text for r in eng.generate(reqs)] == expected
     assert eng.stats.oom_backoffs > 2
+
+
+def test_prepacked_linears_compute_what_nn_linear_computes(engine):
+    """On CPU the engine reorders every untied linear weight for oneDNN; the forward is nn.Linear's."""
+    from torch import nn
+
+    from batchgen.engines import cpu_linear
+
+    if not cpu_linear.available(torch.float32):
+        pytest.skip("this torch build has no oneDNN linear reorder")
+    assert engine.prepacked > 0 and engine.identity()["linear"] == "onednn-prepacked"
+    assert not any(type(m) is nn.Linear and m is not engine.model.get_output_embeddings()
+                   for m in engine.model.modules())
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 24), nn.Linear(24, 8, bias=False))
+    x = torch.randn(3, 5, 40)
+    want = model(x)
+    assert cpu_linear.pack_linears(model) == 2
+    assert all(isinstance(m, cpu_linear.PackedLinear) for m in model)
+    got = model(x)
+    assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)

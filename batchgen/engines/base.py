@@ -27,6 +27,7 @@ class EngineConfig:
     max_batch_size: Optional[int] = None  # rows decoded together at most; null = engine default
     max_model_len: Optional[int] = None  # prompt + generation limit; null = the model's own
     threads: Optional[int] = None  # hf on CPU: torch threads; null = all cores
+    prepack: bool = True  # hf on CPU: reorder linear weights once into oneDNN's layout (faster small-batch GEMMs)
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1  # vllm
     gpu_memory_utilization: float = 0.9  # vllm

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from batchgen.engines import quant
+from batchgen.engines import cpu_linear, quant
 from batchgen.engines.base import EngineConfig
 from batchgen.engines.llama_step import LlamaStepper, supports
 from batchgen.engines.scheduler import Scheduler, SchedulerStats, is_oom
@@ -66,6 +66,9 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.model = quant.load_model(cfg.model, scheme_name=cfg.quantization, device=self.device, dtype=self.dtype,
                                       trust_remote_code=cfg.trust_remote_code)  # from_pretrained, then quantized
+        self.prepacked = 0
+        if self.device.type == "cpu" and cfg.prepack and not cfg.quantization and cpu_linear.available(self.dtype):
+            self.prepacked = cpu_linear.pack_linears(self.model)
         budget, size, part = DEFAULTS["cuda" if self.device.type == "cuda" else "cpu"]
         self.max_batch_tokens = cfg.max_batch_tokens or budget
         self.max_batch_size = cfg.max_batch_size or size
@@ -78,13 +81,14 @@ class HFEngine:
         self._stepper: Optional[LlamaStepper] = None
         self.stats = EngineStats()
         self.pad_id = _first(tokenizer.pad_token_id, *sorted(self.eos_ids), 0)
-        log.info("hf engine: %s on %s in %s, max_batch_tokens=%d, max_batch_size=%d",
-                 cfg.model, self.device, self.dtype, self.max_batch_tokens, self.max_batch_size)
+        log.info("hf engine: %s on %s in %s, max_batch_tokens=%d, max_batch_size=%d, %d linears prepacked for oneDNN",
+                 cfg.model, self.device, self.dtype, self.max_batch_tokens, self.max_batch_size, self.prepacked)
 
     def identity(self) -> dict[str, Any]:
         quantization = {"quantization": self.cfg.quantization} if self.cfg.quantization else {}
+        prepacked = {"linear": "onednn-prepacked"} if self.prepacked else {}
         return {"engine": "hf", "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-                **quantization}
+                **quantization, **prepacked}
 
     def close(self) -> None:
         del self.model

@@ -247,3 +247,36 @@ def test_prepacked_linears_compute_what_nn_linear_computes(engine):
     assert all(isinstance(m, cpu_linear.PackedLinear) for m in model)
     got = model(x)
     assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_plan_splits_off_long_rows_only_when_cheaper():
+    from batchgen.engines.llama_step import AttentionPlan
+
+    even = AttentionPlan.for_lengths([100, 101, 99, 100])
+    assert even.width == 101 and even.long_rows == ()
+    skewed = AttentionPlan.for_lengths([40, 900, 35, 50, 45, 38, 42, 700])
+    assert skewed.width == 50 and dict(skewed.long_rows) == {1: 900, 7: 700}
+    assert AttentionPlan.for_lengths([7]).width == 7
+
+
+def test_decode_with_long_rows_split_off_equals_one_padded_batch(engine, monkeypatch):
+    """The same decode step with the long rows computed apart, and with every row padded to the longest."""
+    from batchgen.engines import llama_step
+
+    stepper = llama_step.LlamaStepper(engine.model)
+    torch.manual_seed(0)
+    prompts = [torch.randint(3, 200, (n,)).tolist() for n in (250, 6, 9, 12, 180, 7)]
+    assert llama_step.AttentionPlan.for_lengths([len(p) + 1 for p in prompts]).long_rows
+
+    def decode_step() -> torch.Tensor:
+        cache = stepper.new_cache(len(prompts), 300)
+        with torch.inference_mode():
+            for b, p in enumerate(prompts):
+                stepper.prefill(cache, b, [p])
+            return stepper.decode(cache, torch.tensor([5] * len(prompts)))
+
+    split = decode_step()
+    monkeypatch.setattr(llama_step.AttentionPlan, "for_lengths",
+                        classmethod(lambda cls, lengths: cls(max(lengths), ())))
+    padded = decode_step()
+    assert torch.allclose(split, padded, atol=1e-4, rtol=1e-4)

@@ -38,6 +38,10 @@ class SlotKVCache:
         """K, V of slots [0, n), positions [0, length): views, [n, kv_heads, length, head_dim]."""
         return self.k[layer, :n, :, :length], self.v[layer, :n, :, :length]
 
+    def view_row(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of one slot, positions [0, length): views, [1, kv_heads, length, head_dim]."""
+        return (self.k[layer, slot:slot + 1, :, :length], self.v[layer, slot:slot + 1, :, :length])
+
     def move(self, src: int, dst: int) -> None:
         """Copy sequence `src` into slot `dst` (all layers, valid positions only)."""
         length = int(self.lengths[src])

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from batchgen.engines import cpu_linear, quant
+from batchgen.engines import cpu_linear, cpu_runtime, quant
 from batchgen.engines.base import EngineConfig
 from batchgen.engines.llama_step import LlamaStepper, supports
 from batchgen.engines.scheduler import Scheduler, SchedulerStats, is_oom
@@ -62,6 +62,8 @@ class HFEngine:
             torch.set_num_threads(cfg.threads)
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
+        if self.device.type == "cpu":
+            cpu_runtime.keep_freed_memory()
         self.dtype = quant.compute_dtype(cfg.quantization, self.device, resolve_dtype(cfg.dtype, self.device))
         self.tokenizer = tokenizer
         self.model = quant.load_model(cfg.model, scheme_name=cfg.quantization, device=self.device, dtype=self.dtype,

@@ -117,6 +117,22 @@ def test_stop_string_cuts_generation(engine, tokenizer):
     assert cut.num_generated_tokens <= free.num_generated_tokens
 
 
+def test_stop_string_late_in_a_long_generation_stops_at_the_first_token_that_completes_it(engine, tokenizer,
+                                                                                           reference):
+    """The stop check reads only a tail of the generation; it must still stop where a full decode would."""
+    ids = tokenizer("the river town").input_ids
+    tokens = generate_alone(reference, ids, 80)  # the greedy tokens (the engine equals this; tested above)
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    stop = next(text[i:i + 4] for i in range(len(text) - 8, 0, -1) if text.find(text[i:i + 4]) == i)
+    first = next(k for k in range(1, len(tokens) + 1)
+                 if stop in tokenizer.decode(tokens[:k], skip_special_tokens=True))
+    assert first > 4 * len(stop) + 8  # the stop completes beyond the tail window the engine decodes
+    params = SampleParams(max_new_tokens=80, temperature=0.0, top_p=1.0, top_k=0, stop=(stop,), ignore_eos=True)
+    cut = engine.generate([Request(key=0, prompt_ids=ids, params=params, seed=None)])[0]
+    assert cut.finish_reason == "stop" and cut.text == text[: text.find(stop)]
+    assert cut.num_generated_tokens == first
+
+
 def test_sampling_filters_keep_only_allowed_tokens():
     logits = torch.tensor([5.0, 4.0, 3.0, -1.0, -2.0])
     gen = torch.Generator().manual_seed(0)

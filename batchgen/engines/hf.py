@@ -216,11 +216,19 @@ class HFEngine:
     def finish_reason(self, params: SampleParams, generated: list[int]) -> Optional[str]:
         if not params.ignore_eos and generated[-1] in self.eos_ids:
             return "stop"
-        if params.stop and find_stop(self.tokenizer.decode(generated, skip_special_tokens=True), params.stop) >= 0:
+        if params.stop and find_stop(self._tail_text(generated, params.stop), params.stop) >= 0:
             return "stop"
         if len(generated) >= params.max_new_tokens:
             return "length"
         return None
+
+    def _tail_text(self, generated: list[int], stops: tuple[str, ...]) -> str:
+        """The text of the last tokens only, enough to hold any stop string that ends in the newest token:
+        checking the whole generation every step would cost O(length^2) per row. A character takes at
+        most 4 tokens (byte-level fallback), and the margin keeps a match clear of the window's first
+        token, whose decoding can differ from its decoding in context (a leading space)."""
+        window = 4 * max(len(s) for s in stops) + 8
+        return self.tokenizer.decode(generated[-window:], skip_special_tokens=True)
 
     def make_result(self, req: Request, generated: list[int], reason: Optional[str]) -> Result:
         text = self.tokenizer.decode(generated, skip_special_tokens=True)

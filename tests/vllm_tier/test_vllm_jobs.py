@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from batchgen.journal import read_journal
 from batchgen.runner import run_job
 from batchgen.sampling import derive_seed
 from tests.conftest import REPO, WORDS, compose_job, corpus, job_overrides, read_output, run_cli, write_parquet
@@ -162,3 +163,31 @@ def test_greedy_float32_equals_the_hf_engine_token_for_token(chat_runs):
 
 def _sample(row: dict) -> tuple:
     return row["generation"], row["finish_reason"], row["num_generated_tokens"]
+
+
+def test_sigkill_inside_a_part_keeps_what_vllm_had_finished(vllm_model, sampled_data, tmp_path):
+    """One part of all rows, decoded 8 requests at a time: requests are journaled as vLLM finishes them,
+    so a kill mid-part keeps those, and the resumed run completes the part without redoing them."""
+    out = tmp_path / "one-part"
+    overrides = [o for o in SAMPLED if not o.startswith("run.rows_per_part=")]
+    overrides += [f"run.rows_per_part={ROWS}", "engine.max_batch_size=8"]
+    args = [sys.executable, "-m", "batchgen", *job_overrides(vllm_model, sampled_data, out, *overrides)]
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    journal = out / "_part-00000.journal"
+    try:
+        deadline = time.time() + 420
+        while not (journal.exists() and len(read_journal(journal)[1]) >= 8):
+            assert proc.poll() is None, proc.stderr.read()[-4000:]
+            assert time.time() < deadline, "timed out waiting for journaled requests"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    _, kept, _ = read_journal(journal)
+    assert not (out / "part-00000.parquet").exists() and 8 <= len(kept) < 2 * ROWS
+    run_vllm(job_overrides(vllm_model, sampled_data, out, *overrides))
+    got = read_output(out)
+    keys = list(zip(got.column("id").to_pylist(), got.column("sample_index").to_pylist()))
+    assert len(set(keys)) == len(keys) == 2 * ROWS
+    print(f"killed with {len(kept)} of {2 * ROWS} samples journaled inside the only part; resumed to completion")

@@ -8,13 +8,19 @@ only by the scheme that needs them, behind an install hint. Knows modules and te
 requests, batching or the scheduler.
 
 What runs where (measured on an AVX2-only CPU without fast bf16; see README "Quantization"):
-- int8, CPU: `torch.ao.quantization.quantize_dynamic` (int8 weights per channel, activations
-  quantized per batch, fbgemm kernels), float32 compute; torchao's int8 weight-only was slower here.
+- int8, CPU: weight-only, `Int8WeightOnlyLinear`: int8 weights with one symmetric bf16 scale per output
+  channel; activations stay unquantized. Inputs under DEQUANT_ROWS rows (decode steps of small batches) run
+  torch's `aten._weight_int8pack_mm` with bfloat16 activations; larger inputs (prefill, large batches)
+  dequantize the layer's weights for one float32 GEMM. The model (norms, attention) computes in float32.
+  Linears whose input size the kernel cannot take stay float. Without that kernel (older torch) the fallback,
+  with a warning, is `torch.ao.quantization.quantize_dynamic` (activations quantized too: lower fidelity).
 - int8, CUDA: torchao `Int8WeightOnlyConfig`.
 - int4, CPU: torchao `PrototypeInt4WeightOnlyConfig` (group 128), bfloat16 compute (its kernel's dtype).
 - int4, CUDA: torchao `Int4WeightOnlyConfig` with the tinygemm tile-packed layout, bfloat16 compute.
 - bnb-int8, bnb-nf4: bitsandbytes through `BitsAndBytesConfig`, CUDA only.
 With int8 the input embedding table is stored as int8 rows with one scale per row (`Int8Embedding`).
+A scheme measured slower than float32 at the CPU working batch logs a warning when it is built on such a CPU
+(CPU_WORKING_BATCH_VS_FLOAT32).
 """
 
 from __future__ import annotations
@@ -27,11 +33,22 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger(__name__)
 
+# int8 weight-only on CPU: inputs of at least this many rows (prefill, large decode batches) dequantize the layer's
+# weights to the input dtype and run a float GEMM; fewer rows go through aten._weight_int8pack_mm. On the
+# development CPU (AVX2, no fast bf16), end to end in the engine on the benchmark model, the kernel was faster for
+# decode batches of 16 and 32 rows and no faster at 64, and the float GEMM clearly faster for prefill (1024 rows).
+DEQUANT_ROWS = 64
+INT8_K_MULTIPLE = 16  # input sizes aten._weight_int8pack_mm takes (see _int8_kernel_takes)
 INT4_GROUP = 128  # weights per int4 scale/zero pair
+# Output tokens/s at the CPU working batch (64 rows) over float32's, measured with benchmarks/quantization.py on the
+# development CPU (AVX2, no fast bf16; README "Quantization"). A scheme under 0.9 here logs a warning when it is
+# built on a CPU without fast bf16: the engine does not switch schemes on its own, it says so.
+CPU_WORKING_BATCH_VS_FLOAT32 = {"int8": 0.77, "int4": 0.49}
 TORCHAO_HINT = "pip install 'batchgen[quant]' (torchao)"
 BNB_HINT = "pip install 'batchgen[bnb]' (bitsandbytes, CUDA only)"
 
@@ -73,7 +90,89 @@ def quantize_embeddings_int8(model: nn.Module) -> None:
         model.set_input_embeddings(Int8Embedding(embed.weight.data))
 
 
+class Int8WeightOnlyLinear(nn.Module):
+    """`nn.Linear` with int8 weights and one symmetric bf16 scale per output channel (weight-only: activations
+    are not quantized). Inputs of fewer than DEQUANT_ROWS rows go through torch's CPU kernel
+    `aten._weight_int8pack_mm` in bfloat16 (its fast dtype; the result comes back in the input's dtype);
+    larger inputs dequantize the weights, transiently, and run a GEMM in the input's dtype."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()  # [N, K]
+        # the scale is rounded to bf16 first and the weights quantized against the rounded scale, so that
+        # qweight * scale is the nearest int8 grid point to each weight under the scale the kernel multiplies by
+        scale = (weight.abs().amax(dim=1).clamp(min=1e-8) / 127).to(torch.bfloat16)  # [N]
+        qweight = torch.round(weight / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N]
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if x2.shape[0] >= DEQUANT_ROWS or x2.shape[0] == 0:
+            weight = self.qweight.to(x.dtype).mul_(self.scale.to(x.dtype)[:, None])  # [N, K], freed on return
+            return F.linear(x, weight, bias)
+        a = x2.to(torch.bfloat16).contiguous()
+        if a.data_ptr() % 64:  # the kernel's vector loads of the input rows need aligned memory
+            a = a.clone()
+        y = torch.ops.aten._weight_int8pack_mm(a, self.qweight, self.scale)
+        y = y.to(x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def int8_weight_only_kernel() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def _int8_kernel_takes(linear: nn.Module) -> bool:
+    """A plain float CPU nn.Linear whose input size the kernel handles. `aten._weight_int8pack_mm` reads the input
+    dimension in blocks of 8 (16 with AVX-512) with aligned vector loads and no remainder loop: other input sizes
+    give wrong results or crash (seen here with 12 and 100), and the op does not check, so they are not probed."""
+    return (type(linear) is nn.Linear and linear.weight.device.type == "cpu" and linear.weight.is_floating_point()
+            and linear.in_features % INT8_K_MULTIPLE == 0)
+
+
+def int8_weight_only_linears(model: nn.Module) -> tuple[int, int]:
+    """Replace every plain nn.Linear the kernel takes by an Int8WeightOnlyLinear, in place, one layer at
+    a time (the float weight is dropped as soon as its int8 copy exists); returns (converted, skipped)."""
+    converted = skipped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            if not _int8_kernel_takes(child):
+                skipped += 1
+                continue
+            setattr(parent, name, Int8WeightOnlyLinear(child))
+            child.weight = None  # the float weight goes now, not at the end: one float layer at a time
+            converted += 1
+    return converted, skipped
+
+
 def int8_cpu(model: nn.Module, device: torch.device) -> nn.Module:
+    """int8 weight-only linears (per-output-channel scales, `aten._weight_int8pack_mm`), int8 embedding rows."""
+    if not int8_weight_only_kernel():
+        log.warning("this torch build has no aten._weight_int8pack_mm: int8 on cpu falls back to torch's dynamic "
+                    "int8 linears (activations quantized per tensor: lower fidelity)")
+        return int8_cpu_dynamic(model, device)
+    converted, skipped = int8_weight_only_linears(model)
+    log.info("int8 weight-only: %d linears converted, %d left in float (input size not a multiple of %d); inputs "
+             "under %d rows run aten._weight_int8pack_mm in bfloat16, larger ones dequantize the layer's weights "
+             "for a float32 GEMM (faster there on this kind of CPU)", converted, skipped, INT8_K_MULTIPLE,
+             DEQUANT_ROWS)
+    quantize_embeddings_int8(model)
+    return model
+
+
+def int8_cpu_dynamic(model: nn.Module, device: torch.device) -> nn.Module:
     """fbgemm dynamic int8 linears: int8 weights per output channel, activations quantized on the fly."""
     import warnings
 
@@ -202,7 +301,24 @@ def load_model(path: str, *, scheme_name: Optional[str], device: torch.device, d
         model = CONVERTERS[(scheme.name, device.type)](model, device)
         log.info("quantized %s to %s on %s: %.1f MB of weights", path, scheme.name, device.type,
                  weight_bytes(model) / 1e6)
+        if device.type == "cpu":
+            warn_if_slow_at_working_batch(scheme.name, model)
     return model.eval()
+
+
+def warn_if_slow_at_working_batch(scheme_name: str, model: Optional[nn.Module] = None) -> None:
+    """Say so when the scheme decoded large batches slower than float32 on a CPU like this one (no fast bf16)."""
+    from batchgen.engines.hf import cpu_has_fast_bf16  # imported here: hf imports this module
+
+    ratio = CPU_WORKING_BATCH_VS_FLOAT32.get(scheme_name)
+    if ratio is None or ratio >= 0.9 or cpu_has_fast_bf16():
+        return
+    if scheme_name == "int8" and model is not None and not any(
+            isinstance(m, Int8WeightOnlyLinear) for m in model.modules()):
+        return  # the dynamic-int8 fallback: the figure is not its own
+    log.warning("%s on this CPU decodes large batches slower than float32: %.2fx float32's output tokens/s at "
+                "batch 64 on an AVX2 CPU without fast bf16 (README \"Quantization\"); use it when the model does "
+                "not fit in memory in float32, or for batch-1 jobs, where it measured faster", scheme_name, ratio)
 
 
 def explain_load_failure(path: str, device: torch.device, exc: Exception) -> str:

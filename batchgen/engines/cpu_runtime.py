@@ -5,7 +5,8 @@ free, so each large temporary of a forward pass (a prefill's activations are meg
 page-faulted in afresh, every layer, every step. Raising the mmap and trim thresholds keeps freed
 blocks in the heap for reuse, as tcmalloc or jemalloc would (vLLM's CPU build asks for tcmalloc
 through LD_PRELOAD). Measured: an RMSNorm over a 1600-token prefill went from ~7-10 ms to ~1.2 ms.
-The cost is that the process keeps its peak heap instead of returning it to the system.
+The cost is that the process keeps its peak heap instead of returning it to the system; the engine
+sets this after the model is loaded (and quantized), so the load's transient copies are returned.
 """
 
 from __future__ import annotations

@@ -62,8 +62,6 @@ class HFEngine:
             torch.set_num_threads(cfg.threads)
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
-        if self.device.type == "cpu":
-            cpu_runtime.keep_freed_memory()
         self.dtype = quant.compute_dtype(cfg.quantization, self.device, resolve_dtype(cfg.dtype, self.device))
         self.tokenizer = tokenizer
         self.model = quant.load_model(cfg.model, scheme_name=cfg.quantization, device=self.device, dtype=self.dtype,
@@ -71,6 +69,8 @@ class HFEngine:
         self.prepacked = 0
         if self.device.type == "cpu" and cfg.prepack and not cfg.quantization and cpu_linear.available(self.dtype):
             self.prepacked = cpu_linear.pack_linears(self.model)
+        if self.device.type == "cpu":  # after loading: memory freed while loading or quantizing goes back to the OS
+            cpu_runtime.keep_freed_memory()
         budget, size, part = DEFAULTS["cuda" if self.device.type == "cuda" else "cpu"]
         self.max_batch_tokens = cfg.max_batch_tokens or budget
         self.max_batch_size = cfg.max_batch_size or size

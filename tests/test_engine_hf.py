@@ -244,25 +244,38 @@ def test_out_of_memory_allocating_the_cache_or_in_the_generic_path_backs_off(tin
     assert eng.stats.oom_backoffs > 2
 
 
-def test_prepacked_linears_compute_what_nn_linear_computes(engine):
-    """On CPU the engine reorders every untied linear weight for oneDNN; the forward is nn.Linear's."""
+def test_prepacked_linears_compute_what_nn_linear_computes():
+    """Weights with both sides >= MIN_FEATURES are reordered for oneDNN; the forward is nn.Linear's."""
     from torch import nn
 
     from batchgen.engines import cpu_linear
 
     if not cpu_linear.available(torch.float32):
         pytest.skip("this torch build has no oneDNN linear reorder")
-    assert engine.prepacked > 0 and engine.identity()["linear"] == "onednn-prepacked"
-    assert not any(type(m) is nn.Linear and m is not engine.model.get_output_embeddings()
-                   for m in engine.model.modules())
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(40, 24), nn.Linear(24, 8, bias=False))
-    x = torch.randn(3, 5, 40)
+    model = nn.Sequential(nn.Linear(256, 320), nn.Linear(320, 256, bias=False), nn.Linear(256, 16))
+    x = torch.randn(3, 5, 256)
     want = model(x)
     assert cpu_linear.pack_linears(model) == 2
-    assert all(isinstance(m, cpu_linear.PackedLinear) for m in model)
+    assert [type(m) for m in model] == [cpu_linear.PackedLinear, cpu_linear.PackedLinear, nn.Linear]
     got = model(x)
-    assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_output_is_the_same_with_prepacked_linears(tiny_model, tokenizer, engine, monkeypatch):
+    """The tiny model's weights are under MIN_FEATURES; pack them anyway and compare whole generations."""
+    from batchgen.engines import cpu_linear
+
+    if not cpu_linear.available(torch.float32):
+        pytest.skip("this torch build has no oneDNN linear reorder")
+    assert engine.prepacked == 0 and "linear" not in engine.identity()
+    monkeypatch.setattr(cpu_linear, "MIN_FEATURES", 1)
+    packed = HFEngine(EngineConfig(model=tiny_model, dtype="float32", max_batch_tokens=2048, max_batch_size=16),
+                      tokenizer)
+    assert packed.prepacked > 0 and packed.identity()["linear"] == "onednn-prepacked"
+    texts = prompts_with_lengths(tokenizer, [3, 40, 7, 120, 18, 66])
+    reqs = [Request(key=i, prompt_ids=tokenizer(t).input_ids, params=GREEDY, seed=None) for i, t in enumerate(texts)]
+    assert [r.text for r in packed.generate(reqs)] == [r.text for r in engine.generate(reqs)]
 
 
 def test_attention_plan_splits_off_long_rows_only_when_cheaper():

@@ -10,6 +10,7 @@ twice. Knows modules and tensors, not requests or schedules.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -58,6 +59,27 @@ def available(dtype: torch.dtype) -> bool:
         return False
 
 
+def replace_linears(model: nn.Module, convert: Callable[[nn.Linear], Optional[nn.Module]]) -> tuple[int, int]:
+    """Swap each plain `nn.Linear` for `convert(linear)` in place (None keeps it); returns (replaced, kept).
+
+    Each original weight is dropped as soon as its replacement exists, so a conversion holds one extra
+    layer at a time, never a second copy of the model.
+    """
+    replaced = kept = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            new = convert(child)
+            if new is None:
+                kept += 1
+                continue
+            setattr(parent, name, new)
+            child.weight = None
+            replaced += 1
+    return replaced, kept
+
+
 def pack_linears(model: Any) -> int:
     """Replace every plain `nn.Linear` of a CPU model by a PackedLinear, in place; returns how many.
 
@@ -67,14 +89,11 @@ def pack_linears(model: Any) -> int:
     """
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     shared = None if embed is None else embed.weight.data_ptr()
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or child.weight.device.type != "cpu":
-                continue
-            if child.weight.data_ptr() == shared or min(child.in_features, child.out_features) < MIN_FEATURES:
-                continue
-            setattr(parent, name, PackedLinear(child))
-            child.weight = None  # drop the unpacked weight now, not at the end: one copy of the model at a time
-            count += 1
-    return count
+
+    def pack(linear: nn.Linear) -> Optional[PackedLinear]:
+        if (linear.weight.device.type != "cpu" or linear.weight.data_ptr() == shared
+                or min(linear.in_features, linear.out_features) < MIN_FEATURES):
+            return None
+        return PackedLinear(linear)
+
+    return replace_linears(model, pack)[0]

@@ -103,7 +103,7 @@ class HFEngine:
         max_len = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
         if self.fast and supports(self.model, max_len):
             if self._stepper is None:
-                self._stepper = LlamaStepper(self.model)  # built once: it stacks q/k/v and gate/up weights
+                self._stepper = LlamaStepper(self.model)  # built once per engine
             scheduler = Scheduler(self, self._stepper, max_batch_tokens=self.max_batch_tokens,
                                   max_batch_size=self.max_batch_size)
             results = scheduler.run(requests, on_result)

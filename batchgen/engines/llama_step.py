@@ -128,8 +128,9 @@ class AttentionPlan:
     width: int
     long_rows: tuple[tuple[int, int], ...]
 
-    # Cost of a separate call in cache positions read (measured: a per-row call costs about as much as
-    # reading this many more positions in the batched call).
+    # Cost of a separate call, in cache positions of the batched call: an estimate from micro-benchmarks of
+    # per-row against batched decode attention (a per-row call's fixed cost, ~20 us, over the batched call's
+    # time per row and position); the end-to-end gain was measured with it, other values were not tried.
     ROW_CALL_COST = 64
     MAX_LONG_ROWS = 16
 

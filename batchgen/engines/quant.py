@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen.engines.cpu_linear import replace_linears
+
 log = logging.getLogger(__name__)
 
 # int8 weight-only on CPU: inputs of at least this many rows (prefill, large decode batches) dequantize the layer's
@@ -143,18 +145,7 @@ def _int8_kernel_takes(linear: nn.Module) -> bool:
 def int8_weight_only_linears(model: nn.Module) -> tuple[int, int]:
     """Replace every plain nn.Linear the kernel takes by an Int8WeightOnlyLinear, in place, one layer at
     a time (the float weight is dropped as soon as its int8 copy exists); returns (converted, skipped)."""
-    converted = skipped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear:
-                continue
-            if not _int8_kernel_takes(child):
-                skipped += 1
-                continue
-            setattr(parent, name, Int8WeightOnlyLinear(child))
-            child.weight = None  # the float weight goes now, not at the end: one float layer at a time
-            converted += 1
-    return converted, skipped
+    return replace_linears(model, lambda linear: Int8WeightOnlyLinear(linear) if _int8_kernel_takes(linear) else None)
 
 
 def int8_cpu(model: nn.Module, device: torch.device) -> nn.Module:

@@ -262,20 +262,30 @@ def test_prepacked_linears_compute_what_nn_linear_computes():
     assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_greedy_output_is_the_same_with_prepacked_linears(tiny_model, tokenizer, engine, monkeypatch):
-    """The tiny model's weights are under MIN_FEATURES; pack them anyway and compare whole generations."""
+def test_greedy_output_is_the_same_with_prepacked_and_fused_linears(tiny_model, tokenizer, engine, monkeypatch):
+    """The tiny model's weights are under MIN_FEATURES; pack (and fuse) them anyway and compare whole generations,
+    through the stepper (fused GEMMs) and through the model's own forward (the generic path, on FusedSlices)."""
     from batchgen.engines import cpu_linear
+    from batchgen.engines.llama_step import FusedSlice
 
     if not cpu_linear.available(torch.float32):
         pytest.skip("this torch build has no oneDNN linear reorder")
-    assert engine.prepacked == 0 and "linear" not in engine.identity()
+    assert engine.prepacked == engine.fused == 0 and "linear" not in engine.identity()
     monkeypatch.setattr(cpu_linear, "MIN_FEATURES", 1)
     packed = HFEngine(EngineConfig(model=tiny_model, dtype="float32", max_batch_tokens=2048, max_batch_size=16),
                       tokenizer)
-    assert packed.prepacked > 0 and packed.identity()["linear"] == "onednn-prepacked"
+    layers = packed.model.config.num_hidden_layers
+    assert packed.fused == 2 * layers and packed.prepacked == 2 * layers + 2 * layers + 1  # + o, down; + lm_head
+    assert packed.identity()["linear"] == "onednn-prepacked"
+    attn = packed.model.model.layers[0].self_attn
+    assert isinstance(attn.q_proj, FusedSlice) and isinstance(attn.qkv_proj, cpu_linear.PackedLinear)
+    assert sum(isinstance(m, cpu_linear.PackedLinear) for m in packed.model.modules()) == packed.prepacked
     texts = prompts_with_lengths(tokenizer, [3, 40, 7, 120, 18, 66])
     reqs = [Request(key=i, prompt_ids=tokenizer(t).input_ids, params=GREEDY, seed=None) for i, t in enumerate(texts)]
-    assert [r.text for r in packed.generate(reqs)] == [r.text for r in engine.generate(reqs)]
+    want = [r.text for r in engine.generate(reqs)]
+    assert [r.text for r in packed.generate(reqs)] == want
+    packed.fast = False
+    assert [r.text for r in packed.generate(reqs)] == want
 
 
 def test_attention_plan_splits_off_long_rows_only_when_cheaper():

@@ -89,11 +89,11 @@ def pack_linears(model: Any) -> int:
     """
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     shared = None if embed is None else embed.weight.data_ptr()
+    return replace_linears(model, lambda linear: None if linear.weight.data_ptr() == shared else pack(linear))[0]
 
-    def pack(linear: nn.Linear) -> Optional[PackedLinear]:
-        if (linear.weight.device.type != "cpu" or linear.weight.data_ptr() == shared
-                or min(linear.in_features, linear.out_features) < MIN_FEATURES):
-            return None
-        return PackedLinear(linear)
 
-    return replace_linears(model, pack)[0]
+def pack(linear: nn.Linear) -> Optional[PackedLinear]:
+    """`linear` reordered for oneDNN, or None where it should stay as it is (not on CPU, or too small)."""
+    if linear.weight.device.type != "cpu" or min(linear.in_features, linear.out_features) < MIN_FEATURES:
+        return None
+    return PackedLinear(linear)

@@ -17,7 +17,7 @@ import torch
 
 from batchgen.engines import cpu_linear, cpu_runtime, quant
 from batchgen.engines.base import EngineConfig
-from batchgen.engines.llama_step import LlamaStepper, supports
+from batchgen.engines.llama_step import LlamaStepper, fuse_projections, supports
 from batchgen.engines.scheduler import Scheduler, SchedulerStats, is_oom
 from batchgen.records import Request, Result
 from batchgen.sampling import SampleParams, find_stop
@@ -66,16 +66,18 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.model = quant.load_model(cfg.model, scheme_name=cfg.quantization, device=self.device, dtype=self.dtype,
                                       trust_remote_code=cfg.trust_remote_code)  # from_pretrained, then quantized
-        self.prepacked = 0
+        self.max_model_len = cfg.max_model_len or _model_max_len(self.model.config)
+        self.prepacked = self.fused = 0
         if self.device.type == "cpu" and cfg.prepack and not cfg.quantization and cpu_linear.available(self.dtype):
-            self.prepacked = cpu_linear.pack_linears(self.model)
+            if supports(self.model, self.max_model_len):  # the stepper serves every window: it calls the fused GEMMs
+                self.fused = fuse_projections(self.model, cpu_linear.pack)
+            self.prepacked = self.fused + cpu_linear.pack_linears(self.model)
         if self.device.type == "cpu":  # after loading: memory freed while loading or quantizing goes back to the OS
             cpu_runtime.keep_freed_memory()
         budget, size, part = DEFAULTS["cuda" if self.device.type == "cuda" else "cpu"]
         self.max_batch_tokens = cfg.max_batch_tokens or budget
         self.max_batch_size = cfg.max_batch_size or size
         self.rows_per_part = part
-        self.max_model_len = cfg.max_model_len or _model_max_len(self.model.config)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
         self.eos_ids = _eos_ids(self.model, tokenizer)
@@ -83,8 +85,9 @@ class HFEngine:
         self._stepper: Optional[LlamaStepper] = None
         self.stats = EngineStats()
         self.pad_id = _first(tokenizer.pad_token_id, *sorted(self.eos_ids), 0)
-        log.info("hf engine: %s on %s in %s, max_batch_tokens=%d, max_batch_size=%d, %d linears prepacked for oneDNN",
-                 cfg.model, self.device, self.dtype, self.max_batch_tokens, self.max_batch_size, self.prepacked)
+        log.info("hf engine: %s on %s in %s, max_batch_tokens=%d, max_batch_size=%d, %d linears prepacked for oneDNN "
+                 "(%d of them fused q/k/v or gate/up)", cfg.model, self.device, self.dtype, self.max_batch_tokens,
+                 self.max_batch_size, self.prepacked, self.fused)
 
     def identity(self) -> dict[str, Any]:
         quantization = {"quantization": self.cfg.quantization} if self.cfg.quantization else {}

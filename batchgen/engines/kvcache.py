@@ -17,6 +17,7 @@ class SlotKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)  # [layers, slots, kv_heads, max_len, head_dim]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(slots, dtype=torch.long, device=device)  # valid tokens per slot
+        self.host_lengths = [0] * slots  # the same, on the host: planning a step needs no device sync
         self.slots = slots
         self.max_len = max_len
 
@@ -25,6 +26,16 @@ class SlotKVCache:
         n, _, t, _ = k.shape
         self.k[layer, first_slot:first_slot + n, :, :t] = k
         self.v[layer, first_slot:first_slot + n, :, :t] = v
+
+    def set_lengths(self, first_slot: int, lengths: list[int]) -> None:
+        self.lengths[first_slot:first_slot + len(lengths)] = torch.tensor(lengths, device=self.lengths.device)
+        self.host_lengths[first_slot:first_slot + len(lengths)] = lengths
+
+    def advance(self, n: int) -> None:
+        """Slots [0, n) each hold one more token."""
+        self.lengths[:n] += 1
+        for slot in range(n):
+            self.host_lengths[slot] += 1
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [n, kv_heads, 1, head_dim] for slots [0, n), each at its own position lengths[slot]."""
@@ -44,7 +55,8 @@ class SlotKVCache:
 
     def move(self, src: int, dst: int) -> None:
         """Copy sequence `src` into slot `dst` (all layers, valid positions only)."""
-        length = int(self.lengths[src])
+        length = self.host_lengths[src]
         self.k[:, dst, :, :length] = self.k[:, src, :, :length]
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
         self.lengths[dst] = self.lengths[src]
+        self.host_lengths[dst] = length

@@ -3,8 +3,8 @@
 The model's own modules (embeddings, norms, projections, rotary embedding, MLP, LM head) are called
 as they are; only attention and the cache are ours: decode attention reads the pre-allocated cache
 through views and masks each row to its own length. `fuse_projections` can merge each layer's q/k/v
-and gate/up projections into one GEMM each, which the stepper then calls instead. Architectures outside the list use the generic
-path in hf.py. Knows the model's modules, not requests, sampling or tokenizers.
+and gate/up projections into one GEMM each, which the stepper then calls instead. Architectures
+outside the list use the generic path in hf.py. Knows the model's modules, not requests, sampling or tokenizers.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ class LlamaStepper:
 
     def prefill(self, cache: SlotKVCache, first_slot: int, prompts: list[list[int]]) -> torch.Tensor:
         """Run right-padded prompts into slots [first_slot, first_slot + n); logits of each last token: [n, V]."""
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        width = int(lengths.max())
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
         ids = torch.zeros((len(prompts), width), dtype=torch.long)
         for b, p in enumerate(prompts):
             ids[b, : len(p)] = torch.tensor(p, dtype=torch.long)
@@ -69,15 +69,16 @@ class LlamaStepper:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
             x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
             x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
-        cache.lengths[first_slot:first_slot + len(prompts)] = lengths
-        last = x[torch.arange(len(prompts), device=self.device), lengths - 1]  # [n, hidden]
+        cache.set_lengths(first_slot, lengths)
+        ends = torch.tensor(lengths, device=self.device) - 1
+        last = x[torch.arange(len(prompts), device=self.device), ends]  # [n, hidden]
         return self.model.lm_head(self.inner.norm(last))
 
     def decode(self, cache: SlotKVCache, tokens: torch.Tensor) -> torch.Tensor:
         """One token for each live slot [0, n): tokens [n] -> logits [n, V]."""
         n = tokens.shape[0]
         positions = cache.lengths[:n]
-        plan = AttentionPlan.for_lengths((positions + 1).tolist())
+        plan = AttentionPlan.for_lengths([length + 1 for length in cache.host_lengths[:n]])
         valid = torch.arange(plan.width, device=self.device)[None, :] <= positions[:, None]  # [n, width]
         bias = torch.zeros(valid.shape, dtype=torch.float32, device=self.device).masked_fill_(~valid, float("-inf"))
         x = self.inner.embed_tokens(tokens[:, None])  # [n, 1, hidden]
@@ -93,7 +94,7 @@ class LlamaStepper:
                 out[row] = self._decode_attention(q[row:row + 1], keys, values, None)[0]
             x = x + layer.self_attn.o_proj(out[:, None, :])
             x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
-        cache.lengths[:n] += 1
+        cache.advance(n)
         return self.model.lm_head(self.inner.norm(x[:, 0]))
 
     def _qkv(self, attn: Any, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):

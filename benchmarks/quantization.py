@@ -20,9 +20,9 @@ taken in several shorter commands.
 Fidelity, against `none` (float32 here: a stricter reference than bf16, which is itself rounded), on
 seeded random token ids (the model has random weights): teacher-forced top-1 next-token agreement
 and mean KL(none || scheme) per position, with all positions in one forward (the prefill path);
-for int8 also through the small-batch decode kernel (`int8 decode path`); greedy agreement: share of
-rows whose greedy generation is identical, and the mean position of the first differing token over
-the rows that differ.
+for int8 also through the small-batch decode kernel (`int8 decode path`: batchgen's AVX2 kernel
+where it is built, else aten's); greedy agreement: share of rows whose greedy generation is
+identical, and the mean position of the first differing token over the rows that differ.
 """
 
 from __future__ import annotations
@@ -121,10 +121,11 @@ def child(args: argparse.Namespace) -> None:
             logits = engine.model(input_ids=ids).logits.float()  # [n, T, V]
         torch.save(torch.log_softmax(logits, dim=-1), args.workdir / f"logprobs-{args.run}.pt")
         if any(isinstance(m, quant.Int8WeightOnlyLinear) for m in engine.model.modules()):
-            rows_before, quant.DEQUANT_ROWS = quant.DEQUANT_ROWS, n * length + 1  # every linear through the kernel
+            before = quant.DEQUANT_ROWS, quant.NATIVE_ROWS
+            quant.DEQUANT_ROWS = quant.NATIVE_ROWS = n * length + 1  # every linear through the small-batch kernel
             with torch.inference_mode():
                 logits = engine.model(input_ids=ids).logits.float()
-            quant.DEQUANT_ROWS = rows_before
+            quant.DEQUANT_ROWS, quant.NATIVE_ROWS = before
             torch.save(torch.log_softmax(logits, dim=-1), args.workdir / f"logprobs-{args.run}-decode.pt")
         rows, prompt, new = plan["greedy"]
         engine.generate(requests(token_rows(rows, prompt, vocab, seed=2), new))

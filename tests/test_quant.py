@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.engines import quant
+from batchgen.engines import cpu_int8, quant
 from batchgen.errors import ConfigError
 from batchgen.job import validate
 from batchgen.runner import run_job
@@ -94,16 +94,35 @@ def test_bnb_on_cpu_exits_2_before_the_model_loads(tiny_model, tmp_path):
     assert proc.returncode == 2 and "engine.quantization=bnb-nf4" in proc.stderr and "cuda" in proc.stderr
 
 
-@pytest.mark.parametrize("path", ["prefill", "decode"])
+def native_or_skip():
+    if cpu_int8.load() is None:
+        pytest.skip("batchgen's int8 kernel is not built here (x86 with AVX2/FMA and no AVX-512, and a C compiler)")
+
+
+def force_kernel(monkeypatch, kernel: str, rows: int) -> None:
+    """Send inputs of up to `rows` rows through one path of Int8WeightOnlyLinear."""
+    if kernel == "native":
+        native_or_skip()
+        monkeypatch.setattr(quant, "NATIVE_ROWS", rows + 1)
+        monkeypatch.setattr(quant, "DEQUANT_ROWS", rows + 1)
+    elif kernel == "aten":
+        monkeypatch.setattr(quant, "NATIVE_ROWS", 0)
+        monkeypatch.setattr(quant, "DEQUANT_ROWS", rows + 1)
+    else:  # dequantized weights, float GEMM
+        monkeypatch.setattr(quant, "NATIVE_ROWS", 0)
+        monkeypatch.setattr(quant, "DEQUANT_ROWS", 0)
+
+
+@pytest.mark.parametrize("path", ["dequant", "aten", "native"])
 def test_int8_top1_agreement_with_the_unquantized_benchmark_model(bench_model, monkeypatch, path):
     """Teacher forcing on 8 x 128 seeded token ids through the 76M-param benchmark model: int8 must keep
-    the unquantized model's next token at >= 90% of the positions. The 1024 positions go through one forward;
-    `prefill` as the engine runs so many rows (dequantized weights, float32 GEMM), `decode` with every linear
-    forced through the small-batch kernel (aten._weight_int8pack_mm, bfloat16 activations)."""
+    the unquantized model's next token at >= 90% of the positions. The 1024 positions go through one forward,
+    with every linear forced through one path: `dequant` as the engine runs prefills (dequantized weights,
+    float32 GEMM), `aten` (aten._weight_int8pack_mm, bfloat16 activations) and `native` (batchgen's AVX2 kernel,
+    float32 activations) as it runs small decode batches."""
+    force_kernel(monkeypatch, path, 8 * 128)
     model = load(bench_model, torch.float32)
     ids = torch.randint(10, model.config.vocab_size, (8, 128), generator=torch.Generator().manual_seed(1))
-    if path == "decode":
-        monkeypatch.setattr(quant, "DEQUANT_ROWS", ids.numel() + 1)
     with torch.inference_mode():
         ref = model(input_ids=ids).logits.argmax(-1)  # [8, 128]
         got = quant.int8_cpu(model, torch.device("cpu"))(input_ids=ids).logits.argmax(-1)
@@ -112,9 +131,11 @@ def test_int8_top1_agreement_with_the_unquantized_benchmark_model(bench_model, m
     assert agreement >= 0.9, f"int8 top-1 agreement {agreement:.1%} ({path})"
 
 
-@pytest.mark.parametrize("rows", [1, 5, quant.DEQUANT_ROWS + 3])  # the kernel, and the dequantized GEMM
+@pytest.mark.parametrize("kernel,rows", [("aten", 1), ("aten", 5), ("native", 1), ("native", 5), ("native", 40),
+                                         ("dequant", 7)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_int8_weight_only_linear_matches_nn_linear(rows, bias):
+def test_int8_weight_only_linear_matches_nn_linear(monkeypatch, kernel, rows, bias):
+    force_kernel(monkeypatch, kernel, 2 * rows)
     torch.manual_seed(0)
     linear = nn.Linear(256, 96, bias=bias)
     x = torch.randn(2, rows, 256)  # any leading shape
@@ -126,17 +147,47 @@ def test_int8_weight_only_linear_matches_nn_linear(rows, bias):
     assert got.shape == ref.shape == (2, rows, 96) and got.dtype == torch.float32
     assert q.qweight.dtype == torch.int8 and q.scale.shape == (96,)
     # int8 weights, one scale per output channel: about 1% relative error on random weights; bfloat16
-    # activations and output in the kernel add about 0.3%
+    # activations and output in aten's kernel add about 0.3%; the native kernel and the dequantized GEMM
+    # compute the int8 weights' product in float32
     assert (got - ref).norm() / ref.norm() < 0.02
-    assert torch.allclose(got, exact, rtol=2e-2, atol=2e-2 * exact.abs().max().item())
+    if kernel == "aten":
+        assert torch.allclose(got, exact, rtol=2e-2, atol=2e-2 * exact.abs().max().item())
+    else:
+        assert torch.allclose(got, exact, rtol=1e-4, atol=1e-5)
 
 
-def test_int8_leaves_linears_the_kernel_cannot_take():
-    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 12), nn.Linear(12, 8))  # 12: not a multiple
-    assert quant.int8_weight_only_linears(model) == (2, 1)
-    assert [type(m).__name__ for m in model] == ["Int8WeightOnlyLinear", "ReLU", "Int8WeightOnlyLinear", "Linear"]
+def test_int8_leaves_linears_the_kernel_cannot_take(monkeypatch):
+    """aten's kernel takes input sizes that are multiples of 16; batchgen's own kernel takes any."""
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 12), nn.Linear(12, 8))  # 12: not a multiple
+
+    x = torch.randn(3, 64)
     with torch.inference_mode():
-        assert model(torch.randn(3, 64)).shape == (3, 8)
+        want = model()(x)
+    if cpu_int8.load() is not None:
+        native = model()
+        assert quant.int8_weight_only_linears(native) == (3, 0)
+        with torch.inference_mode():
+            assert (native(x) - want).norm() / want.norm() < 0.03
+    monkeypatch.setattr(cpu_int8, "load", lambda: None)
+    aten = model()
+    assert quant.int8_weight_only_linears(aten) == (2, 1)
+    assert [type(m).__name__ for m in aten] == ["Int8WeightOnlyLinear", "ReLU", "Int8WeightOnlyLinear", "Linear"]
+    with torch.inference_mode():
+        assert aten(x).shape == (3, 8)
+
+
+def test_native_int8_kernel_matches_a_float_reference():
+    """Odd sizes (remainders of the 8-wide loop and of the 4-channel blocks), bias or not, several rows."""
+    native_or_skip()
+    torch.manual_seed(0)
+    for m, k, n, biased in [(1, 768, 768, False), (3, 100, 13, True), (7, 2048, 770, True), (1, 12, 5, False)]:
+        x, w = torch.randn(m, k), torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        scale, bias = torch.rand(n) / 100, torch.randn(n) if biased else None
+        got = cpu_int8.int8_gemm(cpu_int8.load(), x, w, scale, bias)
+        want = x @ w.float().t() * scale + (0 if bias is None else bias)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (m, k, n)
 
 
 def test_a_scheme_slow_at_the_working_batch_says_so_on_cpu(monkeypatch, caplog):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable
-from functools import lru_cache
 from typing import Any, Optional
 
 import torch
@@ -31,14 +30,9 @@ DEFAULTS = {  # (max_batch_tokens, max_batch_size, rows_per_part) per device typ
 }
 
 
-@lru_cache(maxsize=1)
 def cpu_has_fast_bf16() -> bool:
     """True where the CPU has native bf16 dot products (AVX-512 BF16 or AMX); elsewhere bf16 is emulated, slow."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
+    flags = cpu_runtime.cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

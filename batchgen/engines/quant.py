@@ -8,12 +8,14 @@ only by the scheme that needs them, behind an install hint. Knows modules and te
 requests, batching or the scheduler.
 
 What runs where (measured on an AVX2-only CPU without fast bf16; see README "Quantization"):
-- int8, CPU: weight-only, `Int8WeightOnlyLinear`: int8 weights with one symmetric bf16 scale per output
-  channel; activations stay unquantized. Inputs under DEQUANT_ROWS rows (decode steps of small batches) run
-  torch's `aten._weight_int8pack_mm` with bfloat16 activations; larger inputs (prefill, large batches)
-  dequantize the layer's weights for one float32 GEMM. The model (norms, attention) computes in float32.
-  Linears whose input size the kernel cannot take stay float. Without that kernel (older torch) the fallback,
-  with a warning, is `torch.ao.quantization.quantize_dynamic` (activations quantized too: lower fidelity).
+- int8, CPU: weight-only, `Int8WeightOnlyLinear`: int8 weights with one symmetric bf16-rounded scale per
+  output channel; activations stay unquantized. Inputs under NATIVE_ROWS rows (decode steps of small
+  batches) run batchgen's own AVX2 kernel (`cpu_int8`, float32 activations) where it is built; otherwise
+  inputs under DEQUANT_ROWS rows run torch's `aten._weight_int8pack_mm` with bfloat16 activations; larger
+  inputs (prefill, large batches) dequantize the layer's weights for one float32 GEMM. The model (norms,
+  attention) computes in float32. Without batchgen's kernel, linears whose input size aten's kernel cannot
+  take stay float. Without either kernel (older torch) the fallback, with a warning, is
+  `torch.ao.quantization.quantize_dynamic` (activations quantized too: lower fidelity).
 - int8, CUDA: torchao `Int8WeightOnlyConfig`.
 - int4, CPU: torchao `PrototypeInt4WeightOnlyConfig` (group 128), bfloat16 compute (its kernel's dtype).
 - int4, CUDA: torchao `Int4WeightOnlyConfig` with the tinygemm tile-packed layout, bfloat16 compute.
@@ -36,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen.engines import cpu_int8
 from batchgen.engines.cpu_linear import replace_linears
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,7 @@ log = logging.getLogger(__name__)
 # development CPU (AVX2, no fast bf16), end to end in the engine on the benchmark model, the kernel was faster for
 # decode batches of 16 and 32 rows and no faster at 64, and the float GEMM clearly faster for prefill (1024 rows).
 DEQUANT_ROWS = 64
+NATIVE_ROWS = 64  # inputs under this many rows run batchgen's AVX2 kernel (cpu_int8) where it is built
 INT8_K_MULTIPLE = 16  # input sizes aten._weight_int8pack_mm takes (see _int8_kernel_takes)
 INT4_GROUP = 128  # weights per int4 scale/zero pair
 # Output tokens/s at the CPU working batch (64 rows) over float32's, measured with benchmarks/quantization.py on the
@@ -94,7 +98,8 @@ def quantize_embeddings_int8(model: nn.Module) -> None:
 
 class Int8WeightOnlyLinear(nn.Module):
     """`nn.Linear` with int8 weights and one symmetric bf16 scale per output channel (weight-only: activations
-    are not quantized). Inputs of fewer than DEQUANT_ROWS rows go through torch's CPU kernel
+    are not quantized). Inputs of fewer than NATIVE_ROWS rows go through batchgen's AVX2 kernel (float32) where
+    it is built; else inputs of fewer than DEQUANT_ROWS rows go through torch's CPU kernel
     `aten._weight_int8pack_mm` in bfloat16 (its fast dtype; the result comes back in the input's dtype);
     larger inputs dequantize the weights, transiently, and run a GEMM in the input's dtype."""
 
@@ -108,13 +113,20 @@ class Int8WeightOnlyLinear(nn.Module):
         qweight = torch.round(weight / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scale", scale)
+        self.register_buffer("scale_f32", scale.float(), persistent=False)  # what the native kernel multiplies by
+        self.native = cpu_int8.load()  # batchgen's AVX2 kernel for few rows; None where it does not run
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
+        rows = x2.shape[0]
+        if self.native is not None and 0 < rows < NATIVE_ROWS:
+            y = cpu_int8.int8_gemm(self.native, x2.float().contiguous(), self.qweight, self.scale_f32,
+                                   None if self.bias is None else self.bias.float())
+            return y.to(x.dtype).view(*lead, self.out_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if x2.shape[0] >= DEQUANT_ROWS or x2.shape[0] == 0:
+        if rows >= DEQUANT_ROWS or rows == 0 or self.in_features % INT8_K_MULTIPLE:
             weight = self.qweight.to(x.dtype).mul_(self.scale.to(x.dtype)[:, None])  # [N, K], freed on return
             return F.linear(x, weight, bias)
         a = x2.to(torch.bfloat16).contiguous()
@@ -135,11 +147,12 @@ def int8_weight_only_kernel() -> bool:
 
 
 def _int8_kernel_takes(linear: nn.Module) -> bool:
-    """A plain float CPU nn.Linear whose input size the kernel handles. `aten._weight_int8pack_mm` reads the input
+    """A plain float CPU nn.Linear whose input size the kernels handle. `aten._weight_int8pack_mm` reads the input
     dimension in blocks of 8 (16 with AVX-512) with aligned vector loads and no remainder loop: other input sizes
-    give wrong results or crash (seen here with 12 and 100), and the op does not check, so they are not probed."""
+    give wrong results or crash (seen here with 12 and 100), and the op does not check, so they are not probed.
+    batchgen's own kernel takes any size; where it is built, such linears never reach aten's kernel."""
     return (type(linear) is nn.Linear and linear.weight.device.type == "cpu" and linear.weight.is_floating_point()
-            and linear.in_features % INT8_K_MULTIPLE == 0)
+            and (linear.in_features % INT8_K_MULTIPLE == 0 or cpu_int8.load() is not None))
 
 
 def int8_weight_only_linears(model: nn.Module) -> tuple[int, int]:
@@ -155,10 +168,11 @@ def int8_cpu(model: nn.Module, device: torch.device) -> nn.Module:
                     "int8 linears (activations quantized per tensor: lower fidelity)")
         return int8_cpu_dynamic(model, device)
     converted, skipped = int8_weight_only_linears(model)
-    log.info("int8 weight-only: %d linears converted, %d left in float (input size not a multiple of %d); inputs "
-             "under %d rows run aten._weight_int8pack_mm in bfloat16, larger ones dequantize the layer's weights "
-             "for a float32 GEMM (faster there on this kind of CPU)", converted, skipped, INT8_K_MULTIPLE,
-             DEQUANT_ROWS)
+    small = (f"batchgen's AVX2 kernel under {NATIVE_ROWS} rows" if cpu_int8.load() is not None
+             else f"aten._weight_int8pack_mm in bfloat16 under {DEQUANT_ROWS} rows")
+    log.info("int8 weight-only: %d linears converted, %d left in float (input size not a multiple of %d); small "
+             "inputs run %s, larger ones dequantize the layer's weights for a float32 GEMM", converted, skipped,
+             INT8_K_MULTIPLE, small)
     quantize_embeddings_int8(model)
     return model
 

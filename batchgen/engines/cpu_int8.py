@@ -1,0 +1,99 @@
+"""batchgen's own int8 weight-only GEMM for few rows on AVX2 CPUs (`int8_gemm.c`), compiled on first use.
+
+torch's `aten._weight_int8pack_mm` is vectorized for AVX-512 and ARM only; on an AVX2 CPU its generic
+loop made an int8 decode step of one row no faster than bfloat16, although it reads half the bytes
+(README "Quantization"). This kernel converts 8 int8 weights at a time to float and FMAs them with
+float32 inputs, so a small batch runs at the rate the weights stream from memory.
+
+The C source is compiled once per source version and CPU family with the system C compiler
+(`$CC`, else `cc`) into a cache directory (`$BATCHGEN_CACHE_DIR`, else `~/.cache/batchgen`), written
+under a temporary name and renamed, so concurrent jobs sharing the cache never load a half-written
+library. Where there is no compiler, no AVX2/FMA, or `BATCHGEN_NATIVE_KERNELS=0`, `load()` returns
+None and int8 uses torch's kernel (logged once). Knows tensors and pointers, not models.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from batchgen.engines.cpu_runtime import cpu_flags
+
+log = logging.getLogger(__name__)
+SOURCE = Path(__file__).with_name("int8_gemm.c")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BATCHGEN_CACHE_DIR") or Path.home() / ".cache" / "batchgen")
+
+
+def wanted() -> bool:
+    """An x86 CPU with AVX2 and FMA, and no AVX-512 (where torch's own kernel is vectorized), not switched off."""
+    if os.environ.get("BATCHGEN_NATIVE_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    flags = cpu_flags()
+    return {"avx2", "fma"} <= flags and "avx512f" not in flags
+
+
+@lru_cache(maxsize=1)
+def load() -> Optional[ctypes.CDLL]:
+    """The compiled kernel, building it on first use; None where it cannot run here (logged)."""
+    if not wanted():
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.info("no C compiler (cc or $CC) found: int8 uses torch's kernel, slower on this CPU")
+        return None
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(CFLAGS).encode() + platform.processor().encode()).hexdigest()[:16]
+    target = cache_dir() / f"int8_gemm-{digest}.so"
+    try:
+        if not target.exists():
+            _compile(compiler, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        detail = getattr(exc, "stderr", None) or exc
+        log.warning("building batchgen's int8 kernel failed (%s): int8 uses torch's kernel, slower on this CPU",
+                    detail)
+        return None
+    fn = lib.batchgen_int8_gemm
+    fn.restype = None
+    ptr = ctypes.c_void_p  # tensors go in as data_ptr() integers (a ctypes.cast per argument cost microseconds)
+    fn.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ptr, ptr, ptr, ctypes.c_long, ctypes.c_int]
+    log.info("int8: batchgen's AVX2 kernel for small batches (%s)", target.name)
+    return lib
+
+
+def _compile(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True,
+                       timeout=120)
+        os.replace(tmp, target)  # atomic: another process sees the old state or the whole library
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def int8_gemm(lib: ctypes.CDLL, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+              bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x: [M, K] float32 contiguous; qweight: [N, K] int8 contiguous; scale, bias: [N] float32 -> [M, N] float32."""
+    (m, k), n = x.shape, qweight.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32)
+    lib.batchgen_int8_gemm(x.data_ptr(), m, k, qweight.data_ptr(), scale.data_ptr(),
+                           None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
+    return y

@@ -1,0 +1,89 @@
+/* int8 weight-only GEMM for few rows, AVX2 + FMA: y[m, n] = scale[n] * dot(w[n, :], x[m, :]) (+ bias[n]).
+ *
+ * x: [M, K] float32, w: [N, K] int8 (one symmetric scale per output channel), y: [M, N] float32.
+ * Built and loaded by batchgen/engines/cpu_int8.py. A decode step of a small batch is bound by reading
+ * the weights; torch's own int8 kernel has no AVX2 path and ran at half the read rate of bf16 on such a
+ * CPU. Here each thread takes blocks of 4 output channels; their int8 rows (at most a few KiB each) stay
+ * in L1 while every input row is dotted against them, so the weights are read from memory once.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256 load8(const int8_t *p) {  /* 8 int8 -> 8 float */
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* One output channel n for input rows [0, M): the remainder when N is not a multiple of 4. */
+static void channel(const float *x, long M, long K, const int8_t *w, const float *scale, const float *bias,
+                    float *y, long N, long n) {
+    const long K8 = K & ~7L;
+    const int8_t *wn = w + n * K;
+    for (long m = 0; m < M; m++) {
+        const float *xm = x + m * K;
+        __m256 acc = _mm256_setzero_ps();
+        for (long k = 0; k < K8; k += 8)
+            acc = _mm256_fmadd_ps(load8(wn + k), _mm256_loadu_ps(xm + k), acc);
+        float sum = hsum(acc);
+        for (long k = K8; k < K; k++)
+            sum += (float)wn[k] * xm[k];
+        y[m * N + n] = sum * scale[n] + (bias ? bias[n] : 0.0f);
+    }
+}
+
+/* Output channels [n0, n0 + 4) for input rows [0, M). Eight named accumulators (4 channels x 2 halves of a
+ * 16-wide step) keep two FMAs per cycle in flight and stay in registers (an indexed array would not). */
+static void block4(const float *x, long M, long K, const int8_t *w, const float *scale, const float *bias,
+                   float *y, long N, long n0) {
+    const long K16 = K & ~15L, K8 = K & ~7L;
+    const int8_t *w0 = w + n0 * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+    for (long m = 0; m < M; m++) {
+        const float *xm = x + m * K;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+               a3 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(),
+               b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+        long k = 0;
+        for (; k < K16; k += 16) {
+            __m256 xa = _mm256_loadu_ps(xm + k), xb = _mm256_loadu_ps(xm + k + 8);
+            a0 = _mm256_fmadd_ps(load8(w0 + k), xa, a0);
+            a1 = _mm256_fmadd_ps(load8(w1 + k), xa, a1);
+            a2 = _mm256_fmadd_ps(load8(w2 + k), xa, a2);
+            a3 = _mm256_fmadd_ps(load8(w3 + k), xa, a3);
+            b0 = _mm256_fmadd_ps(load8(w0 + k + 8), xb, b0);
+            b1 = _mm256_fmadd_ps(load8(w1 + k + 8), xb, b1);
+            b2 = _mm256_fmadd_ps(load8(w2 + k + 8), xb, b2);
+            b3 = _mm256_fmadd_ps(load8(w3 + k + 8), xb, b3);
+        }
+        for (; k < K8; k += 8) {
+            __m256 xa = _mm256_loadu_ps(xm + k);
+            a0 = _mm256_fmadd_ps(load8(w0 + k), xa, a0);
+            a1 = _mm256_fmadd_ps(load8(w1 + k), xa, a1);
+            a2 = _mm256_fmadd_ps(load8(w2 + k), xa, a2);
+            a3 = _mm256_fmadd_ps(load8(w3 + k), xa, a3);
+        }
+        float s[4] = {hsum(_mm256_add_ps(a0, b0)), hsum(_mm256_add_ps(a1, b1)), hsum(_mm256_add_ps(a2, b2)),
+                      hsum(_mm256_add_ps(a3, b3))};
+        const int8_t *rows[4] = {w0, w1, w2, w3};
+        for (int r = 0; r < 4; r++) {
+            for (long j = K8; j < K; j++)
+                s[r] += (float)rows[r][j] * xm[j];
+            y[m * N + n0 + r] = s[r] * scale[n0 + r] + (bias ? bias[n0 + r] : 0.0f);
+        }
+    }
+}
+
+void batchgen_int8_gemm(const float *x, long M, long K, const int8_t *w, const float *scale, const float *bias,
+                        float *y, long N, int threads) {
+    const long blocks = N / 4;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long b = 0; b < blocks; b++)
+        block4(x, M, K, w, scale, bias, y, N, b * 4);
+    for (long n = blocks * 4; n < N; n++)
+        channel(x, M, K, w, scale, bias, y, N, n);
+}

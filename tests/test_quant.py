@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.engines import cpu_int8, quant
+from batchgen.engines import cpu_kernels, quant
 from batchgen.errors import ConfigError
 from batchgen.job import validate
 from batchgen.runner import run_job
@@ -95,7 +95,7 @@ def test_bnb_on_cpu_exits_2_before_the_model_loads(tiny_model, tmp_path):
 
 
 def native_or_skip():
-    if cpu_int8.load() is None:
+    if cpu_kernels.load() is None:
         pytest.skip("batchgen's int8 kernel is not built here (x86 with AVX2/FMA and no AVX-512, and a C compiler)")
 
 
@@ -165,12 +165,12 @@ def test_int8_leaves_linears_the_kernel_cannot_take(monkeypatch):
     x = torch.randn(3, 64)
     with torch.inference_mode():
         want = model()(x)
-    if cpu_int8.load() is not None:
+    if cpu_kernels.load() is not None:
         native = model()
         assert quant.int8_weight_only_linears(native) == (3, 0)
         with torch.inference_mode():
             assert (native(x) - want).norm() / want.norm() < 0.03
-    monkeypatch.setattr(cpu_int8, "load", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     aten = model()
     assert quant.int8_weight_only_linears(aten) == (2, 1)
     assert [type(m).__name__ for m in aten] == ["Int8WeightOnlyLinear", "ReLU", "Int8WeightOnlyLinear", "Linear"]
@@ -185,7 +185,7 @@ def test_native_int8_kernel_matches_a_float_reference():
     for m, k, n, biased in [(1, 768, 768, False), (3, 100, 13, True), (7, 2048, 770, True), (1, 12, 5, False)]:
         x, w = torch.randn(m, k), torch.randint(-127, 128, (n, k), dtype=torch.int8)
         scale, bias = torch.rand(n) / 100, torch.randn(n) if biased else None
-        got = cpu_int8.int8_gemm(cpu_int8.load(), x, w, scale, bias)
+        got = cpu_kernels.int8_gemm(cpu_kernels.load(), x, w, scale, bias)
         want = x @ w.float().t() * scale + (0 if bias is None else bias)
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (m, k, n)
 

@@ -10,7 +10,7 @@ requests, batching or the scheduler.
 What runs where (measured on an AVX2-only CPU without fast bf16; see README "Quantization"):
 - int8, CPU: weight-only, `Int8WeightOnlyLinear`: int8 weights with one symmetric bf16-rounded scale per
   output channel; activations stay unquantized. Inputs under NATIVE_ROWS rows (decode steps of small
-  batches) run batchgen's own AVX2 kernel (`cpu_int8`, float32 activations) where it is built; otherwise
+  batches) run batchgen's own AVX2 kernel (`cpu_kernels`, float32 activations) where it is built; otherwise
   inputs under DEQUANT_ROWS rows run torch's `aten._weight_int8pack_mm` with bfloat16 activations; larger
   inputs (prefill, large batches) dequantize the layer's weights for one float32 GEMM. The model (norms,
   attention) computes in float32. Without batchgen's kernel, linears whose input size aten's kernel cannot
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.engines import cpu_int8
+from batchgen.engines import cpu_kernels
 from batchgen.engines.cpu_linear import replace_linears
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 # development CPU (AVX2, no fast bf16), end to end in the engine on the benchmark model, the kernel was faster for
 # decode batches of 16 and 32 rows and no faster at 64, and the float GEMM clearly faster for prefill (1024 rows).
 DEQUANT_ROWS = 64
-NATIVE_ROWS = 64  # inputs under this many rows run batchgen's AVX2 kernel (cpu_int8) where it is built
+NATIVE_ROWS = 64  # inputs under this many rows run batchgen's AVX2 kernel (cpu_kernels) where it is built
 INT8_K_MULTIPLE = 16  # input sizes aten._weight_int8pack_mm takes (see _int8_kernel_takes)
 INT4_GROUP = 128  # weights per int4 scale/zero pair
 # Output tokens/s at the CPU working batch (64 rows) over float32's, measured with benchmarks/quantization.py on the
@@ -114,7 +114,7 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scale", scale)
         self.register_buffer("scale_f32", scale.float(), persistent=False)  # what the native kernel multiplies by
-        self.native = cpu_int8.load()  # batchgen's AVX2 kernel for few rows; None where it does not run
+        self.native = cpu_kernels.load()  # batchgen's AVX2 kernel for few rows; None where it does not run
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N]
@@ -122,7 +122,7 @@ class Int8WeightOnlyLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
         if self.native is not None and 0 < rows < NATIVE_ROWS:
-            y = cpu_int8.int8_gemm(self.native, x2.float().contiguous(), self.qweight, self.scale_f32,
+            y = cpu_kernels.int8_gemm(self.native, x2.float().contiguous(), self.qweight, self.scale_f32,
                                    None if self.bias is None else self.bias.float())
             return y.to(x.dtype).view(*lead, self.out_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)
@@ -152,7 +152,7 @@ def _int8_kernel_takes(linear: nn.Module) -> bool:
     give wrong results or crash (seen here with 12 and 100), and the op does not check, so they are not probed.
     batchgen's own kernel takes any size; where it is built, such linears never reach aten's kernel."""
     return (type(linear) is nn.Linear and linear.weight.device.type == "cpu" and linear.weight.is_floating_point()
-            and (linear.in_features % INT8_K_MULTIPLE == 0 or cpu_int8.load() is not None))
+            and (linear.in_features % INT8_K_MULTIPLE == 0 or cpu_kernels.load() is not None))
 
 
 def int8_weight_only_linears(model: nn.Module) -> tuple[int, int]:
@@ -168,7 +168,7 @@ def int8_cpu(model: nn.Module, device: torch.device) -> nn.Module:
                     "int8 linears (activations quantized per tensor: lower fidelity)")
         return int8_cpu_dynamic(model, device)
     converted, skipped = int8_weight_only_linears(model)
-    small = (f"batchgen's AVX2 kernel under {NATIVE_ROWS} rows" if cpu_int8.load() is not None
+    small = (f"batchgen's AVX2 kernel under {NATIVE_ROWS} rows" if cpu_kernels.load() is not None
              else f"aten._weight_int8pack_mm in bfloat16 under {DEQUANT_ROWS} rows")
     log.info("int8 weight-only: %d linears converted, %d left in float (input size not a multiple of %d); small "
              "inputs run %s, larger ones dequantize the layer's weights for a float32 GEMM", converted, skipped,

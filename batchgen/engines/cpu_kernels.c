@@ -1,7 +1,7 @@
 /* int8 weight-only GEMM for few rows, AVX2 + FMA: y[m, n] = scale[n] * dot(w[n, :], x[m, :]) (+ bias[n]).
  *
  * x: [M, K] float32, w: [N, K] int8 (one symmetric scale per output channel), y: [M, N] float32.
- * Built and loaded by batchgen/engines/cpu_int8.py. A decode step of a small batch is bound by reading
+ * Built and loaded by batchgen/engines/cpu_kernels.py. A decode step of a small batch is bound by reading
  * the weights; torch's own int8 kernel has no AVX2 path and ran at half the read rate of bf16 on such a
  * CPU. Here each thread takes blocks of 4 output channels; their int8 rows (at most a few KiB each) stay
  * in L1 while every input row is dotted against them, so the weights are read from memory once.

@@ -1,4 +1,5 @@
-"""batchgen's own int8 weight-only GEMM for few rows on AVX2 CPUs (`int8_gemm.c`), compiled on first use.
+"""batchgen's own CPU kernels (`cpu_kernels.c`), compiled on first use: an int8 weight-only GEMM for few rows
+on AVX2 CPUs.
 
 torch's `aten._weight_int8pack_mm` is vectorized for AVX-512 and ARM only; on an AVX2 CPU its generic
 loop made an int8 decode step of one row no faster than bfloat16, although it reads half the bytes
@@ -31,7 +32,7 @@ import torch
 from batchgen.engines.cpu_runtime import cpu_flags
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("int8_gemm.c")
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -58,21 +59,21 @@ def load() -> Optional[ctypes.CDLL]:
         return None
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + " ".join(CFLAGS).encode() + platform.processor().encode()).hexdigest()[:16]
-    target = cache_dir() / f"int8_gemm-{digest}.so"
+    target = cache_dir() / f"cpu_kernels-{digest}.so"
     try:
         if not target.exists():
             _compile(compiler, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
         detail = getattr(exc, "stderr", None) or exc
-        log.warning("building batchgen's int8 kernel failed (%s): int8 uses torch's kernel, slower on this CPU",
+        log.warning("building batchgen's CPU kernels failed (%s): int8 uses torch's kernel, slower on this CPU",
                     detail)
         return None
     fn = lib.batchgen_int8_gemm
     fn.restype = None
     ptr = ctypes.c_void_p  # tensors go in as data_ptr() integers (a ctypes.cast per argument cost microseconds)
     fn.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ptr, ptr, ptr, ctypes.c_long, ctypes.c_int]
-    log.info("int8: batchgen's AVX2 kernel for small batches (%s)", target.name)
+    log.info("batchgen's CPU kernels loaded (%s): int8 runs small batches on its AVX2 GEMM", target.name)
     return lib
 
 

@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,6 +22,8 @@ from batchgen.job import JobConfig
 WORDS = ("the river town market opened closed with many people after rain sun night lamp bread "
          "clock train harbour music quiet loud green blue small large old new fast slow").split()
 REPO = Path(__file__).resolve().parent.parent
+# batchgen's native CPU kernels compile into this session's own cache (and subprocesses inherit it), not the home one
+os.environ.setdefault("BATCHGEN_CACHE_DIR", tempfile.mkdtemp(prefix="batchgen-kernels-"))
 
 
 def corpus(n: int = 400, seed: int = 0) -> list[str]:

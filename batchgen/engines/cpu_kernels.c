@@ -4,7 +4,9 @@
  * Built and loaded by batchgen/engines/cpu_kernels.py. A decode step of a small batch is bound by reading
  * the weights; torch's own int8 kernel has no AVX2 path and ran at half the read rate of bf16 on such a
  * CPU. Here each thread takes blocks of 4 output channels; their int8 rows (at most a few KiB each) stay
- * in L1 while every input row is dotted against them, so the weights are read from memory once.
+ * in L1 while every input row is dotted against them, so the weights are read from memory once; input rows
+ * go in pairs, so each weight vector is converted once per two rows. Measured on the benchmark model's 85
+ * linears (2 cores, AVX2): 15 ms for one row against 14-19 ms for bf16 weights and 26-39 ms for float32.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -39,11 +41,43 @@ static void channel(const float *x, long M, long K, const int8_t *w, const float
 
 /* Output channels [n0, n0 + 4) for input rows [0, M). Eight named accumulators (4 channels x 2 halves of a
  * 16-wide step) keep two FMAs per cycle in flight and stay in registers (an indexed array would not). */
+static void finish4(const float *xm, long K, const int8_t *const rows[4], float s[4], const float *scale,
+                    const float *bias, float *ym, long n0) {
+    for (int r = 0; r < 4; r++) {
+        for (long j = K & ~7L; j < K; j++)
+            s[r] += (float)rows[r][j] * xm[j];
+        ym[n0 + r] = s[r] * scale[n0 + r] + (bias ? bias[n0 + r] : 0.0f);
+    }
+}
+
 static void block4(const float *x, long M, long K, const int8_t *w, const float *scale, const float *bias,
                    float *y, long N, long n0) {
     const long K16 = K & ~15L, K8 = K & ~7L;
     const int8_t *w0 = w + n0 * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
-    for (long m = 0; m < M; m++) {
+    const int8_t *const rows[4] = {w0, w1, w2, w3};
+    long m = 0;
+    for (; m + 1 < M; m += 2) {  /* two input rows share each converted weight vector */
+        const float *xa = x + m * K, *xb = xa + K;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+               a3 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(),
+               b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+        for (long k = 0; k < K8; k += 8) {
+            __m256 va = _mm256_loadu_ps(xa + k), vb = _mm256_loadu_ps(xb + k);
+            __m256 c0 = load8(w0 + k), c1 = load8(w1 + k), c2 = load8(w2 + k), c3 = load8(w3 + k);
+            a0 = _mm256_fmadd_ps(c0, va, a0);
+            a1 = _mm256_fmadd_ps(c1, va, a1);
+            a2 = _mm256_fmadd_ps(c2, va, a2);
+            a3 = _mm256_fmadd_ps(c3, va, a3);
+            b0 = _mm256_fmadd_ps(c0, vb, b0);
+            b1 = _mm256_fmadd_ps(c1, vb, b1);
+            b2 = _mm256_fmadd_ps(c2, vb, b2);
+            b3 = _mm256_fmadd_ps(c3, vb, b3);
+        }
+        float sa[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)}, sb[4] = {hsum(b0), hsum(b1), hsum(b2), hsum(b3)};
+        finish4(xa, K, rows, sa, scale, bias, y + m * N, n0);
+        finish4(xb, K, rows, sb, scale, bias, y + (m + 1) * N, n0);
+    }
+    for (; m < M; m++) {
         const float *xm = x + m * K;
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
                a3 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(),
@@ -69,12 +103,7 @@ static void block4(const float *x, long M, long K, const int8_t *w, const float 
         }
         float s[4] = {hsum(_mm256_add_ps(a0, b0)), hsum(_mm256_add_ps(a1, b1)), hsum(_mm256_add_ps(a2, b2)),
                       hsum(_mm256_add_ps(a3, b3))};
-        const int8_t *rows[4] = {w0, w1, w2, w3};
-        for (int r = 0; r < 4; r++) {
-            for (long j = K8; j < K; j++)
-                s[r] += (float)rows[r][j] * xm[j];
-            y[m * N + n0 + r] = s[r] * scale[n0 + r] + (bias ? bias[n0 + r] : 0.0f);
-        }
+        finish4(xm, K, rows, s, scale, bias, y + m * N, n0);
     }
 }
 

@@ -299,10 +299,12 @@ def test_attention_plan_splits_off_long_rows_only_when_cheaper():
 
 
 def test_decode_with_long_rows_split_off_equals_one_padded_batch(engine, monkeypatch):
-    """The same decode step with the long rows computed apart, and with every row padded to the longest."""
+    """The same decode step with the long rows computed apart, and with every row padded to the longest
+    (torch's attention; batchgen's native kernel reads each row over its own length anyway)."""
     from batchgen.engines import llama_step
 
     stepper = llama_step.LlamaStepper(engine.model)
+    stepper.native = None
     torch.manual_seed(0)
     prompts = [torch.randint(3, 200, (n,)).tolist() for n in (250, 6, 9, 12, 180, 7)]
     assert llama_step.AttentionPlan.for_lengths([len(p) + 1 for p in prompts]).long_rows
@@ -319,3 +321,27 @@ def test_decode_with_long_rows_split_off_equals_one_padded_batch(engine, monkeyp
                         classmethod(lambda cls, lengths: cls(max(lengths), ())))
     padded = decode_step()
     assert torch.allclose(split, padded, atol=1e-4, rtol=1e-4)
+
+
+def test_native_decode_attention_equals_torch_attention(engine):
+    """batchgen's CPU kernel (each row over its own length) against torch's masked batched attention, on a
+    decode step of rows of very different lengths."""
+    from batchgen.engines import llama_step
+
+    native = llama_step.LlamaStepper(engine.model)
+    if native.native is None:
+        pytest.skip("batchgen's CPU kernels are not built here (x86 with AVX2/FMA and no AVX-512, and a C compiler)")
+    reference = llama_step.LlamaStepper(engine.model)
+    reference.native = None
+    torch.manual_seed(0)
+    prompts = [torch.randint(3, 200, (n,)).tolist() for n in (250, 6, 9, 1, 180, 7, 33)]
+
+    def two_steps(stepper) -> list[torch.Tensor]:
+        cache = stepper.new_cache(len(prompts), 300)
+        with torch.inference_mode():
+            for b, p in enumerate(prompts):
+                stepper.prefill(cache, b, [p])
+            return [stepper.decode(cache, torch.tensor([5 + t] * len(prompts))) for t in range(2)]
+
+    for got, want in zip(two_steps(native), two_steps(reference)):
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)

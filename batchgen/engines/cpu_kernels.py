@@ -1,5 +1,10 @@
-"""batchgen's own CPU kernels (`cpu_kernels.c`), compiled on first use: an int8 weight-only GEMM for few rows
-on AVX2 CPUs.
+"""batchgen's own CPU kernels (`cpu_kernels.c`), compiled on first use, for AVX2 CPUs: float32 decode
+attention over the slot KV cache, and an int8 weight-only GEMM for few rows.
+
+Decode attention: torch's batched matmuls read the cache of a grouped-query head through small GEMMs
+(3 query rows each) and pad every row to a common width; the kernel reads each row's keys and values
+once, over its own length only, with the softmax in between (llama_step.py uses it for float32 models
+on CPU).
 
 torch's `aten._weight_int8pack_mm` is vectorized for AVX-512 and ARM only; on an AVX2 CPU its generic
 loop made an int8 decode step of one row no faster than bfloat16, although it reads half the bytes
@@ -10,7 +15,7 @@ The C source is compiled once per source version and CPU family with the system 
 (`$CC`, else `cc`) into a cache directory (`$BATCHGEN_CACHE_DIR`, else `~/.cache/batchgen`), written
 under a temporary name and renamed, so concurrent jobs sharing the cache never load a half-written
 library. Where there is no compiler, no AVX2/FMA, or `BATCHGEN_NATIVE_KERNELS=0`, `load()` returns
-None and int8 uses torch's kernel (logged once). Knows tensors and pointers, not models.
+None and the engine uses torch's attention and int8 kernels (logged once). Knows tensors and pointers, not models.
 """
 
 from __future__ import annotations
@@ -73,7 +78,11 @@ def load() -> Optional[ctypes.CDLL]:
     fn.restype = None
     ptr = ctypes.c_void_p  # tensors go in as data_ptr() integers (a ctypes.cast per argument cost microseconds)
     fn.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ptr, ptr, ptr, ctypes.c_long, ctypes.c_int]
-    log.info("batchgen's CPU kernels loaded (%s): int8 runs small batches on its AVX2 GEMM", target.name)
+    attention = lib.batchgen_decode_attention
+    attention.restype = None
+    attention.argtypes = [ptr, ptr, ptr, ptr, ptr, *[ctypes.c_long] * 6, ctypes.c_float, ctypes.c_int]
+    log.info("batchgen's CPU kernels loaded (%s): float32 decode attention, int8 GEMM for small batches",
+             target.name)
     return lib
 
 
@@ -98,3 +107,18 @@ def int8_gemm(lib: ctypes.CDLL, x: torch.Tensor, qweight: torch.Tensor, scale: t
     lib.batchgen_int8_gemm(x.data_ptr(), m, k, qweight.data_ptr(), scale.data_ptr(),
                            None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
     return y
+
+
+def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One new token per row, grouped-query heads, each row over its own cache length (no padding, no mask).
+
+    q: [n, heads, d] float32 contiguous; k, v: one layer of the slot cache, [slots, kv_heads, max_len, d] with
+    positions contiguous; lengths: [n] int64 on the CPU, valid positions per row -> [n, heads, d] float32."""
+    n, heads, d = q.shape
+    kv_heads = k.shape[1]
+    assert k.stride() == v.stride() and k.stride(3) == 1 and k.stride(2) == d and q.is_contiguous()
+    out = torch.empty_like(q)
+    lib.batchgen_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), lengths.data_ptr(), out.data_ptr(), n,
+                                  heads, kv_heads, d, k.stride(0), k.stride(1), scale, torch.get_num_threads())
+    return out

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from batchgen.engines import cpu_kernels
 from batchgen.engines.kvcache import SlotKVCache
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -47,6 +48,9 @@ class LlamaStepper:
         self.qkv_split = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
+        # batchgen's decode attention kernel (cpu_kernels) where it is built; torch's batched matmuls otherwise
+        self.native = (cpu_kernels.load() if self.device.type == "cpu" and self.dtype == torch.float32
+                       and self.head_dim % 8 == 0 else None)
 
     def new_cache(self, slots: int, max_len: int) -> SlotKVCache:
         return SlotKVCache(layers=len(self.layers), slots=slots, kv_heads=self.kv_heads, max_len=max_len,
@@ -78,24 +82,44 @@ class LlamaStepper:
         """One token for each live slot [0, n): tokens [n] -> logits [n, V]."""
         n = tokens.shape[0]
         positions = cache.lengths[:n]
-        plan = AttentionPlan.for_lengths([length + 1 for length in cache.host_lengths[:n]])
-        valid = torch.arange(plan.width, device=self.device)[None, :] <= positions[:, None]  # [n, width]
-        bias = torch.zeros(valid.shape, dtype=torch.float32, device=self.device).masked_fill_(~valid, float("-inf"))
+        attend = self._native_attention(cache, n) if self.native is not None else self._torch_attention(cache, n)
         x = self.inner.embed_tokens(tokens[:, None])  # [n, 1, hidden]
         cos_sin = self.inner.rotary_emb(x, positions[:, None])
         for i, layer in enumerate(self.layers):
             h = layer.input_layernorm(x)
             q, k, v = self._qkv(layer.self_attn, h, cos_sin)
             cache.append(i, k, v)
-            keys, values = cache.view(i, n, plan.width)  # [n, kv_heads, width, d]
-            out = self._decode_attention(q, keys, values, bias)  # [n, heads * d]
-            for row, length in plan.long_rows:  # rows past the common width: each over its own length
-                keys, values = cache.view_row(i, row, length)
-                out[row] = self._decode_attention(q[row:row + 1], keys, values, None)[0]
+            out = attend(i, q)  # [n, heads * d]
             x = x + layer.self_attn.o_proj(out[:, None, :])
             x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
         cache.advance(n)
         return self.model.lm_head(self.inner.norm(x[:, 0]))
+
+    def _native_attention(self, cache: SlotKVCache, n: int) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        lengths = cache.lengths[:n] + 1  # with the token appended this step
+
+        def attend(layer: int, q: torch.Tensor) -> torch.Tensor:  # q: [n, heads, 1, d]
+            out = cpu_kernels.decode_attention(self.native, q.reshape(n, self.heads, self.head_dim).contiguous(),
+                                               cache.k[layer], cache.v[layer], lengths, self.scaling)
+            return out.view(n, self.heads * self.head_dim)
+
+        return attend
+
+    def _torch_attention(self, cache: SlotKVCache, n: int) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        positions = cache.lengths[:n]
+        plan = AttentionPlan.for_lengths([length + 1 for length in cache.host_lengths[:n]])
+        valid = torch.arange(plan.width, device=self.device)[None, :] <= positions[:, None]  # [n, width]
+        bias = torch.zeros(valid.shape, dtype=torch.float32, device=self.device).masked_fill_(~valid, float("-inf"))
+
+        def attend(layer: int, q: torch.Tensor) -> torch.Tensor:
+            keys, values = cache.view(layer, n, plan.width)  # [n, kv_heads, width, d]
+            out = self._decode_attention(q, keys, values, bias)  # [n, heads * d]
+            for row, length in plan.long_rows:  # rows past the common width: each over its own length
+                keys, values = cache.view_row(layer, row, length)
+                out[row] = self._decode_attention(q[row:row + 1], keys, values, None)[0]
+            return out
+
+        return attend
 
     def _qkv(self, attn: Any, h: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
         shape = (*h.shape[:2], -1, self.head_dim)  # [n, T, heads, d]

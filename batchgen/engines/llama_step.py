@@ -1,10 +1,12 @@
 """Prefill and decode steps for Llama-family decoders (Llama, Mistral, Qwen2, Qwen3) on a SlotKVCache.
 
 The model's own modules (embeddings, norms, projections, rotary embedding, MLP, LM head) are called
-as they are; only attention and the cache are ours: decode attention reads the pre-allocated cache
-through views and masks each row to its own length. `fuse_projections` can merge each layer's q/k/v
-and gate/up projections into one GEMM each, which the stepper then calls instead. Architectures
-outside the list use the generic path in hf.py. Knows the model's modules, not requests, sampling or tokenizers.
+as they are; only attention and the cache are ours: decode attention reads the pre-allocated cache,
+each row over its own length, through batchgen's CPU kernel (float32 on CPU, `cpu_kernels`) or
+through views with a mask and torch's batched matmuls (AttentionPlan). `fuse_projections` can merge
+each layer's q/k/v and gate/up projections into one GEMM each, which the stepper then calls instead.
+Architectures outside the list use the generic path in hf.py. Knows the model's modules, not
+requests, sampling or tokenizers.
 """
 
 from __future__ import annotations

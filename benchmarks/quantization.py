@@ -48,7 +48,7 @@ CONFIGS = {  # name: (engine.quantization, engine.dtype)
     "int4": ("int4", "auto"),
 }
 FULL = dict(size="bench", configs=("none", "bf16", "int8", "int4"), repeats=3, fidelity=(8, 128),
-            greedy=(16, 16, 32), b1=(2, 16, 32), working=(64, 16, 16), short=(64, 16, 4))
+            greedy=(16, 16, 32), b1=(4, 16, 64), working=(64, 16, 16), short=(64, 16, 4))
 QUICK = dict(size="tiny", configs=("none", "int8"), repeats=1, fidelity=(2, 32), greedy=(4, 8, 8),
              b1=(2, 8, 8), working=(8, 8, 8), short=(8, 8, 2))
 # b1, working, short, greedy: (rows, prompt tokens, new tokens); fidelity: (rows, tokens)

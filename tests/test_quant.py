@@ -236,3 +236,32 @@ def load(path: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def test_int8_fuses_projections_and_generates_what_unfused_int8_does(small_model, monkeypatch):
+    """q/k/v and gate/up of an int8 model become one Int8WeightOnlyLinear each (scales are per output channel,
+    so nothing is requantized); greedy generations equal those of the unfused int8 model."""
+    from transformers import AutoTokenizer
+
+    from batchgen.engines import hf
+    from batchgen.engines.base import EngineConfig
+    from batchgen.engines.llama_step import FusedSlice
+    from batchgen.records import Request
+    from batchgen.sampling import SampleParams
+
+    tokenizer = AutoTokenizer.from_pretrained(small_model)
+    config = EngineConfig(model=small_model, quantization="int8", device="cpu", max_batch_size=8)
+    fused = hf.HFEngine(config, tokenizer)
+    layers = fused.model.config.num_hidden_layers
+    attn = fused.model.model.layers[0].self_attn
+    assert fused.fused == 2 * layers and isinstance(attn.qkv_proj, quant.Int8WeightOnlyLinear)
+    assert isinstance(attn.k_proj, FusedSlice)
+    monkeypatch.setattr(hf, "fuse_projections", lambda model, fuse: 0)
+    plain = hf.HFEngine(config, tokenizer)
+    params = SampleParams(max_new_tokens=12, temperature=0.0, top_p=1.0, top_k=0, stop=(), ignore_eos=True)
+    reqs = [Request(key=i, prompt_ids=tokenizer(text).input_ids, params=params, seed=None)
+            for i, text in enumerate(corpus(6, seed=4))]
+    want = [r.text for r in plain.generate(reqs)]
+    assert [r.text for r in fused.generate(reqs)] == want
+    fused.fast = False  # the model's own forward, through the FusedSlices
+    assert [r.text for r in fused.generate(reqs)] == want

@@ -97,3 +97,23 @@ def pack(linear: nn.Linear) -> Optional[PackedLinear]:
     if linear.weight.device.type != "cpu" or min(linear.in_features, linear.out_features) < MIN_FEATURES:
         return None
     return PackedLinear(linear)
+
+
+def concatenate(parts: list[nn.Module]) -> Optional[nn.Linear]:
+    """One nn.Linear whose output is the plain linears' outputs side by side (same input size); else None."""
+    if not all(type(p) is nn.Linear for p in parts):
+        return None
+    weight = torch.cat([p.weight.detach() for p in parts])
+    biased = any(p.bias is not None for p in parts)
+    linear = nn.Linear(parts[0].in_features, weight.shape[0], bias=biased, device="meta", dtype=weight.dtype)
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if biased:
+        linear.bias = nn.Parameter(torch.cat([p.bias.detach() if p.bias is not None else
+                                              weight.new_zeros(p.out_features) for p in parts]), requires_grad=False)
+    return linear
+
+
+def pack_concatenated(parts: list[nn.Module]) -> Optional[PackedLinear]:
+    """`fuse` for llama_step.fuse_projections: the parts' concatenated weights, prepacked; None where not."""
+    linear = concatenate(parts)
+    return None if linear is None else pack(linear)

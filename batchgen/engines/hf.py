@@ -62,10 +62,13 @@ class HFEngine:
                                       trust_remote_code=cfg.trust_remote_code)  # from_pretrained, then quantized
         self.max_model_len = cfg.max_model_len or _model_max_len(self.model.config)
         self.prepacked = self.fused = 0
+        serves_all = supports(self.model, self.max_model_len)  # the stepper serves every window: fused GEMMs pay
         if self.device.type == "cpu" and cfg.prepack and not cfg.quantization and cpu_linear.available(self.dtype):
-            if supports(self.model, self.max_model_len):  # the stepper serves every window: it calls the fused GEMMs
-                self.fused = fuse_projections(self.model, cpu_linear.pack)
+            if serves_all:
+                self.fused = fuse_projections(self.model, cpu_linear.pack_concatenated)
             self.prepacked = self.fused + cpu_linear.pack_linears(self.model)
+        elif self.device.type == "cpu" and cfg.quantization == "int8" and serves_all:
+            self.fused = fuse_projections(self.model, quant.Int8WeightOnlyLinear.concatenate)
         if self.device.type == "cpu":  # after loading: memory freed while loading or quantizing goes back to the OS
             cpu_runtime.keep_freed_memory()
         budget, size, part = DEFAULTS["cuda" if self.device.type == "cuda" else "cpu"]
@@ -79,8 +82,8 @@ class HFEngine:
         self._stepper: Optional[LlamaStepper] = None
         self.stats = EngineStats()
         self.pad_id = _first(tokenizer.pad_token_id, *sorted(self.eos_ids), 0)
-        log.info("hf engine: %s on %s in %s, max_batch_tokens=%d, max_batch_size=%d, %d linears prepacked for oneDNN "
-                 "(%d of them fused q/k/v or gate/up)", cfg.model, self.device, self.dtype, self.max_batch_tokens,
+        log.info("hf engine: %s on %s in %s, max_batch_tokens=%d, max_batch_size=%d, %d linears prepacked for oneDNN, "
+                 "%d fused q/k/v or gate/up projections", cfg.model, self.device, self.dtype, self.max_batch_tokens,
                  self.max_batch_size, self.prepacked, self.fused)
 
     def identity(self) -> dict[str, Any]:

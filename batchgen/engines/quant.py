@@ -105,17 +105,34 @@ class Int8WeightOnlyLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().float()  # [N, K]
         # the scale is rounded to bf16 first and the weights quantized against the rounded scale, so that
         # qweight * scale is the nearest int8 grid point to each weight under the scale the kernel multiplies by
         scale = (weight.abs().amax(dim=1).clamp(min=1e-8) / 127).to(torch.bfloat16)  # [N]
         qweight = torch.round(weight / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        self._hold(qweight, scale, None if linear.bias is None else linear.bias.detach().clone())
+
+    def _hold(self, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        self.out_features, self.in_features = qweight.shape
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scale", scale)
         self.register_buffer("scale_f32", scale.float(), persistent=False)  # what the native kernel multiplies by
         self.native = cpu_kernels.load()  # batchgen's AVX2 kernel for few rows; None where it does not run
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def concatenate(cls, parts: list[nn.Module]) -> Optional[Int8WeightOnlyLinear]:
+        """One module whose output is the parts' outputs side by side: `fuse` for llama_step.fuse_projections.
+        Scales are per output channel, so this is exactly the int8 version of the concatenated float weights."""
+        if not all(type(p) is cls for p in parts):
+            return None
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        biased = any(p.bias is not None for p in parts)
+        bias = torch.cat([p.bias if p.bias is not None else p.scale.new_zeros(p.out_features, dtype=torch.float32)
+                          for p in parts]) if biased else None
+        fused._hold(torch.cat([p.qweight for p in parts]), torch.cat([p.scale for p in parts]), bias)
+        return fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N]
         lead = x.shape[:-1]

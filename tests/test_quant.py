@@ -66,16 +66,23 @@ def test_int8_weights_take_at_most_055x_of_bf16(bench_model):
 
 
 @needs_torchao
-def test_int4_weights_take_at_most_035x_of_bf16(bench_model):
-    model = load(bench_model, torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # float32: int4 linears as bf16 islands
+def test_int4_weights_take_at_most_035x_of_bf16(bench_model, dtype):
+    model = load(bench_model, dtype)
     params = sum(p.numel() for p in model.parameters())
-    assert quant.weight_bytes(quant.int4_cpu(model, torch.device("cpu"))) <= 0.35 * 2 * params
+    quantized = quant.int4_cpu(model, torch.device("cpu"))
+    assert quant.weight_bytes(quantized) <= 0.35 * 2 * params
+    if dtype == torch.float32:
+        assert sum(isinstance(m, quant.Bf16Linear) for m in quantized.modules()) == 12 * 7
+        with torch.inference_mode():
+            logits = quantized(input_ids=torch.tensor([[5, 6, 7]])).logits
+        assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
 
 
 @pytest.mark.parametrize("extra, expected", [
     (["engine.quantization=bnb-nf4", "engine.device=cpu"], "bnb-nf4 does not run with engine.device=cpu"),
     (["engine.quantization=bnb-int8", "engine.device=cpu"], "supported devices: cuda"),
-    (["engine.quantization=int4", "engine.device=cpu", "engine.dtype=float32"], "choices: auto, bfloat16"),
+    (["engine.quantization=int4", "engine.device=cpu", "engine.dtype=float16"], "choices: auto, bfloat16, float32"),
     (["engine.quantization=int8", "engine.device=cpu", "engine.dtype=bfloat16"], "dtype=bfloat16 is not supported"),
     (["engine.quantization=int3"], "choices: int8, int4, bnb-int8, bnb-nf4"),
 ])

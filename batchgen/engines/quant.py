@@ -17,7 +17,9 @@ What runs where (measured on an AVX2-only CPU without fast bf16; see README "Qua
   take stay float. Without either kernel (older torch) the fallback, with a warning, is
   `torch.ao.quantization.quantize_dynamic` (activations quantized too: lower fidelity).
 - int8, CUDA: torchao `Int8WeightOnlyConfig`.
-- int4, CPU: torchao `PrototypeInt4WeightOnlyConfig` (group 128), bfloat16 compute (its kernel's dtype).
+- int4, CPU: torchao `PrototypeInt4WeightOnlyConfig` (group 128), its kernel in bfloat16; in a float32
+  model (engine.dtype=auto on a CPU without fast bf16) each quantized linear is a bf16 island (`Bf16Linear`)
+  and the rest of the model computes in float32.
 - int4, CUDA: torchao `Int4WeightOnlyConfig` with the tinygemm tile-packed layout, bfloat16 compute.
 - bnb-int8, bnb-nf4: bitsandbytes through `BitsAndBytesConfig`, CUDA only.
 With int8 the input embedding table is stored as int8 rows with one scale per row (`Int8Embedding`).
@@ -48,7 +50,9 @@ log = logging.getLogger(__name__)
 # development CPU (AVX2, no fast bf16), end to end in the engine on the benchmark model, the kernel was faster for
 # decode batches of 16 and 32 rows and no faster at 64, and the float GEMM clearly faster for prefill (1024 rows).
 DEQUANT_ROWS = 64
-NATIVE_ROWS = 64  # inputs under this many rows run batchgen's AVX2 kernel (cpu_kernels) where it is built
+# Inputs under NATIVE_ROWS rows run batchgen's AVX2 kernel (cpu_kernels) where it is built: over the benchmark
+# model's linears it was faster than dequantizing for a float32 GEMM up to 128 rows (64 rows: 152 vs 182 ms).
+NATIVE_ROWS = 128
 INT8_K_MULTIPLE = 16  # input sizes aten._weight_int8pack_mm takes (see _int8_kernel_takes)
 INT4_GROUP = 128  # weights per int4 scale/zero pair
 # Output tokens/s at the CPU working batch (64 rows) over float32's, measured with benchmarks/quantization.py on the
@@ -216,12 +220,44 @@ def int8_cuda(model: nn.Module, device: torch.device) -> nn.Module:
 
 # -- int4 -------------------------------------------------------------------------------------------
 
+class Bf16Linear(nn.Module):
+    """A bfloat16 linear inside a float32 model (torchao's int4 CPU kernel takes bf16 activations only): the
+    input goes in as bf16, the output comes back in the input's dtype. The rest of the model (norms, attention,
+    batchgen's CPU kernels) stays float32, which a CPU without fast bf16 runs far faster than emulated bf16."""
+
+    def __init__(self, linear: nn.Module):
+        super().__init__()
+        self.linear = linear
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.to(torch.bfloat16)).to(x.dtype)
+
+
 def int4_cpu(model: nn.Module, device: torch.device) -> nn.Module:
+    """torchao int4 weight-only (group 128). A bfloat16 model is quantized in place; in a float32 model each
+    quantized linear becomes a Bf16Linear island and everything else stays float32."""
     import_or_hint("torchao.quantization", TORCHAO_HINT, "engine.quantization=int4")
     from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
     from torchao.quantization import quantize_
 
-    quantize_(model, PrototypeInt4WeightOnlyConfig(group_size=INT4_GROUP), filter_fn=_groupable)
+    config = PrototypeInt4WeightOnlyConfig(group_size=INT4_GROUP)
+    if next(model.parameters()).dtype == torch.bfloat16:
+        quantize_(model, config, filter_fn=_groupable)
+        return model
+
+    def island(linear: nn.Linear) -> Optional[Bf16Linear]:
+        if not _groupable(linear, ""):
+            return None
+        copy = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
+                         dtype=torch.bfloat16)
+        copy.weight = nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
+        if linear.bias is not None:
+            copy.bias = nn.Parameter(linear.bias.detach().to(torch.bfloat16), requires_grad=False)
+        quantize_(copy, config)
+        return Bf16Linear(copy)
+
+    replace_linears(model, island)
     return model
 
 
@@ -257,7 +293,7 @@ def bnb_kwargs(kind: str) -> Callable[[torch.dtype], dict[str, Any]]:
 CUDA_ONLY = "bitsandbytes' kernels need CUDA"
 SCHEMES: dict[str, Scheme] = {
     "int8": Scheme("int8", {"cpu": ("float32",), "cuda": ("bfloat16", "float16")}, requires=""),
-    "int4": Scheme("int4", {"cpu": ("bfloat16",), "cuda": ("bfloat16",)}, requires="torchao"),
+    "int4": Scheme("int4", {"cpu": ("bfloat16", "float32"), "cuda": ("bfloat16",)}, requires="torchao"),
     "bnb-int8": Scheme("bnb-int8", {"cuda": ("bfloat16", "float16", "float32")}, requires="bitsandbytes",
                        load_kwargs=bnb_kwargs("int8"), why_not={"cpu": CUDA_ONLY}),
     "bnb-nf4": Scheme("bnb-nf4", {"cuda": ("bfloat16", "float16", "float32")}, requires="bitsandbytes",

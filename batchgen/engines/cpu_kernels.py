@@ -39,6 +39,7 @@ from batchgen.engines.cpu_runtime import cpu_flags
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+LIBS = ("-lm",)
 
 
 def cache_dir() -> Path:
@@ -46,7 +47,8 @@ def cache_dir() -> Path:
 
 
 def wanted() -> bool:
-    """An x86 CPU with AVX2 and FMA, and no AVX-512 (where torch's own kernel is vectorized), not switched off."""
+    """An x86 CPU with AVX2 and FMA and without AVX-512 (the kind the kernels were written for and measured on; torch's
+    int8 kernel is vectorized for AVX-512), and the kernels not switched off."""
     if os.environ.get("BATCHGEN_NATIVE_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
         return False
     flags = cpu_flags()
@@ -60,10 +62,11 @@ def load() -> Optional[ctypes.CDLL]:
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        log.info("no C compiler (cc or $CC) found: int8 uses torch's kernel, slower on this CPU")
+        log.info("no C compiler (cc or $CC) found: torch's decode attention and int8 kernels run (slower here)")
         return None
     source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(CFLAGS).encode() + platform.processor().encode()).hexdigest()[:16]
+    flags = " ".join(CFLAGS + LIBS).encode()
+    digest = hashlib.sha256(source + flags + platform.processor().encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_kernels-{digest}.so"
     try:
         if not target.exists():
@@ -71,8 +74,8 @@ def load() -> Optional[ctypes.CDLL]:
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
         detail = getattr(exc, "stderr", None) or exc
-        log.warning("building batchgen's CPU kernels failed (%s): int8 uses torch's kernel, slower on this CPU",
-                    detail)
+        log.warning("building batchgen's CPU kernels failed (%s): torch's decode attention and int8 kernels run "
+                    "(slower here)", detail)
         return None
     fn = lib.batchgen_int8_gemm
     fn.restype = None
@@ -91,8 +94,8 @@ def _compile(compiler: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *CFLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True,
-                       timeout=120)
+        subprocess.run([compiler, *CFLAGS, str(SOURCE), *LIBS, "-o", tmp], check=True, capture_output=True,
+                       text=True, timeout=120)
         os.replace(tmp, target)  # atomic: another process sees the old state or the whole library
     finally:
         if os.path.exists(tmp):

@@ -29,6 +29,7 @@ A scheme measured slower than float32 at the CPU working batch logs a warning wh
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.util
 import logging
@@ -249,13 +250,9 @@ def int4_cpu(model: nn.Module, device: torch.device) -> nn.Module:
     def island(linear: nn.Linear) -> Optional[Bf16Linear]:
         if not _groupable(linear, ""):
             return None
-        copy = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
-                         dtype=torch.bfloat16)
-        copy.weight = nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
-        if linear.bias is not None:
-            copy.bias = nn.Parameter(linear.bias.detach().to(torch.bfloat16), requires_grad=False)
-        quantize_(copy, config)
-        return Bf16Linear(copy)
+        bf16 = copy.deepcopy(linear).to(torch.bfloat16)  # a copy: replace_linears drops the original's weight
+        quantize_(bf16, config)
+        return Bf16Linear(bf16)
 
     replace_linears(model, island)
     return model

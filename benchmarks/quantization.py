@@ -20,8 +20,8 @@ taken in several shorter commands.
 Fidelity, against `none` (float32 here: a stricter reference than bf16, which is itself rounded), on
 seeded random token ids (the model has random weights): teacher-forced top-1 next-token agreement
 and mean KL(none || scheme) per position, with all positions in one forward (the prefill path);
-for int8 also through the small-batch decode kernel (`int8 decode path`: batchgen's AVX2 kernel
-where it is built, else aten's); greedy agreement: share of rows whose greedy generation is
+for int8 and int4 also through the small-batch decode kernel (`int8 decode path`: batchgen's AVX2
+kernel where it is built, else aten's; `int4 decode path`: batchgen's kernel); greedy agreement: share of rows whose greedy generation is
 identical, and the mean position of the first differing token over the rows that differ.
 """
 
@@ -120,13 +120,13 @@ def child(args: argparse.Namespace) -> None:
             ids = torch.tensor(token_rows(n, length, vocab, seed=1))
             logits = engine.model(input_ids=ids).logits.float()  # [n, T, V]
         torch.save(torch.log_softmax(logits, dim=-1), args.workdir / f"logprobs-{args.run}.pt")
-        if any(isinstance(m, quant.Int8WeightOnlyLinear) for m in engine.model.modules()):
-            before = quant.DEQUANT_ROWS, quant.NATIVE_ROWS
-            quant.DEQUANT_ROWS = quant.NATIVE_ROWS = n * length + 1  # every linear through the small-batch kernel
+        decode = args.workdir / f"logprobs-{args.run}-decode.pt"
+        decode.unlink(missing_ok=True)
+        if quant.route_rows(engine.model, n * length + 1, n * length + 1):  # every linear through the small-batch kernel
             with torch.inference_mode():
                 logits = engine.model(input_ids=ids).logits.float()
-            quant.DEQUANT_ROWS, quant.NATIVE_ROWS = before
-            torch.save(torch.log_softmax(logits, dim=-1), args.workdir / f"logprobs-{args.run}-decode.pt")
+            quant.route_rows(engine.model)  # back to the engine's routes
+            torch.save(torch.log_softmax(logits, dim=-1), decode)
         rows, prompt, new = plan["greedy"]
         engine.generate(requests(token_rows(rows, prompt, vocab, seed=2), new))
         out["greedy"] = [engine.ids[i] for i in range(rows)]

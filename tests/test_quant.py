@@ -19,7 +19,10 @@ from batchgen.runner import run_job
 from tests.conftest import REPO, compose_job, corpus, job_overrides, read_output, run_cli, write_parquet
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
-needs_torchao = pytest.mark.skipif(not HAS_TORCHAO, reason="int4 needs torchao: pip install 'batchgen[quant]'")
+needs_torchao = pytest.mark.skipif(not HAS_TORCHAO, reason="needs torchao: pip install 'batchgen[quant]'")
+# int4 on CPU runs batchgen's own kernel where it is built, torchao's elsewhere
+needs_int4 = pytest.mark.skipif(cpu_kernels.load() is None and not HAS_TORCHAO,
+                                reason="int4 on this CPU needs torchao: pip install 'batchgen[quant]'")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -40,7 +43,7 @@ def quantized_job(model: str, tmp_path, scheme: str, *extra: str):
                         "sampling.max_new_tokens=6", "run.rows_per_part=5", *extra])
 
 
-@pytest.mark.parametrize("scheme", ["int8", pytest.param("int4", marks=needs_torchao)])
+@pytest.mark.parametrize("scheme", ["int8", pytest.param("int4", marks=needs_int4)])
 def test_quantized_job_writes_every_row(small_model, tmp_path, scheme):
     summary = run_job(quantized_job(small_model, tmp_path, scheme))
     table = read_output(tmp_path / "out")
@@ -65,12 +68,24 @@ def test_int8_weights_take_at_most_055x_of_bf16(bench_model):
     assert quant.weight_bytes(quant.int8_cpu(model, torch.device("cpu"))) <= 0.55 * 2 * params
 
 
-@needs_torchao
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # float32: int4 linears as bf16 islands
-def test_int4_weights_take_at_most_035x_of_bf16(bench_model, dtype):
-    model = load(bench_model, dtype)
+def test_int4_weights_take_at_most_035x_of_bf16(bench_model):
+    """batchgen's int4: every block linear in int4 (group 64), the LM head and the embeddings in int8."""
+    native_or_skip()
+    model = load(bench_model, torch.float32)
     params = sum(p.numel() for p in model.parameters())
     quantized = quant.int4_cpu(model, torch.device("cpu"))
+    assert sum(isinstance(m, quant.Int4WeightOnlyLinear) for m in quantized.modules()) == 12 * 7
+    assert isinstance(quantized.lm_head, quant.Int8WeightOnlyLinear)
+    assert quant.weight_bytes(quantized) <= 0.35 * 2 * params
+
+
+@needs_torchao
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # float32: int4 linears as bf16 islands
+def test_torchao_int4_weights_take_at_most_035x_of_bf16(bench_model, dtype):
+    """torchao's int4, which runs where batchgen's CPU kernels are not built."""
+    model = load(bench_model, dtype)
+    params = sum(p.numel() for p in model.parameters())
+    quantized = quant.int4_cpu_torchao(model, torch.device("cpu"))
     assert quant.weight_bytes(quantized) <= 0.35 * 2 * params
     if dtype == torch.float32:
         assert sum(isinstance(m, quant.Bf16Linear) for m in quantized.modules()) == 12 * 7
@@ -106,33 +121,31 @@ def native_or_skip():
         pytest.skip("batchgen's int8 kernel is not built here (x86 with AVX2/FMA and no AVX-512, and a C compiler)")
 
 
-def force_kernel(monkeypatch, kernel: str, rows: int) -> None:
-    """Send inputs of up to `rows` rows through one path of Int8WeightOnlyLinear."""
+def force_kernel(module: nn.Module, kernel: str, rows: int) -> None:
+    """Send inputs of up to `rows` rows through one path of the model's int8 (or int4) weight-only linears."""
     if kernel == "native":
         native_or_skip()
-        monkeypatch.setattr(quant, "NATIVE_ROWS", rows + 1)
-        monkeypatch.setattr(quant, "DEQUANT_ROWS", rows + 1)
+        assert quant.route_rows(module, native_rows=rows + 1, dequant_rows=rows + 1)
     elif kernel == "aten":
-        monkeypatch.setattr(quant, "NATIVE_ROWS", 0)
-        monkeypatch.setattr(quant, "DEQUANT_ROWS", rows + 1)
+        assert quant.route_rows(module, native_rows=0, dequant_rows=rows + 1)
     else:  # dequantized weights, float GEMM
-        monkeypatch.setattr(quant, "NATIVE_ROWS", 0)
-        monkeypatch.setattr(quant, "DEQUANT_ROWS", 0)
+        assert quant.route_rows(module, native_rows=0, dequant_rows=0)
 
 
 @pytest.mark.parametrize("path", ["dequant", "aten", "native"])
-def test_int8_top1_agreement_with_the_unquantized_benchmark_model(bench_model, monkeypatch, path):
+def test_int8_top1_agreement_with_the_unquantized_benchmark_model(bench_model, path):
     """Teacher forcing on 8 x 128 seeded token ids through the 76M-param benchmark model: int8 must keep
     the unquantized model's next token at >= 90% of the positions. The 1024 positions go through one forward,
     with every linear forced through one path: `dequant` as the engine runs prefills (dequantized weights,
     float32 GEMM), `aten` (aten._weight_int8pack_mm, bfloat16 activations) and `native` (batchgen's AVX2 kernel,
     float32 activations) as it runs small decode batches."""
-    force_kernel(monkeypatch, path, 8 * 128)
     model = load(bench_model, torch.float32)
     ids = torch.randint(10, model.config.vocab_size, (8, 128), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         ref = model(input_ids=ids).logits.argmax(-1)  # [8, 128]
-        got = quant.int8_cpu(model, torch.device("cpu"))(input_ids=ids).logits.argmax(-1)
+        quant.int8_cpu(model, torch.device("cpu"))
+        force_kernel(model, path, 8 * 128)
+        got = model(input_ids=ids).logits.argmax(-1)
     assert sum(isinstance(m, quant.Int8WeightOnlyLinear) for m in model.modules()) == 12 * 7 + 1  # + the LM head
     agreement = (ref == got).float().mean().item()
     assert agreement >= 0.9, f"int8 top-1 agreement {agreement:.1%} ({path})"
@@ -141,14 +154,14 @@ def test_int8_top1_agreement_with_the_unquantized_benchmark_model(bench_model, m
 @pytest.mark.parametrize("kernel,rows", [("aten", 1), ("aten", 5), ("native", 1), ("native", 5), ("native", 40),
                                          ("dequant", 7)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_int8_weight_only_linear_matches_nn_linear(monkeypatch, kernel, rows, bias):
-    force_kernel(monkeypatch, kernel, 2 * rows)
+def test_int8_weight_only_linear_matches_nn_linear(kernel, rows, bias):
     torch.manual_seed(0)
     linear = nn.Linear(256, 96, bias=bias)
     x = torch.randn(2, rows, 256)  # any leading shape
     with torch.inference_mode():
         ref = linear(x)
         q = quant.Int8WeightOnlyLinear(linear)
+        force_kernel(q, kernel, 2 * rows)
         got = q(x)
         exact = F.linear(x, q.qweight.float() * q.scale.float()[:, None], linear.bias)  # the int8 weights in fp32
     assert got.shape == ref.shape == (2, rows, 96) and got.dtype == torch.float32
@@ -245,9 +258,10 @@ def load(path: str, dtype: torch.dtype):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
-def test_int8_fuses_projections_and_generates_what_unfused_int8_does(small_model, monkeypatch):
-    """q/k/v and gate/up of an int8 model become one Int8WeightOnlyLinear each (scales are per output channel,
-    so nothing is requantized); greedy generations equal those of the unfused int8 model."""
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_projections_fuse_and_generate_what_unfused_ones_do(small_model, monkeypatch, scheme):
+    """q/k/v and gate/up of an int8 (int4) model become one weight-only linear each (scales are per output channel,
+    int4 groups run along the input, so nothing is requantized); greedy generations equal the unfused model's."""
     from transformers import AutoTokenizer
 
     from batchgen.engines import hf
@@ -256,12 +270,14 @@ def test_int8_fuses_projections_and_generates_what_unfused_int8_does(small_model
     from batchgen.records import Request
     from batchgen.sampling import SampleParams
 
+    native_or_skip()
+    kind = {"int8": quant.Int8WeightOnlyLinear, "int4": quant.Int4WeightOnlyLinear}[scheme]
     tokenizer = AutoTokenizer.from_pretrained(small_model)
-    config = EngineConfig(model=small_model, quantization="int8", device="cpu", max_batch_size=8)
+    config = EngineConfig(model=small_model, quantization=scheme, device="cpu", max_batch_size=8)
     fused = hf.HFEngine(config, tokenizer)
     layers = fused.model.config.num_hidden_layers
     attn = fused.model.model.layers[0].self_attn
-    assert fused.fused == 2 * layers and isinstance(attn.qkv_proj, quant.Int8WeightOnlyLinear)
+    assert fused.fused == 2 * layers and isinstance(attn.qkv_proj, kind)
     assert isinstance(attn.k_proj, FusedSlice)
     monkeypatch.setattr(hf, "fuse_projections", lambda model, fuse: 0)
     plain = hf.HFEngine(config, tokenizer)
@@ -272,3 +288,82 @@ def test_int8_fuses_projections_and_generates_what_unfused_int8_does(small_model
     assert [r.text for r in fused.generate(reqs)] == want
     fused.fast = False  # the model's own forward, through the FusedSlices
     assert [r.text for r in fused.generate(reqs)] == want
+
+
+# -- int4 -------------------------------------------------------------------------------------------
+
+def test_int4_packing_round_trips_and_quantization_stays_within_half_a_step():
+    torch.manual_seed(0)
+    weight = torch.randn(40, 256) * torch.rand(40, 1)  # channels of different ranges
+    q, scale, mins = quant.quantize_int4(weight, 64)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and scale.shape == mins.shape == (40, 4)
+    packed = quant.pack_int4(q)
+    assert packed.shape == (40, 128) and torch.equal(quant.unpack_int4(packed), q)
+    assert torch.equal(packed[0, :4], torch.tensor([q[0, 0] | q[0, 8] << 4, q[0, 16] | q[0, 24] << 4,
+                                                    q[0, 32] | q[0, 40] << 4, q[0, 48] | q[0, 56] << 4],
+                                                   dtype=torch.uint8))  # lane 0 of block 0: planes 0..7
+    rebuilt = (q.float().view(40, 4, 64) * scale.float()[..., None] + mins.float()[..., None]).view(40, 256)
+    step = scale.float().repeat_interleave(64, dim=1)
+    assert ((rebuilt - weight).abs() <= 0.5 * step * (1 + 1e-3) + 1e-7).all()
+
+
+@pytest.mark.parametrize("rows,path", [(1, "native"), (2, "native"), (5, "native"), (40, "native"), (7, "dequant")])
+@pytest.mark.parametrize("bias", [True, False])
+def test_int4_weight_only_linear_matches_its_dequantized_weights(rows, path, bias):
+    native_or_skip()
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 100, bias=bias)  # 100 outputs: a remainder after the kernel's 4-channel blocks
+    x = torch.randn(2, rows, 256)
+    with torch.inference_mode():
+        ref = linear(x)
+        q = quant.Int4WeightOnlyLinear(linear)
+        quant.route_rows(q, native_rows=2 * rows + 1 if path == "native" else 0)
+        got = q(x)
+        weights = quant.unpack_int4(q.qweight).float().view(100, 4, 64) * q.scale.float()[..., None]
+        exact = F.linear(x, (weights + q.mins.float()[..., None]).view(100, 256), linear.bias)
+    assert got.shape == ref.shape == (2, rows, 100) and got.dtype == torch.float32
+    assert torch.allclose(got, exact, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(q.dequantize(), (weights + q.mins.float()[..., None]).view(100, 256))
+    # 16 levels over each group's range: on nn.Linear's uniform weights, about 7% relative error
+    assert (got - ref).norm() / ref.norm() < 0.1
+
+
+def test_native_int4_kernel_matches_a_float_reference():
+    """Group 64 and 128, odd channel counts, rows in pairs and alone, bias or not."""
+    native_or_skip()
+    torch.manual_seed(0)
+    lib = cpu_kernels.load()
+    for m, k, n, group, biased in [(1, 768, 768, 64, False), (3, 128, 13, 64, True), (6, 2048, 770, 128, True),
+                                   (1, 64, 5, 64, False)]:
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        scale = (torch.rand(n, k // group) / 50).to(torch.bfloat16)
+        mins = (-torch.rand(n, k // group) / 5).to(torch.bfloat16)
+        x, bias = torch.randn(m, k), torch.randn(n) if biased else None
+        weights = (q.float().view(n, -1, group) * scale.float()[..., None] + mins.float()[..., None]).view(n, k)
+        want = x @ weights.t() + (0 if bias is None else bias)
+        got = cpu_kernels.int4_gemm(lib, x, quant.pack_int4(q), scale, mins, group, bias)
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item()), (m, k, n, group)
+        assert torch.equal(cpu_kernels.int4_dequantize(lib, quant.pack_int4(q), scale, mins, group), weights)
+
+
+def test_int4_decode_path_agrees_with_its_prefill_path_on_the_benchmark_model(bench_model):
+    """The same int4 weights through batchgen's kernel (decode) and dequantized (prefill): the same next tokens."""
+    native_or_skip()
+    model = quant.int4_cpu(load(bench_model, torch.float32), torch.device("cpu"))
+    ids = torch.randint(10, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        quant.route_rows(model, native_rows=0)
+        prefill = model(input_ids=ids).logits
+        quant.route_rows(model, native_rows=2 * 64 + 1)
+        decode = model(input_ids=ids).logits
+    assert (prefill.argmax(-1) == decode.argmax(-1)).float().mean() > 0.99
+    assert torch.allclose(prefill, decode, atol=1e-3 * prefill.abs().max().item())
+
+
+def test_int4_on_cpu_needs_torchao_only_without_batchgens_kernels(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(quant.importlib.util, "find_spec", lambda name: None if name == "torchao" else real(name))
+    monkeypatch.setattr(cpu_kernels, "wanted", lambda: True)
+    assert quant.check("int4", "cpu", "auto") == []
+    monkeypatch.setattr(cpu_kernels, "wanted", lambda: False)
+    assert any("needs torchao" in problem for problem in quant.check("int4", "cpu", "auto"))

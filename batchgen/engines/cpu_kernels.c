@@ -217,3 +217,158 @@ void batchgen_decode_attention(const float *q, const float *k, const float *v, c
         free(s);
     }
 }
+
+/* int4 weight-only GEMM for few rows, AVX2 + FMA, group-wise asymmetric weights:
+ * w[n, k] = scale[n, g] * q[n, k] + min[n, g] for g = k / G, q in [0, 15]; y[m, n] = w[n, :] . x[m, :] (+ bias[n]).
+ *
+ * x: [M, K] float32; scale, min: [N, K / G] bfloat16 bits; G and K multiples of 64. Weights: [N, K / 2] bytes,
+ * each channel's 64-weight blocks 32 bytes long, read as 8 uint32 lanes: lane j holds q[64 b + 8 i + j] in bits
+ * 4 i .. 4 i + 3. Nibble plane i of a block is then one shift and one mask away from 8 int32 lanes that line up
+ * with x[64 b + 8 i, + 8): no byte shuffles. Per group, dot(q, x) is accumulated in float, then scaled; the min
+ * term is min[n, g] * sum(x[m, group g]), the sums computed once per call. As in the int8 kernel, each thread
+ * takes blocks of 4 output channels and input rows go in pairs, so each converted weight vector serves two rows. */
+static inline float bf16_to_float(uint16_t h) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
+
+#define NIBBLES(v, i) _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32((v), 4 * (i)), mask))
+
+/* Channels [n0, n0 + count), count 1 or 4 (the rest of the block is ignored), for input rows [0, M). */
+static void int4_block(const float *x, long M, long K, const uint8_t *w, const uint16_t *scale, const uint16_t *mins,
+                       long G, const float *xsum, const float *bias, float *y, long N, long n0, int count) {
+    const long groups = K / G;
+    const __m256i mask = _mm256_set1_epi32(15);
+    const uint8_t *w0 = w + n0 * (K / 2);
+    const uint8_t *w1 = count == 4 ? w0 + K / 2 : w0, *w2 = count == 4 ? w1 + K / 2 : w0,
+                  *w3 = count == 4 ? w2 + K / 2 : w0;
+    long m = 0;
+    for (; m + 1 < M; m += 2) {
+        const float *xa = x + m * K, *xb = xa + K;
+        __m256 ta[4], tb[4];
+        for (int c = 0; c < 4; c++)
+            ta[c] = tb[c] = _mm256_setzero_ps();
+        for (long g = 0; g < groups; g++) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+            for (long k = g * G; k < (g + 1) * G; k += 64) {
+                const __m256i v0 = _mm256_loadu_si256((const __m256i *)(w0 + k / 2)),
+                              v1 = _mm256_loadu_si256((const __m256i *)(w1 + k / 2)),
+                              v2 = _mm256_loadu_si256((const __m256i *)(w2 + k / 2)),
+                              v3 = _mm256_loadu_si256((const __m256i *)(w3 + k / 2));
+#define PAIR_PLANE(i)                                                                              \
+    {                                                                                              \
+        const __m256 pa = _mm256_loadu_ps(xa + k + 8 * (i)), pb = _mm256_loadu_ps(xb + k + 8 * (i)); \
+        __m256 f = NIBBLES(v0, i);                                                                 \
+        a0 = _mm256_fmadd_ps(f, pa, a0), b0 = _mm256_fmadd_ps(f, pb, b0);                          \
+        f = NIBBLES(v1, i);                                                                        \
+        a1 = _mm256_fmadd_ps(f, pa, a1), b1 = _mm256_fmadd_ps(f, pb, b1);                          \
+        f = NIBBLES(v2, i);                                                                        \
+        a2 = _mm256_fmadd_ps(f, pa, a2), b2 = _mm256_fmadd_ps(f, pb, b2);                          \
+        f = NIBBLES(v3, i);                                                                        \
+        a3 = _mm256_fmadd_ps(f, pa, a3), b3 = _mm256_fmadd_ps(f, pb, b3);                          \
+    }
+                PAIR_PLANE(0) PAIR_PLANE(1) PAIR_PLANE(2) PAIR_PLANE(3)
+                PAIR_PLANE(4) PAIR_PLANE(5) PAIR_PLANE(6) PAIR_PLANE(7)
+#undef PAIR_PLANE
+            }
+            const __m256 a[4] = {a0, a1, a2, a3}, b[4] = {b0, b1, b2, b3};
+            for (int c = 0; c < 4; c++) {
+                const __m256 s = _mm256_set1_ps(bf16_to_float(scale[(n0 + (c < count ? c : 0)) * groups + g]));
+                ta[c] = _mm256_fmadd_ps(a[c], s, ta[c]);
+                tb[c] = _mm256_fmadd_ps(b[c], s, tb[c]);
+            }
+        }
+        for (int c = 0; c < count; c++) {
+            const long n = n0 + c;
+            float za = 0.0f, zb = 0.0f;
+            for (long g = 0; g < groups; g++) {
+                const float mn = bf16_to_float(mins[n * groups + g]);
+                za += mn * xsum[m * groups + g];
+                zb += mn * xsum[(m + 1) * groups + g];
+            }
+            const float bn = bias ? bias[n] : 0.0f;
+            y[m * N + n] = hsum(ta[c]) + za + bn;
+            y[(m + 1) * N + n] = hsum(tb[c]) + zb + bn;
+        }
+    }
+    for (; m < M; m++) {
+        const float *xm = x + m * K;
+        __m256 t0 = _mm256_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;
+        for (long g = 0; g < groups; g++) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (long k = g * G; k < (g + 1) * G; k += 64) {
+                const __m256i v0 = _mm256_loadu_si256((const __m256i *)(w0 + k / 2)),
+                              v1 = _mm256_loadu_si256((const __m256i *)(w1 + k / 2)),
+                              v2 = _mm256_loadu_si256((const __m256i *)(w2 + k / 2)),
+                              v3 = _mm256_loadu_si256((const __m256i *)(w3 + k / 2));
+#define ROW_PLANE(i)                                              \
+    {                                                             \
+        const __m256 p = _mm256_loadu_ps(xm + k + 8 * (i));       \
+        a0 = _mm256_fmadd_ps(NIBBLES(v0, i), p, a0);              \
+        a1 = _mm256_fmadd_ps(NIBBLES(v1, i), p, a1);              \
+        a2 = _mm256_fmadd_ps(NIBBLES(v2, i), p, a2);              \
+        a3 = _mm256_fmadd_ps(NIBBLES(v3, i), p, a3);              \
+    }
+                ROW_PLANE(0) ROW_PLANE(1) ROW_PLANE(2) ROW_PLANE(3)
+                ROW_PLANE(4) ROW_PLANE(5) ROW_PLANE(6) ROW_PLANE(7)
+#undef ROW_PLANE
+            }
+            const long r = n0 * groups + g;
+            t0 = _mm256_fmadd_ps(a0, _mm256_set1_ps(bf16_to_float(scale[r])), t0);
+            if (count == 4) {
+                t1 = _mm256_fmadd_ps(a1, _mm256_set1_ps(bf16_to_float(scale[r + groups])), t1);
+                t2 = _mm256_fmadd_ps(a2, _mm256_set1_ps(bf16_to_float(scale[r + 2 * groups])), t2);
+                t3 = _mm256_fmadd_ps(a3, _mm256_set1_ps(bf16_to_float(scale[r + 3 * groups])), t3);
+            }
+        }
+        const __m256 t[4] = {t0, t1, t2, t3};
+        for (int c = 0; c < count; c++) {
+            const long n = n0 + c;
+            float z = 0.0f;
+            for (long g = 0; g < groups; g++)
+                z += bf16_to_float(mins[n * groups + g]) * xsum[m * groups + g];
+            y[m * N + n] = hsum(t[c]) + z + (bias ? bias[n] : 0.0f);
+        }
+    }
+}
+
+void batchgen_int4_gemm(const float *x, long M, long K, const uint8_t *w, const uint16_t *scale,
+                        const uint16_t *mins, long G, const float *bias, float *y, long N, int threads) {
+    const long groups = K / G, blocks = N / 4;
+    float *xsum = malloc(sizeof(float) * M * groups);
+    for (long r = 0; r < M * groups; r++) {
+        const float *p = x + r * G;
+        __m256 acc = _mm256_setzero_ps();
+        for (long k = 0; k < G; k += 8)
+            acc = _mm256_add_ps(acc, _mm256_loadu_ps(p + k));
+        xsum[r] = hsum(acc);
+    }
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long b = 0; b < blocks; b++)
+        int4_block(x, M, K, w, scale, mins, G, xsum, bias, y, N, b * 4, 4);
+    for (long n = blocks * 4; n < N; n++)
+        int4_block(x, M, K, w, scale, mins, G, xsum, bias, y, N, n, 1);
+    free(xsum);
+}
+
+/* The float32 weights [N, K] of an int4 layer (layout above), for a GEMM over many rows. */
+void batchgen_int4_dequantize(const uint8_t *w, const uint16_t *scale, const uint16_t *mins, long G, float *out,
+                              long N, long K, int threads) {
+    const long groups = K / G;
+    const __m256i mask = _mm256_set1_epi32(15);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long n = 0; n < N; n++) {
+        for (long g = 0; g < groups; g++) {
+            const __m256 s = _mm256_set1_ps(bf16_to_float(scale[n * groups + g])),
+                         mn = _mm256_set1_ps(bf16_to_float(mins[n * groups + g]));
+            for (long k = g * G; k < (g + 1) * G; k += 64) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + n * (K / 2) + k / 2));
+                float *o = out + n * K + k;
+#define STORE_PLANE(i) _mm256_storeu_ps(o + 8 * (i), _mm256_fmadd_ps(NIBBLES(v, i), s, mn));
+                STORE_PLANE(0) STORE_PLANE(1) STORE_PLANE(2) STORE_PLANE(3)
+                STORE_PLANE(4) STORE_PLANE(5) STORE_PLANE(6) STORE_PLANE(7)
+#undef STORE_PLANE
+            }
+        }
+    }
+}

@@ -84,7 +84,14 @@ def load() -> Optional[ctypes.CDLL]:
     attention = lib.batchgen_decode_attention
     attention.restype = None
     attention.argtypes = [ptr, ptr, ptr, ptr, ptr, *[ctypes.c_long] * 6, ctypes.c_float, ctypes.c_int]
-    log.info("batchgen's CPU kernels loaded (%s): float32 decode attention, int8 GEMM for small batches",
+    int4 = lib.batchgen_int4_gemm
+    int4.restype = None
+    int4.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ptr, ptr, ctypes.c_long, ptr, ptr, ctypes.c_long,
+                     ctypes.c_int]
+    dequantize = lib.batchgen_int4_dequantize
+    dequantize.restype = None
+    dequantize.argtypes = [ptr, ptr, ptr, ctypes.c_long, ptr, ctypes.c_long, ctypes.c_long, ctypes.c_int]
+    log.info("batchgen's CPU kernels loaded (%s): float32 decode attention, int8 and int4 GEMMs for small batches",
              target.name)
     return lib
 
@@ -124,4 +131,25 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torc
     out = torch.empty_like(q)
     lib.batchgen_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), lengths.data_ptr(), out.data_ptr(), n,
                                   heads, kv_heads, d, k.stride(0), k.stride(1), scale, torch.get_num_threads())
+    return out
+
+
+def int4_gemm(lib: ctypes.CDLL, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor,
+              group: int, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x: [M, K] float32 contiguous; qweight: [N, K / 2] uint8 in the kernel's nibble layout (quant.pack_int4);
+    scale, mins: [N, K / group] bfloat16; bias: [N] float32 -> [M, N] float32."""
+    (m, k), n = x.shape, qweight.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32)
+    lib.batchgen_int4_gemm(x.data_ptr(), m, k, qweight.data_ptr(), scale.data_ptr(), mins.data_ptr(), group,
+                           None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
+    return y
+
+
+def int4_dequantize(lib: ctypes.CDLL, qweight: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor,
+                    group: int) -> torch.Tensor:
+    """The [N, K] float32 weights of an int4 layer (arguments as int4_gemm's)."""
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    out = torch.empty((n, k), dtype=torch.float32)
+    lib.batchgen_int4_dequantize(qweight.data_ptr(), scale.data_ptr(), mins.data_ptr(), group, out.data_ptr(), n, k,
+                                 torch.get_num_threads())
     return out

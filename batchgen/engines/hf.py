@@ -67,8 +67,8 @@ class HFEngine:
             if serves_all:
                 self.fused = fuse_projections(self.model, cpu_linear.pack_concatenated)
             self.prepacked = self.fused + cpu_linear.pack_linears(self.model)
-        elif self.device.type == "cpu" and cfg.quantization == "int8" and serves_all:
-            self.fused = fuse_projections(self.model, quant.Int8WeightOnlyLinear.concatenate)
+        elif self.device.type == "cpu" and cfg.quantization in ("int8", "int4") and serves_all:
+            self.fused = fuse_projections(self.model, quant.concatenate)
         if self.device.type == "cpu":  # after loading: memory freed while loading or quantizing goes back to the OS
             cpu_runtime.keep_freed_memory()
         budget, size, part = DEFAULTS["cuda" if self.device.type == "cuda" else "cpu"]

@@ -17,12 +17,16 @@ What runs where (measured on an AVX2-only CPU without fast bf16; see README "Qua
   take stay float. Without either kernel (older torch) the fallback, with a warning, is
   `torch.ao.quantization.quantize_dynamic` (activations quantized too: lower fidelity).
 - int8, CUDA: torchao `Int8WeightOnlyConfig`.
-- int4, CPU: torchao `PrototypeInt4WeightOnlyConfig` (group 128), its kernel in bfloat16; in a float32
-  model (engine.dtype=auto on a CPU without fast bf16) each quantized linear is a bf16 island (`Bf16Linear`)
-  and the rest of the model computes in float32.
+- int4, CPU: weight-only, `Int4WeightOnlyLinear`: group-wise asymmetric int4 (a bf16 scale and min per 64
+  input weights), two weights to a byte in the layout of batchgen's AVX2 kernel (`cpu_kernels`), which runs
+  inputs under INT4_NATIVE_ROWS rows in float32; larger inputs dequantize the layer's weights for a float GEMM.
+  The LM head is stored as int8 (Int8WeightOnlyLinear). Where batchgen's kernels are not built: torchao
+  `PrototypeInt4WeightOnlyConfig` (group 128), its kernel in bfloat16; in a float32 model each quantized linear
+  is then a bf16 island (`Bf16Linear`) and the rest of the model computes in float32.
 - int4, CUDA: torchao `Int4WeightOnlyConfig` with the tinygemm tile-packed layout, bfloat16 compute.
 - bnb-int8, bnb-nf4: bitsandbytes through `BitsAndBytesConfig`, CUDA only.
-With int8 the input embedding table is stored as int8 rows with one scale per row (`Int8Embedding`).
+With int8, and with batchgen's int4, the input embedding table is stored as int8 rows with one scale per row
+(`Int8Embedding`).
 A scheme measured slower than float32 at the CPU working batch logs a warning when it is built on such a CPU
 (CPU_WORKING_BATCH_VS_FLOAT32).
 """
@@ -55,7 +59,10 @@ DEQUANT_ROWS = 64
 # model's linears it was faster than dequantizing for a float32 GEMM up to 128 rows (64 rows: 152 vs 182 ms).
 NATIVE_ROWS = 128
 INT8_K_MULTIPLE = 16  # input sizes aten._weight_int8pack_mm takes (see _int8_kernel_takes)
-INT4_GROUP = 128  # weights per int4 scale/zero pair
+INT4_GROUP = 128  # weights per int4 scale/zero pair in torchao's kernels (CUDA; CPU without batchgen's kernels)
+INT4_CPU_GROUP = 64  # weights per int4 scale/min pair in batchgen's CPU kernel (a multiple of 64)
+# int4 on CPU: inputs under this many rows run batchgen's kernel, larger ones dequantize for a float32 GEMM.
+INT4_NATIVE_ROWS = 64
 # Output tokens/s at the CPU working batch (64 rows) over float32's, measured with benchmarks/quantization.py on the
 # development CPU (AVX2, no fast bf16; README "Quantization"). A scheme under 0.9 here logs a warning when it is
 # built on a CPU without fast bf16: the engine does not switch schemes on its own, it says so.
@@ -123,6 +130,8 @@ class Int8WeightOnlyLinear(nn.Module):
         self.register_buffer("scale", scale)
         self.register_buffer("scale_f32", scale.float(), persistent=False)  # what the native kernel multiplies by
         self.native = cpu_kernels.load()  # batchgen's AVX2 kernel for few rows; None where it does not run
+        self.native_rows = NATIVE_ROWS if self.native is not None else 0  # see route_rows
+        self.dequant_rows = DEQUANT_ROWS
         self.register_buffer("bias", bias)
 
     @classmethod
@@ -143,12 +152,12 @@ class Int8WeightOnlyLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
-        if self.native is not None and 0 < rows < NATIVE_ROWS:
+        if 0 < rows < self.native_rows:
             y = cpu_kernels.int8_gemm(self.native, x2.float().contiguous(), self.qweight, self.scale_f32,
                                    None if self.bias is None else self.bias.float())
             return y.to(x.dtype).view(*lead, self.out_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        if rows >= DEQUANT_ROWS or rows == 0 or self.in_features % INT8_K_MULTIPLE:
+        if rows >= self.dequant_rows or rows == 0 or self.in_features % INT8_K_MULTIPLE:
             weight = self.qweight.to(x.dtype).mul_(self.scale.to(x.dtype)[:, None])  # [N, K], freed on return
             return F.linear(x, weight, bias)
         a = x2.to(torch.bfloat16).contiguous()
@@ -162,6 +171,25 @@ class Int8WeightOnlyLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def route_rows(model: nn.Module, native_rows: Optional[int] = None, dequant_rows: Optional[int] = None) -> int:
+    """Set which kernel each int8/int4 weight-only linear of `model` runs, by the number of input rows: under
+    `native_rows`, batchgen's AVX2 kernel (int8: only where it is built); int8 then under `dequant_rows`, aten's
+    kernel; otherwise dequantized weights and a float GEMM. None means the engine's default (NATIVE_ROWS,
+    DEQUANT_ROWS; INT4_NATIVE_ROWS for int4). Tests and the benchmark use it to send every input through one
+    path. Returns how many modules were set."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Int8WeightOnlyLinear):
+            module.native_rows = (NATIVE_ROWS if native_rows is None else native_rows) if module.native is not None else 0
+            module.dequant_rows = DEQUANT_ROWS if dequant_rows is None else dequant_rows
+        elif isinstance(module, Int4WeightOnlyLinear):
+            module.native_rows = INT4_NATIVE_ROWS if native_rows is None else native_rows
+        else:
+            continue
+        count += 1
+    return count
 
 
 def int8_weight_only_kernel() -> bool:
@@ -221,6 +249,96 @@ def int8_cuda(model: nn.Module, device: torch.device) -> nn.Module:
 
 # -- int4 -------------------------------------------------------------------------------------------
 
+def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group-wise asymmetric int4: weight[n, k] ~ scale[n, g] * q[n, k] + mins[n, g], g = k // group, q in [0, 15].
+    weight: [N, K] float, K a multiple of group -> (q [N, K] uint8, scale and mins [N, K / group] bfloat16).
+    The min is rounded to bfloat16 first and the scale rounded up, so the group's largest weight still maps into
+    [0, 15] under the stored, rounded values; every weight is then within half a step of its grid point."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // group, group)
+    mins = w.amin(dim=-1).to(torch.bfloat16)
+    exact = ((w.amax(dim=-1) - mins.float()) / 15).clamp(min=1e-8)
+    scale = exact.to(torch.bfloat16)
+    scale = (scale.view(torch.int16) + (scale.float() < exact).to(torch.int16)).view(torch.bfloat16)  # round up
+    q = torch.round((w - mins.float()[..., None]) / scale.float()[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.reshape(n, k), scale, mins
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q: [N, K] uint8 in [0, 15], K a multiple of 64 -> [N, K / 2] uint8 in the kernel's layout (cpu_kernels.c):
+    each 64-weight block is 8 little-endian uint32 lanes, lane j holding q[8 i + j] in bits 4 i .. 4 i + 3."""
+    n, k = q.shape
+    planes = q.reshape(n, k // 64, 4, 2, 8)  # [n, block, byte b of a lane, low/high nibble, lane j]: plane 2 b + h
+    packed = planes[:, :, :, 0, :] | (planes[:, :, :, 1, :] << 4)  # [n, block, b, j]
+    return packed.permute(0, 1, 3, 2).contiguous().reshape(n, k // 2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_int4."""
+    n, half = packed.shape
+    lanes = packed.reshape(n, half // 32, 8, 4)  # [n, block, lane j, byte b]
+    nibbles = torch.stack([lanes & 15, lanes >> 4], dim=-1)  # [n, block, j, b, h]
+    return nibbles.permute(0, 1, 3, 4, 2).reshape(n, half * 2)
+
+
+class Int4WeightOnlyLinear(nn.Module):
+    """`nn.Linear` with group-wise asymmetric int4 weights (quantize_int4; bfloat16 scale and min per group of
+    `group` input weights), two to a byte in the layout of batchgen's AVX2 kernel; activations are not quantized.
+    Inputs under INT4_NATIVE_ROWS rows (decode steps) run the kernel in float32; larger inputs (prefill, large
+    decode batches) dequantize the layer's weights, transiently, for one GEMM in the input's dtype. Built only
+    where cpu_kernels.load() works (int4_cpu uses torchao elsewhere)."""
+
+    def __init__(self, linear: nn.Linear, group: int = INT4_CPU_GROUP):
+        super().__init__()
+        q, scale, mins = quantize_int4(linear.weight, group)
+        self._hold(pack_int4(q), scale, mins, None if linear.bias is None else linear.bias.detach().float(), group)
+
+    def _hold(self, qweight: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, bias: Optional[torch.Tensor],
+              group: int) -> None:
+        self.native = cpu_kernels.load()
+        if self.native is None:
+            raise RuntimeError("Int4WeightOnlyLinear needs batchgen's CPU kernels (cpu_kernels.load())")
+        self.group = group
+        self.native_rows = INT4_NATIVE_ROWS  # see route_rows
+        self.out_features, self.in_features = qweight.shape[0], qweight.shape[1] * 2
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale.contiguous())
+        self.register_buffer("mins", mins.contiguous())
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def concatenate(cls, parts: list[nn.Module]) -> Optional[Int4WeightOnlyLinear]:
+        """One module whose output is the parts' outputs side by side (`fuse` for llama_step.fuse_projections);
+        groups run along the input, so this is exactly the int4 version of the concatenated weights."""
+        if not all(type(p) is cls and p.group == parts[0].group for p in parts):
+            return None
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        bias = torch.cat([p.bias if p.bias is not None else p.scale.new_zeros(p.out_features, dtype=torch.float32)
+                          for p in parts]) if any(p.bias is not None for p in parts) else None
+        fused._hold(torch.cat([p.qweight for p in parts]), torch.cat([p.scale for p in parts]),
+                    torch.cat([p.mins for p in parts]), bias, parts[0].group)
+        return fused
+
+    def dequantize(self) -> torch.Tensor:
+        """The layer's weights as float32, [N, K]."""
+        return cpu_kernels.int4_dequantize(self.native, self.qweight, self.scale, self.mins, self.group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N]
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if 0 < x2.shape[0] < self.native_rows:
+            y = cpu_kernels.int4_gemm(self.native, x2.float().contiguous(), self.qweight, self.scale, self.mins,
+                                      self.group, self.bias)
+            return y.to(x.dtype).view(*lead, self.out_features)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantize().to(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}, "
+                f"bias={self.bias is not None}")
+
+
 class Bf16Linear(nn.Module):
     """A bfloat16 linear inside a float32 model (torchao's int4 CPU kernel takes bf16 activations only): the
     input goes in as bf16, the output comes back in the input's dtype. The rest of the model (norms, attention,
@@ -236,9 +354,32 @@ class Bf16Linear(nn.Module):
 
 
 def int4_cpu(model: nn.Module, device: torch.device) -> nn.Module:
+    """int4 weight-only linears: batchgen's own (Int4WeightOnlyLinear, group INT4_CPU_GROUP) where its CPU kernels
+    are built, else torchao's (int4_cpu_torchao). Either way the LM head and the input embeddings are stored as
+    int8 (int4 there costs the most fidelity, and in a large vocabulary they are a large share of the bytes)."""
+    if cpu_kernels.load() is None:
+        return int4_cpu_torchao(model, device)
+    head = model.get_output_embeddings()
+
+    def convert(linear: nn.Linear) -> Optional[nn.Module]:
+        if type(linear) is not nn.Linear or linear.weight.device.type != "cpu":
+            return None
+        if linear is head:
+            return Int8WeightOnlyLinear(linear)
+        return Int4WeightOnlyLinear(linear) if linear.in_features % INT4_CPU_GROUP == 0 else None
+
+    converted, skipped = replace_linears(model, convert)
+    log.info("int4 weight-only: %d linears converted (group %d; the LM head in int8), %d left in float (input size "
+             "not a multiple of %d); inputs under %d rows run batchgen's AVX2 kernel, larger ones dequantize the "
+             "layer's weights", converted, INT4_CPU_GROUP, skipped, INT4_CPU_GROUP, INT4_NATIVE_ROWS)
+    quantize_embeddings_int8(model)
+    return model
+
+
+def int4_cpu_torchao(model: nn.Module, device: torch.device) -> nn.Module:
     """torchao int4 weight-only (group 128). A bfloat16 model is quantized in place; in a float32 model each
     quantized linear becomes a Bf16Linear island and everything else stays float32."""
-    import_or_hint("torchao.quantization", TORCHAO_HINT, "engine.quantization=int4")
+    import_or_hint("torchao.quantization", TORCHAO_HINT, "engine.quantization=int4 without batchgen's CPU kernels")
     from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
     from torchao.quantization import quantize_
 
@@ -256,6 +397,14 @@ def int4_cpu(model: nn.Module, device: torch.device) -> nn.Module:
 
     replace_linears(model, island)
     return model
+
+
+def concatenate(parts: list[nn.Module]) -> Optional[nn.Module]:
+    """`fuse` for llama_step.fuse_projections: one int8 or int4 module for parts quantized alike; else None."""
+    kind = type(parts[0])
+    if kind in (Int8WeightOnlyLinear, Int4WeightOnlyLinear):
+        return kind.concatenate(parts)
+    return None
 
 
 def int4_cuda(model: nn.Module, device: torch.device) -> nn.Module:
@@ -319,6 +468,8 @@ def check(scheme_name: Optional[str], device: str, dtype: str) -> list[str]:
         problems.append(f"engine.quantization={scheme_name} on {kind} computes in {' or '.join(allowed)}; "
                         f"engine.dtype={dtype} is not supported; choices: auto, {', '.join(allowed)}")
     package = "torchao" if (scheme_name, kind) == ("int8", "cuda") else scheme.requires
+    if (scheme_name, kind) == ("int4", "cpu") and cpu_kernels.wanted():
+        package = ""  # batchgen's own int4 kernel; torchao only where those kernels cannot be built (see int4_cpu)
     if package and importlib.util.find_spec(package) is None:
         hint = BNB_HINT if package == "bitsandbytes" else TORCHAO_HINT
         problems.append(f"engine.quantization={scheme_name} on {kind} needs {package}, not installed: {hint}")

@@ -345,3 +345,65 @@ def test_native_decode_attention_equals_torch_attention(engine):
 
     for got, want in zip(two_steps(native), two_steps(reference)):
         assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_native_decode_step_equals_the_torch_step(tiny_model, tokenizer, monkeypatch):
+    """With fused projections, a decode step runs batchgen's kernels between the GEMMs (RMSNorm, rotary embedding,
+    cache write and attention, SiLU-and-multiply); its logits and cache equal those of the torch step."""
+    from batchgen.engines import cpu_linear, llama_step
+
+    monkeypatch.setattr(cpu_linear, "MIN_FEATURES", 1)  # the tiny model's projections fused, as a large model's are
+    engine = HFEngine(EngineConfig(model=tiny_model, dtype="float32", max_batch_size=16), tokenizer)
+    native = llama_step.LlamaStepper(engine.model)
+    if not native.native_step:
+        pytest.skip("batchgen's CPU kernels are not built here (x86 with AVX2/FMA and no AVX-512, and a C compiler)")
+    reference = llama_step.LlamaStepper(engine.model)
+    reference.native_step = False
+    torch.manual_seed(0)
+    prompts = [torch.randint(3, 200, (n,)).tolist() for n in (250, 6, 9, 1, 180, 7, 33)]
+
+    def steps(stepper):
+        cache = stepper.new_cache(len(prompts), 300)
+        with torch.inference_mode():
+            for b, p in enumerate(prompts):
+                stepper.prefill(cache, b, [p])
+            logits = [stepper.decode(cache, torch.tensor([5 + t] * len(prompts))) for t in range(3)]
+        return logits, cache
+
+    (got, got_cache), (want, want_cache) = steps(native), steps(reference)
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, atol=1e-5, rtol=1e-4)
+    assert got_cache.host_lengths == want_cache.host_lengths
+    assert torch.allclose(got_cache.k, want_cache.k, atol=1e-5) and torch.allclose(got_cache.v, want_cache.v, atol=1e-5)
+
+
+def test_native_rope_is_transformers_rope_bit_for_bit_and_norm_and_silu_match_torch(engine):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from batchgen.engines import cpu_kernels
+
+    lib = cpu_kernels.load()
+    if lib is None:
+        pytest.skip("batchgen's CPU kernels are not built here")
+    torch.manual_seed(0)
+    n, heads, kv_heads, d = 3, 4, 2, 32
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d)
+    cos, sin = torch.randn(n, d), torch.randn(n, d)
+    k = torch.zeros(n, kv_heads, 8, d)
+    v = torch.zeros_like(k)
+    positions = torch.tensor([0, 3, 7])
+    q_want, k_want = apply_rotary_pos_emb(qkv[:, :heads * d].view(n, heads, 1, d),
+                                          qkv[:, heads * d:(heads + kv_heads) * d].view(n, kv_heads, 1, d),
+                                          cos[:, None], sin[:, None], unsqueeze_dim=1)
+    values = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d).clone()
+    rotated = qkv.clone()
+    cpu_kernels.decode_layer_attention(lib, rotated, cos, sin, k, v, positions, heads, 0.1)
+    assert torch.equal(rotated[:, :heads * d], q_want.reshape(n, -1))
+    assert torch.equal(k[torch.arange(n), :, positions], k_want[:, :, 0])
+    assert torch.equal(v[torch.arange(n), :, positions], values)
+    x, weight = torch.randn(5, 100), torch.randn(100)
+    want = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert torch.allclose(cpu_kernels.rms_norm(lib, x, weight, 1e-6), want, rtol=1e-5, atol=1e-6)
+    gate_up = torch.randn(4, 2 * 100) * 10
+    want = torch.nn.functional.silu(gate_up[:, :100]) * gate_up[:, 100:]
+    assert torch.allclose(cpu_kernels.silu_mul(lib, gate_up), want, rtol=1e-5, atol=1e-5)

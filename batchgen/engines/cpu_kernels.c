@@ -12,6 +12,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -167,54 +168,145 @@ static void softmax(float *s, long L) {
  * q, out: [n, heads, d] contiguous; k, v: one layer of the slot cache, row r / KV head j at
  * r * slot_stride + j * head_stride, positions of d floats each; d a multiple of 8. Each (row, KV head)
  * is one task: its keys and values are read once, each row over its own length only (no padding). */
+/* One (row, KV head) task: the group of query heads qg [group, d] over keys and values kh, vh [L, d]. */
+static void attend_group(const float *qg, const float *kh, const float *vh, long L, long d, long group,
+                         float scale, float *og) {
+    float *s = malloc(sizeof(float) * group * L);
+    for (long l = 0; l < L; l++) {
+        const float *key = kh + l * d;
+        for (long t = 0; t < group; t++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (long c = 0; c < d; c += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + t * d + c), _mm256_loadu_ps(key + c), acc);
+            s[t * L + l] = hsum(acc) * scale;
+        }
+    }
+    for (long t = 0; t < group; t++) {
+        float *st = s + t * L;
+        softmax(st, L);
+        for (long c0 = 0; c0 < d; c0 += 64) {  /* 8 accumulators of 8 floats: 64 output dims at a time */
+            const long width = d - c0 < 64 ? d - c0 : 64;
+            __m256 acc[8];
+            for (int a = 0; a < 8; a++)
+                acc[a] = _mm256_setzero_ps();
+            if (width == 64) {  /* constant trip count: the accumulators stay in registers */
+                for (long l = 0; l < L; l++) {
+                    const __m256 p = _mm256_set1_ps(st[l]);
+                    const float *val = vh + l * d + c0;
+                    for (int a = 0; a < 8; a++)
+                        acc[a] = _mm256_fmadd_ps(p, _mm256_loadu_ps(val + 8 * a), acc[a]);
+                }
+            } else {
+                for (long l = 0; l < L; l++) {
+                    const __m256 p = _mm256_set1_ps(st[l]);
+                    const float *val = vh + l * d + c0;
+                    for (long c = 0; c < width; c += 8)
+                        acc[c / 8] = _mm256_fmadd_ps(p, _mm256_loadu_ps(val + c), acc[c / 8]);
+                }
+            }
+            for (long c = 0; c < width; c += 8)
+                _mm256_storeu_ps(og + t * d + c0 + c, acc[c / 8]);
+        }
+    }
+    free(s);
+}
+
 void batchgen_decode_attention(const float *q, const float *k, const float *v, const int64_t *lengths, float *out,
                                long n, long heads, long kv_heads, long d, long slot_stride, long head_stride,
                                float scale, int threads) {
     const long group = heads / kv_heads;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (long task = 0; task < n * kv_heads; task++) {
-        const long r = task / kv_heads, j = task % kv_heads, L = lengths[r];
-        const float *kh = k + r * slot_stride + j * head_stride, *vh = v + r * slot_stride + j * head_stride;
-        const float *qg = q + (r * heads + j * group) * d;
-        float *og = out + (r * heads + j * group) * d;
-        float *s = malloc(sizeof(float) * group * L);
-        for (long l = 0; l < L; l++) {
-            const float *key = kh + l * d;
-            for (long t = 0; t < group; t++) {
-                __m256 acc = _mm256_setzero_ps();
-                for (long c = 0; c < d; c += 8)
-                    acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + t * d + c), _mm256_loadu_ps(key + c), acc);
-                s[t * L + l] = hsum(acc) * scale;
-            }
+        const long r = task / kv_heads, j = task % kv_heads;
+        attend_group(q + (r * heads + j * group) * d, k + r * slot_stride + j * head_stride,
+                     v + r * slot_stride + j * head_stride, lengths[r], d, group, scale,
+                     out + (r * heads + j * group) * d);
+    }
+}
+
+/* Rotary embedding of one head in place, the rotate-half convention of Llama-family models in transformers:
+ * x[i] * cos[i] - x[i + d/2] * sin[i] and x[i + d/2] * cos[i + d/2] + x[i] * sin[i + d/2], i < d/2. Products
+ * and sums are rounded separately, as torch does (the library is built with -ffp-contract=off): the result
+ * is bit for bit transformers' apply_rotary_pos_emb. */
+static void rope_head(float *x, const float *cos, const float *sin, long d) {
+    const long h = d / 2;
+    for (long i = 0; i < h; i += 8) {
+        const __m256 lo = _mm256_loadu_ps(x + i), hi = _mm256_loadu_ps(x + h + i);
+        _mm256_storeu_ps(x + i, _mm256_sub_ps(_mm256_mul_ps(lo, _mm256_loadu_ps(cos + i)),
+                                              _mm256_mul_ps(hi, _mm256_loadu_ps(sin + i))));
+        _mm256_storeu_ps(x + h + i, _mm256_add_ps(_mm256_mul_ps(hi, _mm256_loadu_ps(cos + h + i)),
+                                                  _mm256_mul_ps(lo, _mm256_loadu_ps(sin + h + i))));
+    }
+}
+
+/* The attention half of a decode step for one layer, from the fused q/k/v projection's output:
+ * qkv: [n, (heads + 2 kv_heads) d] (q heads, then k heads, then v heads, per row); cos, sin: [n, d].
+ * For each row r and KV head j: rotate the group's query heads and key head j in place, write key and value
+ * head j into the cache at position lengths[r], then attend over lengths[r] + 1 positions into
+ * out[r, heads of group j]. One call instead of the ~25 torch operations of rotary embedding, cache
+ * writes and attention (each a few microseconds at batch 1). d a multiple of 16. */
+void batchgen_decode_layer_attention(float *qkv, const float *cos, const float *sin, float *k, float *v,
+                                     const int64_t *lengths, float *out, long n, long heads, long kv_heads, long d,
+                                     long slot_stride, long head_stride, float scale, int threads) {
+    const long group = heads / kv_heads, row = (heads + 2 * kv_heads) * d;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (long task = 0; task < n * kv_heads; task++) {
+        const long r = task / kv_heads, j = task % kv_heads, pos = lengths[r];
+        float *qg = qkv + r * row + j * group * d, *key = qkv + r * row + (heads + j) * d;
+        const float *value = qkv + r * row + (heads + kv_heads + j) * d;
+        for (long t = 0; t < group; t++)
+            rope_head(qg + t * d, cos + r * d, sin + r * d, d);
+        rope_head(key, cos + r * d, sin + r * d, d);
+        float *kh = k + r * slot_stride + j * head_stride, *vh = v + r * slot_stride + j * head_stride;
+        memcpy(kh + pos * d, key, sizeof(float) * d);
+        memcpy(vh + pos * d, value, sizeof(float) * d);
+        attend_group(qg, kh, vh, pos + 1, d, group, scale, out + (r * heads + j * group) * d);
+    }
+}
+
+/* RMSNorm of rows [0, n) of x [n, hidden]: out = x / sqrt(mean(x^2) + eps) * weight, as transformers'
+ * LlamaRMSNorm computes it in float32 (up to the order of the sum). */
+void batchgen_rms_norm(const float *x, const float *weight, float *out, long n, long hidden, float eps) {
+    for (long r = 0; r < n; r++) {
+        const float *xr = x + r * hidden;
+        float *o = out + r * hidden;
+        __m256 acc = _mm256_setzero_ps();
+        long c = 0;
+        for (; c + 8 <= hidden; c += 8) {
+            const __m256 a = _mm256_loadu_ps(xr + c);
+            acc = _mm256_fmadd_ps(a, a, acc);
         }
-        for (long t = 0; t < group; t++) {
-            float *st = s + t * L;
-            softmax(st, L);
-            for (long c0 = 0; c0 < d; c0 += 64) {  /* 8 accumulators of 8 floats: 64 output dims at a time */
-                const long width = d - c0 < 64 ? d - c0 : 64;
-                __m256 acc[8];
-                for (int a = 0; a < 8; a++)
-                    acc[a] = _mm256_setzero_ps();
-                if (width == 64) {  /* constant trip count: the accumulators stay in registers */
-                    for (long l = 0; l < L; l++) {
-                        const __m256 p = _mm256_set1_ps(st[l]);
-                        const float *val = vh + l * d + c0;
-                        for (int a = 0; a < 8; a++)
-                            acc[a] = _mm256_fmadd_ps(p, _mm256_loadu_ps(val + 8 * a), acc[a]);
-                    }
-                } else {
-                    for (long l = 0; l < L; l++) {
-                        const __m256 p = _mm256_set1_ps(st[l]);
-                        const float *val = vh + l * d + c0;
-                        for (long c = 0; c < width; c += 8)
-                            acc[c / 8] = _mm256_fmadd_ps(p, _mm256_loadu_ps(val + c), acc[c / 8]);
-                    }
-                }
-                for (long c = 0; c < width; c += 8)
-                    _mm256_storeu_ps(og + t * d + c0 + c, acc[c / 8]);
-            }
+        float sum = hsum(acc);
+        for (; c < hidden; c++)
+            sum += xr[c] * xr[c];
+        const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+        const __m256 vinv = _mm256_set1_ps(inv);
+        for (c = 0; c + 8 <= hidden; c += 8)
+            _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(weight + c),
+                                                  _mm256_mul_ps(_mm256_loadu_ps(xr + c), vinv)));
+        for (; c < hidden; c++)
+            o[c] = weight[c] * (xr[c] * inv);
+    }
+}
+
+/* out[r, c] = silu(gu[r, c]) * gu[r, inter + c] for the fused gate/up projection's output gu [n, 2 inter]. */
+void batchgen_silu_mul(const float *gu, float *out, long n, long inter) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (long r = 0; r < n; r++) {
+        const float *g = gu + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        long c = 0;
+        for (; c + 8 <= inter; c += 8) {
+            const __m256 a = _mm256_loadu_ps(g + c);
+            /* silu(a) = a / (1 + e^-a); e^-a through exp256, which takes x <= 0: for a < 0 use a e^a / (1 + e^a) */
+            const __m256 e = exp256(_mm256_sub_ps(zero, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a)));  /* e^-|a| */
+            const __m256 pos = _mm256_div_ps(a, _mm256_add_ps(one, e));
+            const __m256 neg = _mm256_div_ps(_mm256_mul_ps(a, e), _mm256_add_ps(one, e));
+            const __m256 silu = _mm256_blendv_ps(pos, neg, _mm256_cmp_ps(a, zero, _CMP_LT_OQ));
+            _mm256_storeu_ps(o + c, _mm256_mul_ps(silu, _mm256_loadu_ps(u + c)));
         }
-        free(s);
+        for (; c < inter; c++)
+            o[c] = g[c] / (1.0f + expf(-g[c])) * u[c];
     }
 }
 

@@ -38,7 +38,8 @@ from batchgen.engines.cpu_runtime import cpu_flags
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+# -ffp-contract=off: a * b + c stays two roundings unless a kernel asks for an FMA (rotary embedding matches torch)
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
 
 
@@ -91,7 +92,15 @@ def load() -> Optional[ctypes.CDLL]:
     dequantize = lib.batchgen_int4_dequantize
     dequantize.restype = None
     dequantize.argtypes = [ptr, ptr, ptr, ctypes.c_long, ptr, ctypes.c_long, ctypes.c_long, ctypes.c_int]
-    log.info("batchgen's CPU kernels loaded (%s): float32 decode attention, int8 and int4 GEMMs for small batches",
+    layer = lib.batchgen_decode_layer_attention
+    layer.restype = None
+    layer.argtypes = [ptr] * 7 + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_int]
+    lib.batchgen_rms_norm.restype = None
+    lib.batchgen_rms_norm.argtypes = [ptr, ptr, ptr, ctypes.c_long, ctypes.c_long, ctypes.c_float]
+    lib.batchgen_silu_mul.restype = None
+    lib.batchgen_silu_mul.argtypes = [ptr, ptr, ctypes.c_long, ctypes.c_long]
+    log.info("batchgen's CPU kernels loaded (%s): float32 decode steps (attention, rotary embedding, "
+             "RMSNorm, SiLU), int8 and int4 GEMMs for small batches",
              target.name)
     return lib
 
@@ -152,4 +161,38 @@ def int4_dequantize(lib: ctypes.CDLL, qweight: torch.Tensor, scale: torch.Tensor
     out = torch.empty((n, k), dtype=torch.float32)
     lib.batchgen_int4_dequantize(qweight.data_ptr(), scale.data_ptr(), mins.data_ptr(), group, out.data_ptr(), n, k,
                                  torch.get_num_threads())
+    return out
+
+
+def decode_layer_attention(lib: ctypes.CDLL, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor, positions: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
+    """Rotary embedding, cache write and attention of one decode step for one layer, in one call.
+
+    qkv: [n, (heads + 2 kv_heads) d] float32 contiguous, the fused projection's output (rotated in place);
+    cos, sin: [n, d] contiguous; k, v: one layer of the slot cache, as decode_attention's; positions: [n] int64,
+    each row's cache length before this token (its key and value go there) -> [n, heads * d] float32."""
+    n = qkv.shape[0]
+    kv_heads, d = k.shape[1], k.shape[3]
+    assert qkv.is_contiguous() and qkv.shape[1] == (heads + 2 * kv_heads) * d and cos.is_contiguous()
+    assert k.stride() == v.stride() and k.stride(3) == 1 and k.stride(2) == d and positions.is_contiguous()
+    out = torch.empty((n, heads * d), dtype=torch.float32)
+    lib.batchgen_decode_layer_attention(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                        positions.data_ptr(), out.data_ptr(), n, heads, kv_heads, d, k.stride(0),
+                                        k.stride(1), scale, torch.get_num_threads())
+    return out
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., hidden] float32 contiguous; weight: [hidden] float32 -> RMSNorm(x) * weight, x's shape."""
+    out = torch.empty_like(x)
+    hidden = x.shape[-1]
+    lib.batchgen_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps)
+    return out
+
+
+def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [..., 2 inter] float32 contiguous -> silu(gate) * up, [..., inter]."""
+    inter = gate_up.shape[-1] // 2
+    out = torch.empty((*gate_up.shape[:-1], inter), dtype=torch.float32)
+    lib.batchgen_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter)
     return out

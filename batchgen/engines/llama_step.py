@@ -53,6 +53,8 @@ class LlamaStepper:
         # batchgen's decode attention kernel (cpu_kernels) where it is built; torch's batched matmuls otherwise
         self.native = (cpu_kernels.load() if self.device.type == "cpu" and self.dtype == torch.float32
                        and self.head_dim % 8 == 0 else None)
+        # a decode step of batchgen's kernels between the GEMMs (see _decode_native) where the model allows it
+        self.native_step = self.native is not None and self.head_dim % 16 == 0 and all(map(_native_layer, self.layers))
 
     def new_cache(self, slots: int, max_len: int) -> SlotKVCache:
         return SlotKVCache(layers=len(self.layers), slots=slots, kv_heads=self.kv_heads, max_len=max_len,
@@ -82,6 +84,8 @@ class LlamaStepper:
 
     def decode(self, cache: SlotKVCache, tokens: torch.Tensor) -> torch.Tensor:
         """One token for each live slot [0, n): tokens [n] -> logits [n, V]."""
+        if self.native_step and self.native is not None:
+            return self._decode_native(cache, tokens)
         n = tokens.shape[0]
         positions = cache.lengths[:n]
         attend = self._native_attention(cache, n) if self.native is not None else self._torch_attention(cache, n)
@@ -96,6 +100,29 @@ class LlamaStepper:
             x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
         cache.advance(n)
         return self.model.lm_head(self.inner.norm(x[:, 0]))
+
+    def _decode_native(self, cache: SlotKVCache, tokens: torch.Tensor) -> torch.Tensor:
+        """decode() with batchgen's CPU kernels between the GEMMs: RMSNorm, SiLU-and-multiply, and rotary embedding,
+        cache write and attention in one call per layer. At batch 1 the ~50 torch operations per layer between the
+        GEMMs cost a few microseconds each, as much as the int4 GEMMs themselves; these kernels take one call each.
+        The same arithmetic as decode(), up to the order of RMSNorm's and attention's sums."""
+        n = tokens.shape[0]
+        positions = cache.lengths[:n]  # where each row's new key and value go
+        x = self.inner.embed_tokens(tokens)  # [n, hidden]
+        cos, sin = (t.reshape(n, self.head_dim).contiguous() for t in self.inner.rotary_emb(x, positions[:, None]))
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = attn.qkv_proj(self._norm(layer.input_layernorm, x)).contiguous()
+            out = cpu_kernels.decode_layer_attention(self.native, qkv, cos, sin, cache.k[i], cache.v[i], positions,
+                                                     self.heads, self.scaling)
+            x = x + attn.o_proj(out)
+            gate_up = mlp.gate_up_proj(self._norm(layer.post_attention_layernorm, x)).contiguous()
+            x = x + mlp.down_proj(cpu_kernels.silu_mul(self.native, gate_up))
+        cache.advance(n)
+        return self.model.lm_head(self._norm(self.inner.norm, x))
+
+    def _norm(self, norm: Any, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.rms_norm(self.native, x, norm.weight, norm.variance_epsilon)
 
     def _native_attention(self, cache: SlotKVCache, n: int) -> Callable[[int, torch.Tensor], torch.Tensor]:
         lengths = cache.lengths[:n] + 1  # with the token appended this step
@@ -148,6 +175,19 @@ class LlamaStepper:
             scores = scores + bias[:, None, None, :]
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         return torch.matmul(probs, values).reshape(n, self.heads * self.head_dim)
+
+
+def _native_layer(layer: Any) -> bool:
+    """A layer _decode_native computes as the model does: fused q/k/v (no per-head q/k norm) and gate/up, SiLU,
+    and RMSNorms that scale by their weight (Llama's, Mistral's, Qwen2's)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    return (hasattr(attn, "qkv_proj") and not hasattr(attn, "q_norm") and hasattr(mlp, "gate_up_proj")
+            and type(getattr(mlp, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+            and all(type(norm).__name__ in RMS_NORMS and norm.weight.dtype == torch.float32 for norm in norms))
+
+
+RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")  # weight * x / sqrt(mean(x^2) + eps), in float32
 
 
 def _mlp(mlp: Any, h: torch.Tensor) -> torch.Tensor:

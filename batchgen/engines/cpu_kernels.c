@@ -317,8 +317,9 @@ void batchgen_silu_mul(const float *gu, float *out, long n, long inter) {
  * each channel's 64-weight blocks 32 bytes long, read as 8 uint32 lanes: lane j holds q[64 b + 8 i + j] in bits
  * 4 i .. 4 i + 3. Nibble plane i of a block is then one shift and one mask away from 8 int32 lanes that line up
  * with x[64 b + 8 i, + 8): no byte shuffles. Per group, dot(q, x) is accumulated in float, then scaled; the min
- * term is min[n, g] * sum(x[m, group g]), the sums computed once per call. As in the int8 kernel, each thread
- * takes blocks of 4 output channels and input rows go in pairs, so each converted weight vector serves two rows. */
+ * term is min[n, g] * sum(x[group g]), the sums computed once per call. Each thread takes blocks of 4 output
+ * channels. One input row reads the packed weights directly (int4_block); more rows first dequantize the block's
+ * weights into a small float buffer and dot every row against it (int4_block_rows). */
 static inline float bf16_to_float(uint16_t h) {
     union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
     return v.f;
@@ -326,7 +327,8 @@ static inline float bf16_to_float(uint16_t h) {
 
 #define NIBBLES(v, i) _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32((v), 4 * (i)), mask))
 
-/* Channels [n0, n0 + count), count 1 or 4 (the rest of the block is ignored), for input rows [0, M). */
+/* Channels [n0, n0 + count), count 1 or 4 (the rest of the block is ignored), one input row at a time straight
+ * from the packed weights (decode steps of one row). */
 static void int4_block(const float *x, long M, long K, const uint8_t *w, const uint16_t *scale, const uint16_t *mins,
                        long G, const float *xsum, const float *bias, float *y, long N, long n0, int count) {
     const long groups = K / G;
@@ -334,56 +336,7 @@ static void int4_block(const float *x, long M, long K, const uint8_t *w, const u
     const uint8_t *w0 = w + n0 * (K / 2);
     const uint8_t *w1 = count == 4 ? w0 + K / 2 : w0, *w2 = count == 4 ? w1 + K / 2 : w0,
                   *w3 = count == 4 ? w2 + K / 2 : w0;
-    long m = 0;
-    for (; m + 1 < M; m += 2) {
-        const float *xa = x + m * K, *xb = xa + K;
-        __m256 ta[4], tb[4];
-        for (int c = 0; c < 4; c++)
-            ta[c] = tb[c] = _mm256_setzero_ps();
-        for (long g = 0; g < groups; g++) {
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-            for (long k = g * G; k < (g + 1) * G; k += 64) {
-                const __m256i v0 = _mm256_loadu_si256((const __m256i *)(w0 + k / 2)),
-                              v1 = _mm256_loadu_si256((const __m256i *)(w1 + k / 2)),
-                              v2 = _mm256_loadu_si256((const __m256i *)(w2 + k / 2)),
-                              v3 = _mm256_loadu_si256((const __m256i *)(w3 + k / 2));
-#define PAIR_PLANE(i)                                                                              \
-    {                                                                                              \
-        const __m256 pa = _mm256_loadu_ps(xa + k + 8 * (i)), pb = _mm256_loadu_ps(xb + k + 8 * (i)); \
-        __m256 f = NIBBLES(v0, i);                                                                 \
-        a0 = _mm256_fmadd_ps(f, pa, a0), b0 = _mm256_fmadd_ps(f, pb, b0);                          \
-        f = NIBBLES(v1, i);                                                                        \
-        a1 = _mm256_fmadd_ps(f, pa, a1), b1 = _mm256_fmadd_ps(f, pb, b1);                          \
-        f = NIBBLES(v2, i);                                                                        \
-        a2 = _mm256_fmadd_ps(f, pa, a2), b2 = _mm256_fmadd_ps(f, pb, b2);                          \
-        f = NIBBLES(v3, i);                                                                        \
-        a3 = _mm256_fmadd_ps(f, pa, a3), b3 = _mm256_fmadd_ps(f, pb, b3);                          \
-    }
-                PAIR_PLANE(0) PAIR_PLANE(1) PAIR_PLANE(2) PAIR_PLANE(3)
-                PAIR_PLANE(4) PAIR_PLANE(5) PAIR_PLANE(6) PAIR_PLANE(7)
-#undef PAIR_PLANE
-            }
-            const __m256 a[4] = {a0, a1, a2, a3}, b[4] = {b0, b1, b2, b3};
-            for (int c = 0; c < 4; c++) {
-                const __m256 s = _mm256_set1_ps(bf16_to_float(scale[(n0 + (c < count ? c : 0)) * groups + g]));
-                ta[c] = _mm256_fmadd_ps(a[c], s, ta[c]);
-                tb[c] = _mm256_fmadd_ps(b[c], s, tb[c]);
-            }
-        }
-        for (int c = 0; c < count; c++) {
-            const long n = n0 + c;
-            float za = 0.0f, zb = 0.0f;
-            for (long g = 0; g < groups; g++) {
-                const float mn = bf16_to_float(mins[n * groups + g]);
-                za += mn * xsum[m * groups + g];
-                zb += mn * xsum[(m + 1) * groups + g];
-            }
-            const float bn = bias ? bias[n] : 0.0f;
-            y[m * N + n] = hsum(ta[c]) + za + bn;
-            y[(m + 1) * N + n] = hsum(tb[c]) + zb + bn;
-        }
-    }
-    for (; m < M; m++) {
+    for (long m = 0; m < M; m++) {
         const float *xm = x + m * K;
         __m256 t0 = _mm256_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;
         for (long g = 0; g < groups; g++) {
@@ -424,43 +377,97 @@ static void int4_block(const float *x, long M, long K, const uint8_t *w, const u
     }
 }
 
+/* Channel n's float32 weights, scale * q + min, into out [K]. */
+static void int4_dequantize_channel(const uint8_t *w, const uint16_t *scale, const uint16_t *mins, long G, long K,
+                                    long n, float *out) {
+    const long groups = K / G;
+    const __m256i mask = _mm256_set1_epi32(15);
+    for (long g = 0; g < groups; g++) {
+        const __m256 s = _mm256_set1_ps(bf16_to_float(scale[n * groups + g])),
+                     mn = _mm256_set1_ps(bf16_to_float(mins[n * groups + g]));
+        for (long k = g * G; k < (g + 1) * G; k += 64) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + n * (K / 2) + k / 2));
+            float *o = out + k;
+#define STORE_PLANE(i) _mm256_storeu_ps(o + 8 * (i), _mm256_fmadd_ps(NIBBLES(v, i), s, mn));
+            STORE_PLANE(0) STORE_PLANE(1) STORE_PLANE(2) STORE_PLANE(3)
+            STORE_PLANE(4) STORE_PLANE(5) STORE_PLANE(6) STORE_PLANE(7)
+#undef STORE_PLANE
+        }
+    }
+}
+
+/* Channels [n0, n0 + count), count 1 or 4, for M >= 2 input rows: the block's weights are dequantized once into
+ * scratch [4, K] (it stays in L1/L2), then the rows are dotted against them two at a time. Converting each weight
+ * once per call instead of once per row pair made 32 rows ~30% faster over the benchmark model's linears. */
+static void int4_block_rows(const float *x, long M, long K, const uint8_t *w, const uint16_t *scale,
+                            const uint16_t *mins, long G, const float *bias, float *y, long N, long n0, int count,
+                            float *scratch) {
+    for (int c = 0; c < 4; c++)
+        int4_dequantize_channel(w, scale, mins, G, K, n0 + (c < count ? c : 0), scratch + c * K);
+    const float *f0 = scratch, *f1 = f0 + K, *f2 = f1 + K, *f3 = f2 + K;
+    for (long m = 0; m < M; m += 2) {
+        const float *xa = x + m * K, *xb = m + 1 < M ? xa + K : xa;  /* an odd last row is computed twice */
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        for (long k = 0; k < K; k += 8) {
+            const __m256 va = _mm256_loadu_ps(xa + k), vb = _mm256_loadu_ps(xb + k);
+            const __m256 c0 = _mm256_loadu_ps(f0 + k), c1 = _mm256_loadu_ps(f1 + k), c2 = _mm256_loadu_ps(f2 + k),
+                         c3 = _mm256_loadu_ps(f3 + k);
+            a0 = _mm256_fmadd_ps(c0, va, a0);
+            a1 = _mm256_fmadd_ps(c1, va, a1);
+            a2 = _mm256_fmadd_ps(c2, va, a2);
+            a3 = _mm256_fmadd_ps(c3, va, a3);
+            b0 = _mm256_fmadd_ps(c0, vb, b0);
+            b1 = _mm256_fmadd_ps(c1, vb, b1);
+            b2 = _mm256_fmadd_ps(c2, vb, b2);
+            b3 = _mm256_fmadd_ps(c3, vb, b3);
+        }
+        const __m256 a[4] = {a0, a1, a2, a3}, b[4] = {b0, b1, b2, b3};
+        for (int c = 0; c < count; c++) {
+            const float bn = bias ? bias[n0 + c] : 0.0f;
+            y[m * N + n0 + c] = hsum(a[c]) + bn;
+            if (m + 1 < M)
+                y[(m + 1) * N + n0 + c] = hsum(b[c]) + bn;
+        }
+    }
+}
+
 void batchgen_int4_gemm(const float *x, long M, long K, const uint8_t *w, const uint16_t *scale,
                         const uint16_t *mins, long G, const float *bias, float *y, long N, int threads) {
     const long groups = K / G, blocks = N / 4;
-    float *xsum = malloc(sizeof(float) * M * groups);
-    for (long r = 0; r < M * groups; r++) {
-        const float *p = x + r * G;
+    if (M > 1) {
+#pragma omp parallel num_threads(threads)
+        {
+            float *scratch = malloc(sizeof(float) * 4 * K);
+#pragma omp for schedule(static)
+            for (long b = 0; b < blocks; b++)
+                int4_block_rows(x, M, K, w, scale, mins, G, bias, y, N, b * 4, 4, scratch);
+            free(scratch);
+        }
+        float *scratch = malloc(sizeof(float) * 4 * K);
+        for (long n = blocks * 4; n < N; n++)
+            int4_block_rows(x, M, K, w, scale, mins, G, bias, y, N, n, 1, scratch);
+        free(scratch);
+        return;
+    }
+    float *xsum = malloc(sizeof(float) * groups);  /* one row: the min term needs the sum of each input group */
+    for (long g = 0; g < groups; g++) {
         __m256 acc = _mm256_setzero_ps();
-        for (long k = 0; k < G; k += 8)
-            acc = _mm256_add_ps(acc, _mm256_loadu_ps(p + k));
-        xsum[r] = hsum(acc);
+        for (long k = g * G; k < (g + 1) * G; k += 8)
+            acc = _mm256_add_ps(acc, _mm256_loadu_ps(x + k));
+        xsum[g] = hsum(acc);
     }
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long b = 0; b < blocks; b++)
-        int4_block(x, M, K, w, scale, mins, G, xsum, bias, y, N, b * 4, 4);
+        int4_block(x, 1, K, w, scale, mins, G, xsum, bias, y, N, b * 4, 4);
     for (long n = blocks * 4; n < N; n++)
-        int4_block(x, M, K, w, scale, mins, G, xsum, bias, y, N, n, 1);
+        int4_block(x, 1, K, w, scale, mins, G, xsum, bias, y, N, n, 1);
     free(xsum);
 }
 
 /* The float32 weights [N, K] of an int4 layer (layout above), for a GEMM over many rows. */
 void batchgen_int4_dequantize(const uint8_t *w, const uint16_t *scale, const uint16_t *mins, long G, float *out,
                               long N, long K, int threads) {
-    const long groups = K / G;
-    const __m256i mask = _mm256_set1_epi32(15);
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long n = 0; n < N; n++) {
-        for (long g = 0; g < groups; g++) {
-            const __m256 s = _mm256_set1_ps(bf16_to_float(scale[n * groups + g])),
-                         mn = _mm256_set1_ps(bf16_to_float(mins[n * groups + g]));
-            for (long k = g * G; k < (g + 1) * G; k += 64) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(w + n * (K / 2) + k / 2));
-                float *o = out + n * K + k;
-#define STORE_PLANE(i) _mm256_storeu_ps(o + 8 * (i), _mm256_fmadd_ps(NIBBLES(v, i), s, mn));
-                STORE_PLANE(0) STORE_PLANE(1) STORE_PLANE(2) STORE_PLANE(3)
-                STORE_PLANE(4) STORE_PLANE(5) STORE_PLANE(6) STORE_PLANE(7)
-#undef STORE_PLANE
-            }
-        }
-    }
+    for (long n = 0; n < N; n++)
+        int4_dequantize_channel(w, scale, mins, G, K, n, out + n * K);
 }

@@ -61,8 +61,9 @@ NATIVE_ROWS = 128
 INT8_K_MULTIPLE = 16  # input sizes aten._weight_int8pack_mm takes (see _int8_kernel_takes)
 INT4_GROUP = 128  # weights per int4 scale/zero pair in torchao's kernels (CUDA; CPU without batchgen's kernels)
 INT4_CPU_GROUP = 64  # weights per int4 scale/min pair in batchgen's CPU kernel (a multiple of 64)
-# int4 on CPU: inputs under this many rows run batchgen's kernel, larger ones dequantize for a float32 GEMM.
-INT4_NATIVE_ROWS = 64
+# int4 on CPU: inputs under this many rows run batchgen's kernel, larger ones dequantize for a float32 GEMM. Over the
+# benchmark model's linears the kernel was faster up to 96 rows (64: 142 ms against 170 ms) and slower at 128.
+INT4_NATIVE_ROWS = 112
 # Output tokens/s at the CPU working batch (64 rows) over float32's, measured with benchmarks/quantization.py on the
 # development CPU (AVX2, no fast bf16; README "Quantization"). A scheme under 0.9 here logs a warning when it is
 # built on a CPU without fast bf16: the engine does not switch schemes on its own, it says so.

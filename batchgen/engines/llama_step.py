@@ -5,6 +5,9 @@ as they are; only attention and the cache are ours: decode attention reads the p
 each row over its own length, through batchgen's CPU kernel (float32 on CPU, `cpu_kernels`) or
 through views with a mask and torch's batched matmuls (AttentionPlan). `fuse_projections` can merge
 each layer's q/k/v and gate/up projections into one GEMM each, which the stepper then calls instead.
+With fused projections in a float32 model on CPU, a decode step runs batchgen's kernels between the
+GEMMs as well (RMSNorm; rotary embedding, cache write and attention in one call; SiLU-and-multiply):
+`_decode_native`, the same arithmetic in a few calls per layer instead of ~50 torch operations.
 Architectures outside the list use the generic path in hf.py. Knows the model's modules, not
 requests, sampling or tokenizers.
 """

@@ -104,6 +104,7 @@ class HFEngine:
         if self.fast and supports(self.model, max_len):
             if self._stepper is None:
                 self._stepper = LlamaStepper(self.model)  # built once per engine
+                log.info("hf engine decode step: %s", self._stepper.describe())
             scheduler = Scheduler(self, self._stepper, max_batch_tokens=self.max_batch_tokens,
                                   max_batch_size=self.max_batch_size)
             results = scheduler.run(requests, on_result)

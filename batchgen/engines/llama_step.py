@@ -57,7 +57,16 @@ class LlamaStepper:
         self.native = (cpu_kernels.load() if self.device.type == "cpu" and self.dtype == torch.float32
                        and self.head_dim % 8 == 0 else None)
         # a decode step of batchgen's kernels between the GEMMs (see _decode_native) where the model allows it
-        self.native_step = self.native is not None and self.head_dim % 16 == 0 and all(map(_native_layer, self.layers))
+        self.native_step = (self.native is not None and self.head_dim % 16 == 0 and all(map(_native_layer, self.layers))
+                            and type(self.inner.norm).__name__ in RMS_NORMS)
+
+    def describe(self) -> str:
+        """Which decode step runs, for the engine's log."""
+        if self.native_step:
+            return "batchgen's CPU kernels between the GEMMs (RMSNorm, rotary embedding + attention, SiLU)"
+        if self.native is not None:
+            return "batchgen's CPU decode attention kernel, the model's own norms, rotary embedding and MLP"
+        return "torch's batched attention (AttentionPlan), the model's own norms, rotary embedding and MLP"
 
     def new_cache(self, slots: int, max_len: int) -> SlotKVCache:
         return SlotKVCache(layers=len(self.layers), slots=slots, kv_heads=self.kv_heads, max_len=max_len,

@@ -21,8 +21,9 @@ Fidelity, against `none` (float32 here: a stricter reference than bf16, which is
 seeded random token ids (the model has random weights): teacher-forced top-1 next-token agreement
 and mean KL(none || scheme) per position, with all positions in one forward (the prefill path);
 for int8 and int4 also through the small-batch decode kernel (`int8 decode path`: batchgen's AVX2
-kernel where it is built, else aten's; `int4 decode path`: batchgen's kernel); greedy agreement: share of rows whose greedy generation is
-identical, and the mean position of the first differing token over the rows that differ.
+kernel where it is built, else aten's; `int4 decode path`: batchgen's kernel); greedy agreement: share
+of rows whose greedy generation is identical, and the mean position of the first differing token over
+the rows that differ.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def child(args: argparse.Namespace) -> None:
         torch.save(torch.log_softmax(logits, dim=-1), args.workdir / f"logprobs-{args.run}.pt")
         decode = args.workdir / f"logprobs-{args.run}-decode.pt"
         decode.unlink(missing_ok=True)
-        if quant.route_rows(engine.model, n * length + 1, n * length + 1):  # every linear through the small-batch kernel
+        # every linear through the small-batch kernel
+        if quant.route_rows(engine.model, n * length + 1, n * length + 1):
             with torch.inference_mode():
                 logits = engine.model(input_ids=ids).logits.float()
             quant.route_rows(engine.model)  # back to the engine's routes

@@ -374,7 +374,8 @@ def test_native_decode_step_equals_the_torch_step(tiny_model, tokenizer, monkeyp
     for g, w in zip(got, want):
         assert torch.allclose(g, w, atol=1e-5, rtol=1e-4)
     assert got_cache.host_lengths == want_cache.host_lengths
-    assert torch.allclose(got_cache.k, want_cache.k, atol=1e-5) and torch.allclose(got_cache.v, want_cache.v, atol=1e-5)
+    assert torch.allclose(got_cache.k, want_cache.k, atol=1e-5)
+    assert torch.allclose(got_cache.v, want_cache.v, atol=1e-5)
 
 
 def test_native_rope_is_transformers_rope_bit_for_bit_and_norm_and_silu_match_torch(engine):

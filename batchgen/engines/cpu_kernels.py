@@ -1,21 +1,25 @@
-"""batchgen's own CPU kernels (`cpu_kernels.c`), compiled on first use, for AVX2 CPUs: float32 decode
-attention over the slot KV cache, and an int8 weight-only GEMM for few rows.
+"""batchgen's own CPU kernels (`cpu_kernels.c`), compiled on first use, for AVX2 CPUs: the float32 decode
+step between the GEMMs (attention over the slot KV cache, rotary embedding and cache write, RMSNorm,
+SiLU-and-multiply), and int8 and int4 weight-only GEMMs for few rows.
 
 Decode attention: torch's batched matmuls read the cache of a grouped-query head through small GEMMs
 (3 query rows each) and pad every row to a common width; the kernel reads each row's keys and values
 once, over its own length only, with the softmax in between (llama_step.py uses it for float32 models
-on CPU).
+on CPU). At batch 1 the torch operations between the GEMMs (norms, rotary embedding, cache writes,
+activation) cost a few microseconds each, ~50 per layer; the decode-step kernels take four calls.
 
 torch's `aten._weight_int8pack_mm` is vectorized for AVX-512 and ARM only; on an AVX2 CPU its generic
 loop made an int8 decode step of one row no faster than bfloat16, although it reads half the bytes
 (README "Quantization"). This kernel converts 8 int8 weights at a time to float and FMAs them with
-float32 inputs, so a small batch runs at the rate the weights stream from memory.
+float32 inputs, so a small batch runs at the rate the weights stream from memory. The int4 kernel does
+the same from group-wise 4-bit weights laid out so that a shift and a mask unpack 8 of them.
 
 The C source is compiled once per source version and CPU family with the system C compiler
 (`$CC`, else `cc`) into a cache directory (`$BATCHGEN_CACHE_DIR`, else `~/.cache/batchgen`), written
 under a temporary name and renamed, so concurrent jobs sharing the cache never load a half-written
 library. Where there is no compiler, no AVX2/FMA, or `BATCHGEN_NATIVE_KERNELS=0`, `load()` returns
-None and the engine uses torch's attention and int8 kernels (logged once). Knows tensors and pointers, not models.
+None and the engine uses torch's operations and int8 kernels, and torchao's int4 (logged once).
+Knows tensors and pointers, not models.
 """
 
 from __future__ import annotations

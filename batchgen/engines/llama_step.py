@@ -57,8 +57,8 @@ class LlamaStepper:
         self.native = (cpu_kernels.load() if self.device.type == "cpu" and self.dtype == torch.float32
                        and self.head_dim % 8 == 0 else None)
         # a decode step of batchgen's kernels between the GEMMs (see _decode_native) where the model allows it
-        self.native_step = (self.native is not None and self.head_dim % 16 == 0 and all(map(_native_layer, self.layers))
-                            and type(self.inner.norm).__name__ in RMS_NORMS)
+        self.native_step = (self.native is not None and self.head_dim % 16 == 0
+                            and all(map(_native_layer, self.layers)) and type(self.inner.norm).__name__ in RMS_NORMS)
 
     def describe(self) -> str:
         """Which decode step runs, for the engine's log."""

@@ -183,7 +183,8 @@ def route_rows(model: nn.Module, native_rows: Optional[int] = None, dequant_rows
     count = 0
     for module in model.modules():
         if isinstance(module, Int8WeightOnlyLinear):
-            module.native_rows = (NATIVE_ROWS if native_rows is None else native_rows) if module.native is not None else 0
+            wanted = NATIVE_ROWS if native_rows is None else native_rows
+            module.native_rows = wanted if module.native is not None else 0
             module.dequant_rows = DEQUANT_ROWS if dequant_rows is None else dequant_rows
         elif isinstance(module, Int4WeightOnlyLinear):
             module.native_rows = INT4_NATIVE_ROWS if native_rows is None else native_rows

@@ -17,7 +17,7 @@ import torch
 from batchgen.engines import cpu_linear, cpu_runtime, quant
 from batchgen.engines.base import EngineConfig
 from batchgen.engines.llama_step import LlamaStepper, fuse_projections, supports
-from batchgen.engines.scheduler import Scheduler, SchedulerStats, is_oom
+from batchgen.engines.scheduler import Scheduler, SchedulerStats, halve_on_oom
 from batchgen.records import Request, Result
 from batchgen.sampling import SampleParams, find_stop
 
@@ -128,17 +128,14 @@ class HFEngine:
 
     def _generate_bucket_or_halve(self, reqs: list[Request]) -> list[Result]:
         """On out-of-memory, halve the budget and generate the bucket in halves (logged, counted)."""
-        try:
-            return self._generate_bucket(reqs)
-        except (torch.OutOfMemoryError, RuntimeError) as exc:
-            if len(reqs) == 1 or not is_oom(exc):
-                raise
-        self.stats.oom_backoffs += 1
-        self.max_batch_tokens = max(self.max_batch_tokens // 2, 1)
-        log.warning("out of memory generating %d rows; engine.max_batch_tokens lowered to %d and retrying",
-                    len(reqs), self.max_batch_tokens)
-        half = len(reqs) // 2
-        return self._generate_bucket_or_halve(reqs[:half]) + self._generate_bucket_or_halve(reqs[half:])
+        def on_oom(rows: int) -> None:
+            self.stats.oom_backoffs += 1
+            self.max_batch_tokens = max(self.max_batch_tokens // 2, 1)
+            log.warning("out of memory generating %d rows; engine.max_batch_tokens lowered to %d and retrying",
+                        rows, self.max_batch_tokens)
+
+        parts = halve_on_oom(len(reqs), lambda start, stop: self._generate_bucket(reqs[start:stop]), on_oom)
+        return [result for part in parts for result in part]
 
     # -- what the scheduler asks of the engine ---------------------------------------------------
 

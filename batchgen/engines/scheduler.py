@@ -13,7 +13,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 import torch
 
@@ -21,6 +21,7 @@ from batchgen.records import Request, Result
 
 log = logging.getLogger(__name__)
 PAD_RATIO = 0.75  # a prefill group's shortest prompt is at least this fraction of its longest
+R = TypeVar("R")
 
 
 @dataclass(slots=True)
@@ -116,23 +117,21 @@ class Scheduler:
 
     def _prefill(self, cache: Any, first_slot: int, admitted: list[Sequence]) -> torch.Tensor:
         """Prefill a bucket; on out-of-memory halve the token budget and prefill it in halves."""
-        prompts = [s.request.prompt_ids for s in admitted]
-        try:
-            logits = self.stepper.prefill(cache, first_slot, prompts)
-        except (torch.OutOfMemoryError, RuntimeError) as exc:
-            if len(admitted) == 1 or not is_oom(exc):
-                raise
+        def run(start: int, stop: int) -> torch.Tensor:
+            prompts = [s.request.prompt_ids for s in admitted[start:stop]]
+            logits = self.stepper.prefill(cache, first_slot + start, prompts)
+            self.stats.prefill_rows += len(prompts)
+            self.stats.prefill_tokens += sum(len(p) for p in prompts)
+            self.stats.prefill_padded_tokens += len(prompts) * max(len(p) for p in prompts)
+            return logits
+
+        def on_oom(rows: int) -> None:
             self.stats.oom_backoffs += 1
             self.max_batch_tokens = max(self.max_batch_tokens // 2, 1)
             log.warning("out of memory prefilling %d rows; engine.max_batch_tokens lowered to %d and retrying",
-                        len(admitted), self.max_batch_tokens)
-            half = len(admitted) // 2
-            return torch.cat([self._prefill(cache, first_slot, admitted[:half]),
-                              self._prefill(cache, first_slot + half, admitted[half:])])
-        self.stats.prefill_rows += len(admitted)
-        self.stats.prefill_tokens += sum(len(p) for p in prompts)
-        self.stats.prefill_padded_tokens += len(prompts) * max(len(p) for p in prompts)
-        return logits
+                        rows, self.max_batch_tokens)
+
+        return torch.cat(halve_on_oom(len(admitted), run, on_oom))
 
     def _advance(self, logits: torch.Tensor, stepped: list[Sequence], first_slot: int, cache: Any,
                  live: list[Sequence], finish: Callable[[Sequence, str], None]) -> None:
@@ -151,6 +150,20 @@ class Scheduler:
                 cache.move(last, slot)
                 live[slot] = live[last]
             live.pop()
+
+
+def halve_on_oom(count: int, run: Callable[[int, int], R], on_oom: Callable[[int], None], start: int = 0) -> list[R]:
+    """[run(start, start + count)]; if that runs out of memory and holds more than one item, on_oom(count) (lower
+    the budget, log, count) and the same for each half, recursively. The outputs of the calls that ran, in order:
+    the prefill and the generic path both back off this way."""
+    try:
+        return [run(start, start + count)]
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if count == 1 or not is_oom(exc):
+            raise
+    on_oom(count)
+    half = count // 2
+    return halve_on_oom(half, run, on_oom, start) + halve_on_oom(count - half, run, on_oom, start + half)
 
 
 def is_oom(exc: BaseException) -> bool:

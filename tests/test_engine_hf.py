@@ -355,10 +355,12 @@ def test_native_decode_step_equals_the_torch_step(tiny_model, tokenizer, monkeyp
     monkeypatch.setattr(cpu_linear, "MIN_FEATURES", 1)  # the tiny model's projections fused, as a large model's are
     engine = HFEngine(EngineConfig(model=tiny_model, dtype="float32", max_batch_size=16), tokenizer)
     native = llama_step.LlamaStepper(engine.model)
-    if not native.native_step:
+    if native.native is None:
         pytest.skip("batchgen's CPU kernels are not built here (x86 with AVX2/FMA and no AVX-512, and a C compiler)")
+    if not native.native_step:
+        pytest.skip("the projections were not fused (no oneDNN linear reorder in this torch build)")
     reference = llama_step.LlamaStepper(engine.model)
-    reference.native_step = False
+    reference.native_step, reference.native = False, None  # torch's step, torch's attention
     torch.manual_seed(0)
     prompts = [torch.randint(3, 200, (n,)).tolist() for n in (250, 6, 9, 1, 180, 7, 33)]
 
@@ -372,10 +374,10 @@ def test_native_decode_step_equals_the_torch_step(tiny_model, tokenizer, monkeyp
 
     (got, got_cache), (want, want_cache) = steps(native), steps(reference)
     for g, w in zip(got, want):
-        assert torch.allclose(g, w, atol=1e-5, rtol=1e-4)
+        assert torch.allclose(g, w, atol=1e-4, rtol=1e-4)
     assert got_cache.host_lengths == want_cache.host_lengths
-    assert torch.allclose(got_cache.k, want_cache.k, atol=1e-5)
-    assert torch.allclose(got_cache.v, want_cache.v, atol=1e-5)
+    assert torch.allclose(got_cache.k, want_cache.k, atol=1e-4)
+    assert torch.allclose(got_cache.v, want_cache.v, atol=1e-4)
 
 
 def test_native_rope_is_transformers_rope_bit_for_bit_and_norm_and_silu_match_torch(engine):
@@ -397,8 +399,14 @@ def test_native_rope_is_transformers_rope_bit_for_bit_and_norm_and_silu_match_to
                                           qkv[:, heads * d:(heads + kv_heads) * d].view(n, kv_heads, 1, d),
                                           cos[:, None], sin[:, None], unsqueeze_dim=1)
     values = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d).clone()
+    k[:, :, :7], v[:, :, :7] = torch.randn(n, kv_heads, 7, d), torch.randn(n, kv_heads, 7, d)  # earlier positions
     rotated = qkv.clone()
-    cpu_kernels.decode_layer_attention(lib, rotated, cos, sin, k, v, positions, heads, 0.1)
+    out = cpu_kernels.decode_layer_attention(lib, rotated, cos, sin, k, v, positions, heads, 0.1)
+    for r in range(n):  # each row over its own positions [0, positions[r]], the new one included
+        keys, vals = k[r, :, :positions[r] + 1], v[r, :, :positions[r] + 1]  # [kv_heads, L, d]
+        query = q_want[r, :, 0].view(kv_heads, heads // kv_heads, d)
+        probs = torch.softmax(query @ keys.transpose(-1, -2) * 0.1, dim=-1)
+        assert torch.allclose(out[r], (probs @ vals).reshape(-1), atol=1e-5)
     assert torch.equal(rotated[:, :heads * d], q_want.reshape(n, -1))
     assert torch.equal(k[torch.arange(n), :, positions], k_want[:, :, 0])
     assert torch.equal(v[torch.arange(n), :, positions], values)

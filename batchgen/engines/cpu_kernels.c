@@ -434,6 +434,8 @@ static void int4_block_rows(const float *x, long M, long K, const uint8_t *w, co
 void batchgen_int4_gemm(const float *x, long M, long K, const uint8_t *w, const uint16_t *scale,
                         const uint16_t *mins, long G, const float *bias, float *y, long N, int threads) {
     const long groups = K / G, blocks = N / 4;
+    if (M <= 0)
+        return;
     if (M > 1) {
 #pragma omp parallel num_threads(threads)
         {

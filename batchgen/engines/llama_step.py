@@ -117,8 +117,11 @@ class LlamaStepper:
         """decode() with batchgen's CPU kernels between the GEMMs: RMSNorm, SiLU-and-multiply, and rotary embedding,
         cache write and attention in one call per layer. At batch 1 the ~50 torch operations per layer between the
         GEMMs cost a few microseconds each, as much as the int4 GEMMs themselves; these kernels take one call each.
-        The same arithmetic as decode(), up to the order of RMSNorm's and attention's sums."""
+        The same arithmetic as decode() up to rounding: the order of RMSNorm's and attention's sums, and the
+        polynomial exp of the softmax and SiLU (relative error about 1e-7); the rotary embedding is bit for bit."""
         n = tokens.shape[0]
+        if max(cache.host_lengths[:n]) >= cache.max_len:  # the kernel writes without bounds checks
+            raise IndexError(f"a decode step past the KV cache's {cache.max_len} positions")
         positions = cache.lengths[:n]  # where each row's new key and value go
         x = self.inner.embed_tokens(tokens)  # [n, hidden]
         cos, sin = (t.reshape(n, self.head_dim).contiguous() for t in self.inner.rotary_emb(x, positions[:, None]))

@@ -67,7 +67,7 @@ INT4_NATIVE_ROWS = 112
 # Output tokens/s at the CPU working batch (64 rows) over float32's, measured with benchmarks/quantization.py on the
 # development CPU (AVX2, no fast bf16; README "Quantization"). A scheme under 0.9 here logs a warning when it is
 # built on a CPU without fast bf16: the engine does not switch schemes on its own, it says so.
-CPU_WORKING_BATCH_VS_FLOAT32 = {"int8": 0.92, "int4": 1.02}
+CPU_WORKING_BATCH_VS_FLOAT32 = {"int8": 0.92, "int4": 1.02, "int4-torchao": 0.56}  # torchao: the fallback's figure
 TORCHAO_HINT = "pip install 'batchgen[quant]' (torchao)"
 BNB_HINT = "pip install 'batchgen[bnb]' (bitsandbytes, CUDA only)"
 
@@ -254,11 +254,15 @@ def int8_cuda(model: nn.Module, device: torch.device) -> nn.Module:
 def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group-wise asymmetric int4: weight[n, k] ~ scale[n, g] * q[n, k] + mins[n, g], g = k // group, q in [0, 15].
     weight: [N, K] float, K a multiple of group -> (q [N, K] uint8, scale and mins [N, K / group] bfloat16).
-    The min is rounded to bfloat16 first and the scale rounded up, so the group's largest weight still maps into
-    [0, 15] under the stored, rounded values; every weight is then within half a step of its grid point."""
+    The min is rounded down to bfloat16 and the scale up, so the group's smallest and largest weights still map
+    into [0, 15] under the stored, rounded values; every weight is then within half a step of its grid point."""
     n, k = weight.shape
     w = weight.detach().float().reshape(n, k // group, group)
-    mins = w.amin(dim=-1).to(torch.bfloat16)
+    lowest = w.amin(dim=-1)
+    mins = lowest.to(torch.bfloat16)
+    bits = mins.view(torch.int16)  # one bf16 step toward -inf: +1 on a negative, -1 on a positive, +0 -> -tiny
+    down = torch.where(bits > 0, bits - 1, torch.where(bits == 0, torch.full_like(bits, -32767), bits + 1))
+    mins = torch.where(mins.float() > lowest, down, bits).view(torch.bfloat16)
     exact = ((w.amax(dim=-1) - mins.float()) / 15).clamp(min=1e-8)
     scale = exact.to(torch.bfloat16)
     scale = (scale.view(torch.int16) + (scale.float() < exact).to(torch.int16)).view(torch.bfloat16)  # round up
@@ -300,6 +304,9 @@ class Int4WeightOnlyLinear(nn.Module):
         self.native = cpu_kernels.load()
         if self.native is None:
             raise RuntimeError("Int4WeightOnlyLinear needs batchgen's CPU kernels (cpu_kernels.load())")
+        if group % 64 or qweight.shape[1] * 2 % group or scale.dtype != torch.bfloat16 or mins.dtype != torch.bfloat16:
+            raise ValueError(f"int4 layout: group {group} must be a multiple of 64 dividing the input size "
+                             f"{qweight.shape[1] * 2}, scales and mins bfloat16")
         self.group = group
         self.native_rows = INT4_NATIVE_ROWS  # see route_rows
         self.out_features, self.in_features = qweight.shape[0], qweight.shape[1] * 2
@@ -470,8 +477,8 @@ def check(scheme_name: Optional[str], device: str, dtype: str) -> list[str]:
         problems.append(f"engine.quantization={scheme_name} on {kind} computes in {' or '.join(allowed)}; "
                         f"engine.dtype={dtype} is not supported; choices: auto, {', '.join(allowed)}")
     package = "torchao" if (scheme_name, kind) == ("int8", "cuda") else scheme.requires
-    if (scheme_name, kind) == ("int4", "cpu") and cpu_kernels.wanted():
-        package = ""  # batchgen's own int4 kernel; torchao only where those kernels cannot be built (see int4_cpu)
+    if (scheme_name, kind) == ("int4", "cpu") and cpu_kernels.load() is not None:
+        package = ""  # batchgen's own int4 kernel (built here, about 1 s the first time); else torchao (int4_cpu)
     if package and importlib.util.find_spec(package) is None:
         hint = BNB_HINT if package == "bitsandbytes" else TORCHAO_HINT
         problems.append(f"engine.quantization={scheme_name} on {kind} needs {package}, not installed: {hint}")
@@ -518,6 +525,9 @@ def warn_if_slow_at_working_batch(scheme_name: str, model: Optional[nn.Module] =
     """Say so when the scheme decoded large batches slower than float32 on a CPU like this one (no fast bf16)."""
     from batchgen.engines.hf import cpu_has_fast_bf16  # imported here: hf imports this module
 
+    if scheme_name == "int4" and model is not None and not any(
+            isinstance(m, Int4WeightOnlyLinear) for m in model.modules()):
+        scheme_name = "int4-torchao"  # batchgen's kernels are not built here: torchao's int4 runs
     ratio = CPU_WORKING_BATCH_VS_FLOAT32.get(scheme_name)
     if ratio is None or ratio >= 0.9 or cpu_has_fast_bf16():
         return

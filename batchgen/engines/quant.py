@@ -67,7 +67,7 @@ INT4_NATIVE_ROWS = 112
 # Output tokens/s at the CPU working batch (64 rows) over float32's, measured with benchmarks/quantization.py on the
 # development CPU (AVX2, no fast bf16; README "Quantization"). A scheme under 0.9 here logs a warning when it is
 # built on a CPU without fast bf16: the engine does not switch schemes on its own, it says so.
-CPU_WORKING_BATCH_VS_FLOAT32 = {"int8": 0.92, "int4": 1.02, "int4-torchao": 0.56}  # torchao: the fallback's figure
+CPU_WORKING_BATCH_VS_FLOAT32 = {"int8": 0.90, "int4": 0.81, "int4-torchao": 0.56}  # torchao: the fallback's figure
 TORCHAO_HINT = "pip install 'batchgen[quant]' (torchao)"
 BNB_HINT = "pip install 'batchgen[bnb]' (bitsandbytes, CUDA only)"
 

@@ -13,9 +13,9 @@ from batchgen.engines import cpu_kernels
 def fresh(monkeypatch, tmp_path):
     """An empty kernel cache and no loaded library; the session's library is back afterwards."""
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
-    cpu_kernels.load.cache_clear()
+    cpu_kernels.reset()
     yield tmp_path
-    cpu_kernels.load.cache_clear()
+    cpu_kernels.reset()
 
 
 def test_switched_off_by_the_environment(fresh, monkeypatch):
@@ -46,5 +46,5 @@ def test_built_once_then_loaded_from_the_cache(fresh):
     built = list(fresh.iterdir())
     assert len(built) == 1 and built[0].suffix == ".so"
     stamp = built[0].stat().st_mtime_ns
-    cpu_kernels.load.cache_clear()
+    cpu_kernels.reset()
     assert cpu_kernels.load() is not None and built[0].stat().st_mtime_ns == stamp

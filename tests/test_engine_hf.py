@@ -142,14 +142,40 @@ def test_sampling_filters_keep_only_allowed_tokens():
     assert {sample_token(logits, top_p, gen) for _ in range(200)} == {0}
 
 
-def test_auto_dtype_is_fp32_on_a_cpu_without_native_bf16(monkeypatch):
-    import batchgen.engines.hf as hf
+def test_auto_dtype_follows_the_measured_gemm_speed_and_an_explicit_dtype_wins(monkeypatch, tmp_path, caplog):
+    """engine.dtype=auto on CPU: bf16 only where the calibration measured it clearly faster than float32 (an emulated
+    bf16 is ~200x slower, a native one ~2.7x faster); the figures are cached per CPU kind and logged."""
+    import logging
 
-    monkeypatch.setattr(hf, "cpu_has_fast_bf16", lambda: False)
-    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
-    monkeypatch.setattr(hf, "cpu_has_fast_bf16", lambda: True)
+    from batchgen.engines import cpu_dtype
+
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "emulated"))
+    monkeypatch.setattr(cpu_dtype, "measure", lambda: {"cpu": "x", "float32_s": 1e-3, "bfloat16_s": 0.2,
+                                                       "speedup": 0.005})
+    with caplog.at_level(logging.INFO, logger=cpu_dtype.__name__):
+        assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert "float32" in caplog.text and "0.01x" in caplog.text and "measured now" in caplog.text
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "native"))
+    monkeypatch.setattr(cpu_dtype, "measure", lambda: {"cpu": "x", "float32_s": 1e-3, "bfloat16_s": 3.7e-4,
+                                                       "speedup": 2.7})
     assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    monkeypatch.setattr(cpu_dtype, "measure", lambda: pytest.fail("measured again: the cache was not read"))
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
     assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
+
+
+def test_dtype_calibration_measures_both_dtypes_here(monkeypatch, tmp_path):
+    """The real measurement on this CPU: both dtypes timed, the ratio consistent with the times, cached on disk."""
+    from batchgen.engines import cpu_dtype
+
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
+    figures = cpu_dtype.calibration()
+    assert figures["source"] == "measured now" and figures["float32_s"] > 0 and figures["bfloat16_s"] > 0
+    assert figures["speedup"] == pytest.approx(figures["float32_s"] / figures["bfloat16_s"])
+    assert cpu_dtype.calibration()["source"].startswith("cached in") and len(list(tmp_path.iterdir())) == 1
+    print(f"{cpu_dtype.cpu_kernels.cpu_model()}: float32 {1e3 * figures['float32_s']:.3f} ms, bfloat16 "
+          f"{1e3 * figures['bfloat16_s']:.3f} ms, bf16 speedup {figures['speedup']:.2f}x")
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.engines import cpu_kernels, quant
+from batchgen.engines import cpu_kernels, cpu_linear, quant
 from batchgen.errors import ConfigError
 from batchgen.job import validate
 from batchgen.runner import run_job
@@ -88,7 +88,7 @@ def test_torchao_int4_weights_take_at_most_035x_of_bf16(bench_model, dtype):
     quantized = quant.int4_cpu_torchao(model, torch.device("cpu"))
     assert quant.weight_bytes(quantized) <= 0.35 * 2 * params
     if dtype == torch.float32:
-        assert sum(isinstance(m, quant.Bf16Linear) for m in quantized.modules()) == 12 * 7
+        assert sum(isinstance(m, cpu_linear.CastLinear) for m in quantized.modules()) == 12 * 7
         with torch.inference_mode():
             logits = quantized(input_ids=torch.tensor([[5, 6, 7]])).logits
         assert logits.dtype == torch.float32 and torch.isfinite(logits).all()

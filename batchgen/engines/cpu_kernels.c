@@ -14,6 +14,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The variant this library was built as (cpu_kernels.ISAS): the AVX-512 code below is under BATCHGEN_AVX512. */
+#if defined(BATCHGEN_AVX512_BF16)
+#define BATCHGEN_ISA "avx512_bf16"
+#elif defined(BATCHGEN_AVX512)
+#define BATCHGEN_ISA "avx512"
+#else
+#define BATCHGEN_ISA "avx2"
+#endif
+const char *batchgen_isa(void) { return BATCHGEN_ISA; }
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

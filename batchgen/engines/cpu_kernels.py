@@ -1,5 +1,5 @@
-"""batchgen's own CPU kernels (`cpu_kernels.c`), compiled on first use, for AVX2 CPUs: the float32 decode
-step between the GEMMs (attention over the slot KV cache, rotary embedding and cache write, RMSNorm,
+"""batchgen's own CPU kernels (`cpu_kernels.c`), compiled on first use, for x86-64 CPUs with AVX2 and FMA
+(AVX-512 ones included): the float32 decode step between the GEMMs (attention over the slot KV cache, rotary embedding and cache write, RMSNorm,
 SiLU-and-multiply), and int8 and int4 weight-only GEMMs for few rows.
 
 Decode attention: torch's batched matmuls read the cache of a grouped-query head through small GEMMs
@@ -14,12 +14,17 @@ loop made an int8 decode step of one row no faster than bfloat16, although it re
 float32 inputs, so a small batch runs at the rate the weights stream from memory. The int4 kernel does
 the same from group-wise 4-bit weights laid out so that a shift and a mask unpack 8 of them.
 
-The C source is compiled once per source version and CPU family with the system C compiler
-(`$CC`, else `cc`) into a cache directory (`$BATCHGEN_CACHE_DIR`, else `~/.cache/batchgen`), written
-under a temporary name and renamed, so concurrent jobs sharing the cache never load a half-written
-library. Where there is no compiler, no AVX2/FMA, or `BATCHGEN_NATIVE_KERNELS=0`, `load()` returns
-None and the engine uses torch's operations and int8 kernels, and torchao's int4 (logged once).
-Knows tensors and pointers, not models.
+One source file, several instruction-set variants (ISAS): `avx2` (8-wide float vectors), `avx512`
+(AVX-512 F/BW/VL/DQ: 16-wide vectors in the kernels where they paid) and `avx512_bf16` (the same, built
+with AVX-512 BF16 allowed). The variant is picked at load time from the CPU's flags, the widest the CPU
+runs; `BATCHGEN_CPU_ISA=avx2` (or any narrower variant the CPU supports) forces one, so that an AVX-512
+machine also runs and tests the AVX2 kernels. Each variant is compiled once per source version, compiler
+flags and CPU model with the system C compiler (`$CC`, else `cc`) into a cache directory
+(`$BATCHGEN_CACHE_DIR`, else `~/.cache/batchgen`), the ISA in its file name, written under a temporary
+name and renamed, so concurrent jobs sharing the cache never load a half-written library. Where there is
+no compiler, no AVX2/FMA (ARM, older x86), or `BATCHGEN_NATIVE_KERNELS=0`, `load()` returns None and the
+engine uses torch's operations and int8 kernels, and torchao's int4 (logged once). Knows tensors and
+pointers, not models.
 """
 
 from __future__ import annotations
@@ -43,39 +48,95 @@ from batchgen.engines.cpu_runtime import cpu_flags
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # -ffp-contract=off: a * b + c stays two roundings unless a kernel asks for an FMA (rotary embedding matches torch)
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
+# Variants, narrowest first: the /proc/cpuinfo flags each needs, and its compiler flags. One source file: the
+# AVX-512 code is under #ifdef BATCHGEN_AVX512 (cpu_kernels.c).
+ISAS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
+    "avx2": (frozenset({"avx2", "fma"}), ("-mavx2", "-mfma")),
+    "avx512": (frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+               ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-DBATCHGEN_AVX512")),
+    "avx512_bf16": (frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
+                    ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                     "-DBATCHGEN_AVX512", "-DBATCHGEN_AVX512_BF16")),
+}
+ISA_ENV = "BATCHGEN_CPU_ISA"
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("BATCHGEN_CACHE_DIR") or Path.home() / ".cache" / "batchgen")
 
 
-def wanted() -> bool:
-    """An x86 CPU with AVX2 and FMA and without AVX-512 (the kind the kernels were written for and measured on; torch's
-    int8 kernel is vectorized for AVX-512), and the kernels not switched off."""
-    if os.environ.get("BATCHGEN_NATIVE_KERNELS", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
-        return False
+def supported_isas() -> list[str]:
+    """The kernel variants this CPU runs, narrowest first; empty off x86-64 or without AVX2 and FMA."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
     flags = cpu_flags()
-    return {"avx2", "fma"} <= flags and "avx512f" not in flags
+    return [name for name, (needs, _) in ISAS.items() if needs <= flags]
 
 
-@lru_cache(maxsize=1)
-def load() -> Optional[ctypes.CDLL]:
-    """The compiled kernel, building it on first use; None where it cannot run here (logged)."""
-    if not wanted():
+def selected_isa() -> Optional[str]:
+    """The variant to load: `$BATCHGEN_CPU_ISA` where this CPU supports it, else the widest it supports; None
+    where none runs or the kernels are switched off (`BATCHGEN_NATIVE_KERNELS=0`)."""
+    if os.environ.get("BATCHGEN_NATIVE_KERNELS", "1") == "0":
         return None
+    return _select(os.environ.get(ISA_ENV, ""), tuple(supported_isas()))
+
+
+@lru_cache(maxsize=None)
+def _select(forced: str, supported: tuple[str, ...]) -> Optional[str]:  # cached: a bad setting is logged once
+    if forced and forced not in supported:
+        known = ", ".join(ISAS)
+        log.warning("%s=%s: %s; using %s", ISA_ENV, forced,
+                    f"not supported by this CPU (it runs: {', '.join(supported) or 'none'})" if forced in ISAS
+                    else f"unknown variant (known: {known})", supported[-1] if supported else "torch's kernels")
+        forced = ""
+    return forced or (supported[-1] if supported else None)
+
+
+def wanted() -> bool:
+    """An x86-64 CPU with AVX2 and FMA (AVX-512 ones included), and the kernels not switched off."""
+    return selected_isa() is not None
+
+
+def load(isa: Optional[str] = None) -> Optional[ctypes.CDLL]:
+    """The compiled kernels of `isa` (default: selected_isa()), building them on first use; None where they cannot
+    run here (logged)."""
+    isa = isa or selected_isa()
+    if isa is None or isa not in supported_isas():
+        return None
+    return _load(isa)
+
+
+def reset() -> None:
+    """Forget the loaded libraries (tests: the cache directory or the environment changed)."""
+    _load.cache_clear()
+    _select.cache_clear()
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (platform.processor() is empty on Linux); "" where unreadable."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((x for x in f if x.startswith("model name")), "")
+    except OSError:
+        return ""
+    return line.partition(":")[2].strip()
+
+
+@lru_cache(maxsize=None)
+def _load(isa: str) -> Optional[ctypes.CDLL]:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         log.info("no C compiler (cc or $CC) found: torch's decode attention and int8 kernels run (slower here)")
         return None
     source = SOURCE.read_bytes()
-    flags = " ".join(CFLAGS + LIBS).encode()
-    digest = hashlib.sha256(source + flags + platform.processor().encode()).hexdigest()[:16]
-    target = cache_dir() / f"cpu_kernels-{digest}.so"
+    flags = " ".join(CFLAGS + ISAS[isa][1] + LIBS).encode()
+    digest = hashlib.sha256(source + flags + cpu_model().encode() + platform.machine().encode()).hexdigest()[:16]
+    target = cache_dir() / f"cpu_kernels-{isa}-{digest}.so"
     try:
         if not target.exists():
-            _compile(compiler, target)
+            _compile(compiler, target, ISAS[isa][1])
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
         detail = getattr(exc, "stderr", None) or exc
@@ -103,18 +164,19 @@ def load() -> Optional[ctypes.CDLL]:
     lib.batchgen_rms_norm.argtypes = [ptr, ptr, ptr, ctypes.c_long, ctypes.c_long, ctypes.c_float]
     lib.batchgen_silu_mul.restype = None
     lib.batchgen_silu_mul.argtypes = [ptr, ptr, ctypes.c_long, ctypes.c_long]
-    log.info("batchgen's CPU kernels loaded (%s): float32 decode steps (attention, rotary embedding, "
-             "RMSNorm, SiLU), int8 and int4 GEMMs for small batches",
-             target.name)
+    lib.batchgen_isa.restype = ctypes.c_char_p
+    lib.batchgen_isa.argtypes = []
+    log.info("batchgen's CPU kernels loaded (%s, %s variant): float32 decode steps (attention, rotary embedding, "
+             "RMSNorm, SiLU), int8 and int4 GEMMs for small batches", target.name, lib.batchgen_isa().decode())
     return lib
 
 
-def _compile(compiler: str, target: Path) -> None:
+def _compile(compiler: str, target: Path, isa_flags: tuple[str, ...]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *CFLAGS, str(SOURCE), *LIBS, "-o", tmp], check=True, capture_output=True,
+        subprocess.run([compiler, *CFLAGS, *isa_flags, str(SOURCE), *LIBS, "-o", tmp], check=True, capture_output=True,
                        text=True, timeout=120)
         os.replace(tmp, target)  # atomic: another process sees the old state or the whole library
     finally:

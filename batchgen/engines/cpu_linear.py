@@ -25,7 +25,9 @@ MIN_FEATURES = 256
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear`'s forward over a oneDNN-blocked weight; the same result up to float rounding."""
+    """`nn.Linear`'s forward over a oneDNN-blocked weight; the same result up to float rounding. An input of another
+    dtype than the weight's (float32 activations around bf16 GEMMs, see mixed_bf16) is cast to the weight's dtype
+    and the output back to the input's."""
 
     def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT):
         super().__init__()
@@ -37,9 +39,11 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias, "none",
-                                               [], "")
-        return y.view(*lead, self.out_features)
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != self.packed.dtype:
+            x2 = x2.to(self.packed.dtype)
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+        return y.view(*lead, self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -97,6 +101,64 @@ def pack(linear: nn.Linear) -> Optional[PackedLinear]:
     if linear.weight.device.type != "cpu" or min(linear.in_features, linear.out_features) < MIN_FEATURES:
         return None
     return PackedLinear(linear)
+
+
+class CastLinear(nn.Module):
+    """A linear computed in its own weight's dtype inside a model whose activations are another dtype: the input
+    goes in as the weight's dtype, the output comes back in the input's (torchao's int4 CPU kernel takes bf16
+    activations only; mixed_bf16 keeps small or shared linears in bf16 this way)."""
+
+    def __init__(self, linear: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        if type(linear) is nn.Linear:  # a shell over the same parameters: replace_linears empties the original
+            shell = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+            shell.weight, shell.bias = linear.weight, linear.bias
+            linear = shell
+        self.linear, self.dtype = linear, dtype
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.to(self.dtype)).to(x.dtype)
+
+
+class CastEmbedding(nn.Module):
+    """An embedding table kept in its stored dtype (bf16: half the bytes) whose lookups come out in `dtype`."""
+
+    def __init__(self, embedding: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.embedding, self.dtype = embedding, dtype
+        self.weight = embedding.weight  # what transformers' tied-weight and resize helpers look at
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(ids).to(self.dtype)
+
+
+def mixed_bf16(model: Any, fuse: Optional[Callable[[Any, Callable], int]] = None) -> tuple[int, int]:
+    """Turn a CPU model loaded in bfloat16 into bf16 GEMMs with float32 between them, in place: every linear
+    becomes a oneDNN-prepacked bf16 PackedLinear (or a CastLinear where prepacking does not pay or would copy a
+    shared weight), the input embeddings stay bf16 and hand float32 on, and every other weight (norms) becomes
+    float32. The decode step then runs batchgen's float32 kernels between native bf16 GEMMs (as vLLM's CPU build
+    keeps its own kernels around oneDNN's). `fuse(model, fuse_parts)` merges projections first (llama_step's
+    fuse_projections). Returns (linears prepacked, projections fused). Nothing is held twice: weights are
+    converted one module at a time, and the bf16 weights are the only copy."""
+    fused = fuse(model, pack_concatenated) if fuse is not None else 0
+    embed = model.get_input_embeddings()
+    shared = None if embed is None else embed.weight.data_ptr()
+
+    def convert(linear: nn.Linear) -> nn.Module:
+        packed = None if linear.weight.data_ptr() == shared else pack(linear)
+        return packed if packed is not None else CastLinear(linear, linear.weight.dtype)
+
+    replace_linears(model, convert)
+    for module in model.modules():
+        if isinstance(module, (PackedLinear, CastLinear, CastEmbedding)):
+            continue
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dtype == torch.bfloat16 and module is not embed:
+                setattr(module, name, nn.Parameter(param.detach().float(), requires_grad=False))
+    if isinstance(embed, nn.Embedding):
+        model.set_input_embeddings(CastEmbedding(embed, torch.float32))
+    return sum(isinstance(m, PackedLinear) for m in model.modules()), fused
 
 
 def concatenate(parts: list[nn.Module]) -> Optional[nn.Linear]:

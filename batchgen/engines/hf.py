@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from batchgen.engines import cpu_linear, cpu_runtime, quant
+from batchgen.engines import cpu_dtype, cpu_kernels, cpu_linear, cpu_runtime, quant
 from batchgen.engines.base import EngineConfig
 from batchgen.engines.llama_step import LlamaStepper, fuse_projections, supports
 from batchgen.engines.scheduler import Scheduler, SchedulerStats, halve_on_oom
@@ -31,7 +31,8 @@ DEFAULTS = {  # (max_batch_tokens, max_batch_size, rows_per_part) per device typ
 
 
 def cpu_has_fast_bf16() -> bool:
-    """True where the CPU has native bf16 dot products (AVX-512 BF16 or AMX); elsewhere bf16 is emulated, slow."""
+    """True where the CPU has native bf16 dot products (AVX-512 BF16 or AMX); elsewhere bf16 is emulated, slow.
+    A flag, not a measurement: engine.dtype=auto asks cpu_dtype instead."""
     flags = cpu_runtime.cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
@@ -47,7 +48,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    return cpu_dtype.fastest_dtype()  # measured once per CPU kind, cached
 
 
 class HFEngine:
@@ -62,8 +63,12 @@ class HFEngine:
                                       trust_remote_code=cfg.trust_remote_code)  # from_pretrained, then quantized
         self.max_model_len = cfg.max_model_len or _model_max_len(self.model.config)
         self.prepacked = self.fused = 0
+        self.activation_dtype = self.dtype  # what flows between the GEMMs and sits in the KV cache
         serves_all = supports(self.model, self.max_model_len)  # the stepper serves every window: fused GEMMs pay
-        if self.device.type == "cpu" and cfg.prepack and not cfg.quantization and cpu_linear.available(self.dtype):
+        if self.mixed_bf16_pays(cfg):
+            self.prepacked, self.fused = cpu_linear.mixed_bf16(self.model, fuse_projections if serves_all else None)
+            self.activation_dtype = torch.float32
+        elif self.device.type == "cpu" and cfg.prepack and not cfg.quantization and cpu_linear.available(self.dtype):
             if serves_all:
                 self.fused = fuse_projections(self.model, cpu_linear.pack_concatenated)
             self.prepacked = self.fused + cpu_linear.pack_linears(self.model)
@@ -82,15 +87,25 @@ class HFEngine:
         self._stepper: Optional[LlamaStepper] = None
         self.stats = EngineStats()
         self.pad_id = _first(tokenizer.pad_token_id, *sorted(self.eos_ids), 0)
-        log.info("hf engine: %s on %s in %s, max_batch_tokens=%d, max_batch_size=%d, %d linears prepacked for oneDNN, "
-                 "%d fused q/k/v or gate/up projections", cfg.model, self.device, self.dtype, self.max_batch_tokens,
-                 self.max_batch_size, self.prepacked, self.fused)
+        between = "" if self.activation_dtype == self.dtype else f" (activations in {self.activation_dtype})"
+        log.info("hf engine: %s on %s in %s%s, max_batch_tokens=%d, max_batch_size=%d, %d linears prepacked for "
+                 "oneDNN, %d fused q/k/v or gate/up projections", cfg.model, self.device, self.dtype, between,
+                 self.max_batch_tokens, self.max_batch_size, self.prepacked, self.fused)
+
+    def mixed_bf16_pays(self, cfg: EngineConfig) -> bool:
+        """bf16 GEMMs with batchgen's float32 kernels between them (cpu_linear.mixed_bf16): a bf16 model on a CPU
+        with native bf16 (the flag: on an emulating CPU the pure bf16 path stays as it was measured), where the
+        kernels are built and oneDNN can prepack bf16 weights."""
+        return (self.device.type == "cpu" and self.dtype == torch.bfloat16 and cfg.prepack and not cfg.quantization
+                and cpu_has_fast_bf16() and cpu_kernels.load() is not None and cpu_linear.available(torch.bfloat16))
 
     def identity(self) -> dict[str, Any]:
         quantization = {"quantization": self.cfg.quantization} if self.cfg.quantization else {}
         prepacked = {"linear": "onednn-prepacked"} if self.prepacked else {}
+        mixed = {} if self.activation_dtype == self.dtype else {
+            "activations": str(self.activation_dtype).removeprefix("torch.")}
         return {"engine": "hf", "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-                **quantization, **prepacked}
+                **mixed, **quantization, **prepacked}
 
     def close(self) -> None:
         del self.model
@@ -103,7 +118,7 @@ class HFEngine:
         max_len = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
         if self.fast and supports(self.model, max_len):
             if self._stepper is None:
-                self._stepper = LlamaStepper(self.model)  # built once per engine
+                self._stepper = LlamaStepper(self.model, self.activation_dtype)  # built once per engine
                 log.info("hf engine decode step: %s", self._stepper.describe())
             scheduler = Scheduler(self, self._stepper, max_batch_tokens=self.max_batch_tokens,
                                   max_batch_size=self.max_batch_size)

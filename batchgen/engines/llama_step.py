@@ -41,7 +41,9 @@ def supports(model: Any, max_len: int) -> bool:
 
 
 class LlamaStepper:
-    def __init__(self, model: Any):
+    def __init__(self, model: Any, dtype: Optional[torch.dtype] = None):
+        """dtype: the activations' and the KV cache's (float32 around bf16 GEMMs, cpu_linear.mixed_bf16); default
+        the model's parameters'."""
         self.model = model
         self.inner = model.model
         self.layers = list(self.inner.layers)
@@ -51,7 +53,7 @@ class LlamaStepper:
         self.heads = model.config.num_attention_heads
         self.scaling = attn.scaling
         self.qkv_split = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
-        self.dtype = next(model.parameters()).dtype
+        self.dtype = dtype or next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         # batchgen's decode attention kernel (cpu_kernels) where it is built; torch's batched matmuls otherwise
         self.native = (cpu_kernels.load() if self.device.type == "cpu" and self.dtype == torch.float32

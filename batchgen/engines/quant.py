@@ -22,7 +22,7 @@ What runs where (measured on an AVX2-only CPU without fast bf16; see README "Qua
   inputs under INT4_NATIVE_ROWS rows in float32; larger inputs dequantize the layer's weights for a float GEMM.
   The LM head is stored as int8 (Int8WeightOnlyLinear). Where batchgen's kernels are not built: torchao
   `PrototypeInt4WeightOnlyConfig` (group 128), its kernel in bfloat16; in a float32 model each quantized linear
-  is then a bf16 island (`Bf16Linear`) and the rest of the model computes in float32.
+  is then a bf16 island (`cpu_linear.CastLinear`) and the rest of the model computes in float32.
 - int4, CUDA: torchao `Int4WeightOnlyConfig` with the tinygemm tile-packed layout, bfloat16 compute.
 - bnb-int8, bnb-nf4: bitsandbytes through `BitsAndBytesConfig`, CUDA only.
 With int8, and with batchgen's int4, the input embedding table is stored as int8 rows with one scale per row
@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.engines import cpu_kernels
-from batchgen.engines.cpu_linear import replace_linears
+from batchgen.engines.cpu_linear import CastLinear, replace_linears
 
 log = logging.getLogger(__name__)
 
@@ -348,20 +348,6 @@ class Int4WeightOnlyLinear(nn.Module):
                 f"bias={self.bias is not None}")
 
 
-class Bf16Linear(nn.Module):
-    """A bfloat16 linear inside a float32 model (torchao's int4 CPU kernel takes bf16 activations only): the
-    input goes in as bf16, the output comes back in the input's dtype. The rest of the model (norms, attention,
-    batchgen's CPU kernels) stays float32, which a CPU without fast bf16 runs far faster than emulated bf16."""
-
-    def __init__(self, linear: nn.Module):
-        super().__init__()
-        self.linear = linear
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x.to(torch.bfloat16)).to(x.dtype)
-
-
 def int4_cpu(model: nn.Module, device: torch.device) -> nn.Module:
     """int4 weight-only linears: batchgen's own (Int4WeightOnlyLinear, group INT4_CPU_GROUP) where its CPU kernels
     are built, else torchao's (int4_cpu_torchao). Either way the LM head and the input embeddings are stored as
@@ -387,7 +373,7 @@ def int4_cpu(model: nn.Module, device: torch.device) -> nn.Module:
 
 def int4_cpu_torchao(model: nn.Module, device: torch.device) -> nn.Module:
     """torchao int4 weight-only (group 128). A bfloat16 model is quantized in place; in a float32 model each
-    quantized linear becomes a Bf16Linear island and everything else stays float32."""
+    quantized linear becomes a CastLinear island (bf16) and everything else stays float32."""
     import_or_hint("torchao.quantization", TORCHAO_HINT, "engine.quantization=int4 without batchgen's CPU kernels")
     from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
     from torchao.quantization import quantize_
@@ -397,12 +383,12 @@ def int4_cpu_torchao(model: nn.Module, device: torch.device) -> nn.Module:
         quantize_(model, config, filter_fn=_groupable)
         return model
 
-    def island(linear: nn.Linear) -> Optional[Bf16Linear]:
+    def island(linear: nn.Linear) -> Optional[CastLinear]:
         if not _groupable(linear, ""):
             return None
         bf16 = copy.deepcopy(linear).to(torch.bfloat16)  # a copy: replace_linears drops the original's weight
         quantize_(bf16, config)
-        return Bf16Linear(bf16)
+        return CastLinear(bf16, torch.bfloat16)
 
     replace_linears(model, island)
     return model

@@ -31,6 +31,44 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* bfloat16 <-> float32, 8 at a time. Widening is exact (a shift); narrowing rounds to nearest even, by the
+ * AVX-512 BF16 instruction where the variant has it, else by integer arithmetic (finite inputs: activations). */
+static inline __m256 load8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+static inline void store8_bf16(uint16_t *p, __m256 v) {
+#ifdef BATCHGEN_AVX512_BF16
+    _mm_storeu_si128((__m128i *)p, (__m128i)_mm256_cvtneps_pbh(v));
+#else
+    __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+    _mm_storeu_si128((__m128i *)p, packed);
+#endif
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    union { float f; uint32_t u; } v = {.f = f};
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* Store n floats (n a multiple of 8) as float32 or, where bf16 is set, as bfloat16. */
+static inline void store_row(void *dst, const float *src, long n, int bf16) {
+    if (!bf16) {
+        memcpy(dst, src, sizeof(float) * n);
+        return;
+    }
+    for (long c = 0; c < n; c += 8)
+        store8_bf16((uint16_t *)dst + c, _mm256_loadu_ps(src + c));
+}
+
 static inline __m256 load8(const int8_t *p) {  /* 8 int8 -> 8 float */
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
@@ -179,8 +217,105 @@ static void softmax(float *s, long L) {
  * r * slot_stride + j * head_stride, positions of d floats each; d a multiple of 8. Each (row, KV head)
  * is one task: its keys and values are read once, each row over its own length only (no padding). */
 /* One (row, KV head) task: the group of query heads qg [group, d] over keys and values kh, vh [L, d]. */
+#ifdef BATCHGEN_AVX512
+/* e^x for x <= 0, 16 at a time (exp256's polynomial). */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* attend_group with 16-wide vectors, for d a multiple of 16: scores of 16 keys at a time stay in one register
+ * (each key's dot product reduced once), the softmax and the weighted sum of values run 16 lanes wide. Measured
+ * against the 8-wide code on the benchmark model's decode steps (README "hf engine"). */
+static void attend_group16(const float *qg, const float *kh, const float *vh, long L, long d, long group,
+                           float scale, float *og) {
+    float *s = malloc(sizeof(float) * group * (L + 16));
+    for (long t = 0; t < group; t++) {
+        const float *qt = qg + t * d;
+        float *st = s + t * (L + 16);
+        for (long l = 0; l < L; l++) {
+            const float *key = kh + l * d;
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qt), _mm512_loadu_ps(key));
+            for (long c = 16; c < d; c += 16)
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qt + c), _mm512_loadu_ps(key + c), acc);
+            st[l] = _mm512_reduce_add_ps(acc) * scale;
+        }
+        __m512 vmx = _mm512_set1_ps(-INFINITY);
+        long l = 0;
+        for (; l + 16 <= L; l += 16)
+            vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(st + l));
+        float mx = _mm512_reduce_max_ps(vmx);
+        for (; l < L; l++)
+            mx = st[l] > mx ? st[l] : mx;
+        __m512 vsum = _mm512_setzero_ps();
+        const __m512 bmx = _mm512_set1_ps(mx);
+        for (l = 0; l < L; l += 16) {  /* the tail lanes are masked off */
+            const __mmask16 live = L - l >= 16 ? 0xffff : (__mmask16)((1u << (L - l)) - 1);
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, st + l), bmx));
+            const __m512 kept = _mm512_maskz_mov_ps(live, e);
+            _mm512_mask_storeu_ps(st + l, live, kept);
+            vsum = _mm512_add_ps(vsum, kept);
+        }
+        const float inv = 1.0f / _mm512_reduce_add_ps(vsum);
+        for (long c0 = 0; c0 < d; c0 += 64) {  /* 4 accumulators of 16 floats: 64 output dims at a time */
+            const long width = d - c0 < 64 ? d - c0 : 64;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            if (width == 64) {
+                for (long m = 0; m < L; m++) {
+                    const __m512 p = _mm512_set1_ps(st[m]);
+                    const float *val = vh + m * d + c0;
+                    a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(val), a0);
+                    a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(val + 16), a1);
+                    a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(val + 32), a2);
+                    a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(val + 48), a3);
+                }
+            } else {
+                __m512 acc[4] = {a0, a1, a2, a3};
+                for (long m = 0; m < L; m++) {
+                    const __m512 p = _mm512_set1_ps(st[m]);
+                    for (long c = 0; c < width; c += 16)
+                        acc[c / 16] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vh + m * d + c0 + c), acc[c / 16]);
+                }
+                a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3];
+            }
+            const __m512 vinv = _mm512_set1_ps(inv), out[4] = {a0, a1, a2, a3};
+            for (long c = 0; c < width; c += 16)
+                _mm512_storeu_ps(og + t * d + c0 + c, _mm512_mul_ps(out[c / 16], vinv));
+        }
+    }
+    free(s);
+}
+#endif
+
+static void attend_group8(const float *qg, const float *kh, const float *vh, long L, long d, long group,
+                          float scale, float *og);
+
+/* One (row, KV head) task: the group's attention over L positions (16 lanes wide where built and d allows). */
 static void attend_group(const float *qg, const float *kh, const float *vh, long L, long d, long group,
                          float scale, float *og) {
+#ifdef BATCHGEN_AVX512
+    if (d % 16 == 0) {
+        attend_group16(qg, kh, vh, L, d, group, scale, og);
+        return;
+    }
+#endif
+    attend_group8(qg, kh, vh, L, d, group, scale, og);
+}
+
+static void attend_group8(const float *qg, const float *kh, const float *vh, long L, long d, long group,
+                          float scale, float *og) {
     float *s = malloc(sizeof(float) * group * L);
     for (long l = 0; l < L; l++) {
         const float *key = kh + l * d;
@@ -254,32 +389,47 @@ static void rope_head(float *x, const float *cos, const float *sin, long d) {
  * For each row r and KV head j: rotate the group's query heads and key head j in place, write key and value
  * head j into the cache at position lengths[r], then attend over lengths[r] + 1 positions into
  * out[r, heads of group j]. One call instead of the ~25 torch operations of rotary embedding, cache
- * writes and attention (each a few microseconds at batch 1). d a multiple of 16. */
+ * writes and attention (each a few microseconds at batch 1). d a multiple of 16. out float32, or bfloat16 where
+ * out_bf16 is set (the input of a bf16 o_proj GEMM). */
 void batchgen_decode_layer_attention(float *qkv, const float *cos, const float *sin, float *k, float *v,
-                                     const int64_t *lengths, float *out, long n, long heads, long kv_heads, long d,
-                                     long slot_stride, long head_stride, float scale, int threads) {
+                                     const int64_t *lengths, void *out, long n, long heads, long kv_heads, long d,
+                                     long slot_stride, long head_stride, float scale, int out_bf16, int threads) {
     const long group = heads / kv_heads, row = (heads + 2 * kv_heads) * d;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (long task = 0; task < n * kv_heads; task++) {
-        const long r = task / kv_heads, j = task % kv_heads, pos = lengths[r];
-        float *qg = qkv + r * row + j * group * d, *key = qkv + r * row + (heads + j) * d;
-        const float *value = qkv + r * row + (heads + kv_heads + j) * d;
-        for (long t = 0; t < group; t++)
-            rope_head(qg + t * d, cos + r * d, sin + r * d, d);
-        rope_head(key, cos + r * d, sin + r * d, d);
-        float *kh = k + r * slot_stride + j * head_stride, *vh = v + r * slot_stride + j * head_stride;
-        memcpy(kh + pos * d, key, sizeof(float) * d);
-        memcpy(vh + pos * d, value, sizeof(float) * d);
-        attend_group(qg, kh, vh, pos + 1, d, group, scale, out + (r * heads + j * group) * d);
+#pragma omp parallel num_threads(threads)
+    {
+        float *og = out_bf16 ? malloc(sizeof(float) * group * d) : NULL;  /* bf16 output: attend, then narrow */
+#pragma omp for schedule(dynamic, 1)
+        for (long task = 0; task < n * kv_heads; task++) {
+            const long r = task / kv_heads, j = task % kv_heads, pos = lengths[r];
+            float *qg = qkv + r * row + j * group * d, *key = qkv + r * row + (heads + j) * d;
+            const float *value = qkv + r * row + (heads + kv_heads + j) * d;
+            for (long t = 0; t < group; t++)
+                rope_head(qg + t * d, cos + r * d, sin + r * d, d);
+            rope_head(key, cos + r * d, sin + r * d, d);
+            float *kh = k + r * slot_stride + j * head_stride, *vh = v + r * slot_stride + j * head_stride;
+            memcpy(kh + pos * d, key, sizeof(float) * d);
+            memcpy(vh + pos * d, value, sizeof(float) * d);
+            const long at = (r * heads + j * group) * d;
+            attend_group(qg, kh, vh, pos + 1, d, group, scale, out_bf16 ? og : (float *)out + at);
+            if (out_bf16)
+                store_row((uint16_t *)out + at, og, group * d, 1);
+        }
+        free(og);
     }
 }
 
+/* Rows at least this many are split over threads (a prefill's norms and activations); a decode step's few rows
+ * stay on one thread, where waking the others costs more than the work. */
+#define PARALLEL_ROWS 64
+
 /* RMSNorm of rows [0, n) of x [n, hidden]: out = x / sqrt(mean(x^2) + eps) * weight, as transformers'
- * LlamaRMSNorm computes it in float32 (up to the order of the sum). */
-void batchgen_rms_norm(const float *x, const float *weight, float *out, long n, long hidden, float eps) {
+ * LlamaRMSNorm computes it in float32 (up to the order of the sum); out float32, or bfloat16 where out_bf16 is set
+ * (the input of a bf16 GEMM). hidden a multiple of 8 where out_bf16 is set. */
+void batchgen_rms_norm(const float *x, const float *weight, void *out, long n, long hidden, float eps, int out_bf16,
+                       int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_ROWS)
     for (long r = 0; r < n; r++) {
         const float *xr = x + r * hidden;
-        float *o = out + r * hidden;
         __m256 acc = _mm256_setzero_ps();
         long c = 0;
         for (; c + 8 <= hidden; c += 8) {
@@ -291,6 +441,16 @@ void batchgen_rms_norm(const float *x, const float *weight, float *out, long n, 
             sum += xr[c] * xr[c];
         const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
         const __m256 vinv = _mm256_set1_ps(inv);
+        if (out_bf16) {
+            uint16_t *o = (uint16_t *)out + r * hidden;
+            for (c = 0; c + 8 <= hidden; c += 8)
+                store8_bf16(o + c, _mm256_mul_ps(_mm256_loadu_ps(weight + c),
+                                                 _mm256_mul_ps(_mm256_loadu_ps(xr + c), vinv)));
+            for (; c < hidden; c++)
+                o[c] = float_to_bf16(weight[c] * (xr[c] * inv));
+            continue;
+        }
+        float *o = (float *)out + r * hidden;
         for (c = 0; c + 8 <= hidden; c += 8)
             _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(weight + c),
                                                   _mm256_mul_ps(_mm256_loadu_ps(xr + c), vinv)));
@@ -299,24 +459,39 @@ void batchgen_rms_norm(const float *x, const float *weight, float *out, long n, 
     }
 }
 
-/* out[r, c] = silu(gu[r, c]) * gu[r, inter + c] for the fused gate/up projection's output gu [n, 2 inter]. */
-void batchgen_silu_mul(const float *gu, float *out, long n, long inter) {
+/* out[r, c] = silu(gu[r, c]) * gu[r, inter + c] for the fused gate/up projection's output gu [n, 2 inter]; gu and
+ * out each float32 or, where in_bf16 / out_bf16 is set, bfloat16 (around bf16 GEMMs). */
+void batchgen_silu_mul(const void *gu, void *out, long n, long inter, int in_bf16, int out_bf16, int threads) {
     const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_ROWS)
     for (long r = 0; r < n; r++) {
-        const float *g = gu + r * 2 * inter, *u = g + inter;
-        float *o = out + r * inter;
+        const long base = r * 2 * inter;
         long c = 0;
         for (; c + 8 <= inter; c += 8) {
-            const __m256 a = _mm256_loadu_ps(g + c);
+            const __m256 a = in_bf16 ? load8_bf16((const uint16_t *)gu + base + c)
+                                     : _mm256_loadu_ps((const float *)gu + base + c);
+            const __m256 u = in_bf16 ? load8_bf16((const uint16_t *)gu + base + inter + c)
+                                     : _mm256_loadu_ps((const float *)gu + base + inter + c);
             /* silu(a) = a / (1 + e^-a); e^-a through exp256, which takes x <= 0: for a < 0 use a e^a / (1 + e^a) */
             const __m256 e = exp256(_mm256_sub_ps(zero, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a)));  /* e^-|a| */
             const __m256 pos = _mm256_div_ps(a, _mm256_add_ps(one, e));
             const __m256 neg = _mm256_div_ps(_mm256_mul_ps(a, e), _mm256_add_ps(one, e));
             const __m256 silu = _mm256_blendv_ps(pos, neg, _mm256_cmp_ps(a, zero, _CMP_LT_OQ));
-            _mm256_storeu_ps(o + c, _mm256_mul_ps(silu, _mm256_loadu_ps(u + c)));
+            if (out_bf16)
+                store8_bf16((uint16_t *)out + r * inter + c, _mm256_mul_ps(silu, u));
+            else
+                _mm256_storeu_ps((float *)out + r * inter + c, _mm256_mul_ps(silu, u));
         }
-        for (; c < inter; c++)
-            o[c] = g[c] / (1.0f + expf(-g[c])) * u[c];
+        for (; c < inter; c++) {
+            const float g = in_bf16 ? bf16_to_float(((const uint16_t *)gu)[base + c]) : ((const float *)gu)[base + c];
+            const float u = in_bf16 ? bf16_to_float(((const uint16_t *)gu)[base + inter + c])
+                                    : ((const float *)gu)[base + inter + c];
+            const float y = g / (1.0f + expf(-g)) * u;
+            if (out_bf16)
+                ((uint16_t *)out)[r * inter + c] = float_to_bf16(y);
+            else
+                ((float *)out)[r * inter + c] = y;
+        }
     }
 }
 
@@ -330,10 +505,6 @@ void batchgen_silu_mul(const float *gu, float *out, long n, long inter) {
  * term is min[n, g] * sum(x[group g]), the sums computed once per call. Each thread takes blocks of 4 output
  * channels. One input row reads the packed weights directly (int4_block); more rows first dequantize the block's
  * weights into a small float buffer and dot every row against it (int4_block_rows). */
-static inline float bf16_to_float(uint16_t h) {
-    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
-    return v.f;
-}
 
 #define NIBBLES(v, i) _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32((v), 4 * (i)), mask))
 

@@ -159,11 +159,13 @@ def _load(isa: str) -> Optional[ctypes.CDLL]:
     dequantize.argtypes = [ptr, ptr, ptr, ctypes.c_long, ptr, ctypes.c_long, ctypes.c_long, ctypes.c_int]
     layer = lib.batchgen_decode_layer_attention
     layer.restype = None
-    layer.argtypes = [ptr] * 7 + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_int]
+    layer.argtypes = [ptr] * 7 + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.batchgen_rms_norm.restype = None
-    lib.batchgen_rms_norm.argtypes = [ptr, ptr, ptr, ctypes.c_long, ctypes.c_long, ctypes.c_float]
+    lib.batchgen_rms_norm.argtypes = [ptr, ptr, ptr, ctypes.c_long, ctypes.c_long, ctypes.c_float, ctypes.c_int,
+                                      ctypes.c_int]
     lib.batchgen_silu_mul.restype = None
-    lib.batchgen_silu_mul.argtypes = [ptr, ptr, ctypes.c_long, ctypes.c_long]
+    lib.batchgen_silu_mul.argtypes = [ptr, ptr, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int,
+                                      ctypes.c_int]
     lib.batchgen_isa.restype = ctypes.c_char_p
     lib.batchgen_isa.argtypes = []
     log.info("batchgen's CPU kernels loaded (%s, %s variant): float32 decode steps (attention, rotary embedding, "
@@ -231,34 +233,48 @@ def int4_dequantize(lib: ctypes.CDLL, qweight: torch.Tensor, scale: torch.Tensor
 
 
 def decode_layer_attention(lib: ctypes.CDLL, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor,
-                           v: torch.Tensor, positions: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
+                           v: torch.Tensor, positions: torch.Tensor, heads: int, scale: float,
+                           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rotary embedding, cache write and attention of one decode step for one layer, in one call.
 
     qkv: [n, (heads + 2 kv_heads) d] float32 contiguous, the fused projection's output (rotated in place);
     cos, sin: [n, d] contiguous; k, v: one layer of the slot cache, as decode_attention's; positions: [n] int64,
-    each row's cache length before this token (its key and value go there) -> [n, heads * d] float32."""
+    each row's cache length before this token (its key and value go there) -> [n, heads * d] in out_dtype (float32,
+    or bfloat16 for a bf16 GEMM to read)."""
     n = qkv.shape[0]
     kv_heads, d = k.shape[1], k.shape[3]
     assert qkv.is_contiguous() and qkv.shape[1] == (heads + 2 * kv_heads) * d and cos.is_contiguous()
     assert k.stride() == v.stride() and k.stride(3) == 1 and k.stride(2) == d and positions.is_contiguous()
-    out = torch.empty((n, heads * d), dtype=torch.float32)
+    out = torch.empty((n, heads * d), dtype=_out(out_dtype))
     lib.batchgen_decode_layer_attention(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(),
                                         positions.data_ptr(), out.data_ptr(), n, heads, kv_heads, d, k.stride(0),
-                                        k.stride(1), scale, torch.get_num_threads())
+                                        k.stride(1), scale, out.dtype == torch.bfloat16, torch.get_num_threads())
     return out
 
 
-def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., hidden] float32 contiguous; weight: [hidden] float32 -> RMSNorm(x) * weight, x's shape."""
-    out = torch.empty_like(x)
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x: [..., hidden] float32 contiguous; weight: [hidden] float32 -> RMSNorm(x) * weight, x's shape, in out_dtype
+    (float32, or bfloat16 for a bf16 GEMM to read)."""
+    out = torch.empty(x.shape, dtype=_out(out_dtype))
     hidden = x.shape[-1]
-    lib.batchgen_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps)
+    lib.batchgen_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps,
+                          out.dtype == torch.bfloat16, torch.get_num_threads())
     return out
 
 
-def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up: [..., 2 inter] float32 contiguous -> silu(gate) * up, [..., inter]."""
+def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """gate_up: [..., 2 inter] float32 or bfloat16 contiguous -> silu(gate) * up, [..., inter], in out_dtype
+    (default: gate_up's)."""
+    assert gate_up.dtype in (torch.float32, torch.bfloat16) and gate_up.is_contiguous()
     inter = gate_up.shape[-1] // 2
-    out = torch.empty((*gate_up.shape[:-1], inter), dtype=torch.float32)
-    lib.batchgen_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter)
+    out = torch.empty((*gate_up.shape[:-1], inter), dtype=_out(out_dtype or gate_up.dtype))
+    lib.batchgen_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
+                          gate_up.dtype == torch.bfloat16, out.dtype == torch.bfloat16, torch.get_num_threads())
     return out
+
+
+def _out(dtype: torch.dtype) -> torch.dtype:
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"batchgen's CPU kernels write float32 or bfloat16, not {dtype}")
+    return dtype

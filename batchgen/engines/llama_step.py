@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from batchgen.engines import cpu_kernels
+from batchgen.engines import cpu_kernels, cpu_linear
 from batchgen.engines.kvcache import SlotKVCache
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -61,6 +61,12 @@ class LlamaStepper:
         # a decode step of batchgen's kernels between the GEMMs (see _decode_native) where the model allows it
         self.native_step = (self.native is not None and self.head_dim % 16 == 0
                             and all(map(_native_layer, self.layers)) and type(self.inner.norm).__name__ in RMS_NORMS)
+        # what each GEMM of the native step reads: bf16 for a bf16 PackedLinear (cpu_linear.mixed_bf16), so the
+        # kernel before it writes bf16 and no conversion pass runs; float32 otherwise
+        self.gemm_inputs = [tuple(_input_dtype(m) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj))
+                            for layer in self.layers] if self.native_step else []
+        self.head_input = _input_dtype(model.lm_head)
 
     def describe(self) -> str:
         """Which decode step runs, for the engine's log."""
@@ -85,12 +91,17 @@ class LlamaStepper:
         positions = torch.arange(width, device=self.device).expand(len(prompts), width)
         cos_sin = self.inner.rotary_emb(x, positions)
         for i, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x)
+            h = self._norm(layer.input_layernorm, x) if self.native_step else layer.input_layernorm(x)
             q, k, v = self._qkv(layer.self_attn, h, cos_sin)  # [n, heads, T, d], [n, kv_heads, T, d] x2
             cache.write_prefill(i, first_slot, k, v)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
             x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(*x.shape[:2], -1))
-            x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
+            if self.native_step:  # batchgen's RMSNorm and SiLU kernels, over every prompt token at once
+                _, _, gate_up_in, down_in = self.gemm_inputs[i]
+                gate_up = layer.mlp.gate_up_proj(self._norm(layer.post_attention_layernorm, x, gate_up_in))
+                x = x + layer.mlp.down_proj(cpu_kernels.silu_mul(self.native, gate_up.contiguous(), down_in))
+            else:
+                x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
         cache.set_lengths(first_slot, lengths)
         ends = torch.tensor(lengths, device=self.device) - 1
         last = x[torch.arange(len(prompts), device=self.device), ends]  # [n, hidden]
@@ -129,17 +140,18 @@ class LlamaStepper:
         cos, sin = (t.reshape(n, self.head_dim).contiguous() for t in self.inner.rotary_emb(x, positions[:, None]))
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = attn.qkv_proj(self._norm(layer.input_layernorm, x)).contiguous()
+            qkv_in, o_in, gate_up_in, down_in = self.gemm_inputs[i]  # bf16 GEMMs get bf16 inputs (no conversion)
+            qkv = attn.qkv_proj(self._norm(layer.input_layernorm, x, qkv_in)).float().contiguous()
             out = cpu_kernels.decode_layer_attention(self.native, qkv, cos, sin, cache.k[i], cache.v[i], positions,
-                                                     self.heads, self.scaling)
+                                                     self.heads, self.scaling, o_in)
             x = x + attn.o_proj(out)
-            gate_up = mlp.gate_up_proj(self._norm(layer.post_attention_layernorm, x)).contiguous()
-            x = x + mlp.down_proj(cpu_kernels.silu_mul(self.native, gate_up))
+            gate_up = mlp.gate_up_proj(self._norm(layer.post_attention_layernorm, x, gate_up_in)).contiguous()
+            x = x + mlp.down_proj(cpu_kernels.silu_mul(self.native, gate_up, down_in))
         cache.advance(n)
-        return self.model.lm_head(self._norm(self.inner.norm, x))
+        return self.model.lm_head(self._norm(self.inner.norm, x, self.head_input)).float()
 
-    def _norm(self, norm: Any, x: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.rms_norm(self.native, x, norm.weight, norm.variance_epsilon)
+    def _norm(self, norm: Any, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return cpu_kernels.rms_norm(self.native, x, norm.weight, norm.variance_epsilon, out_dtype)
 
     def _native_attention(self, cache: SlotKVCache, n: int) -> Callable[[int, torch.Tensor], torch.Tensor]:
         lengths = cache.lengths[:n] + 1  # with the token appended this step
@@ -202,6 +214,12 @@ def _native_layer(layer: Any) -> bool:
     return (hasattr(attn, "qkv_proj") and not hasattr(attn, "q_norm") and hasattr(mlp, "gate_up_proj")
             and type(getattr(mlp, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
             and all(type(norm).__name__ in RMS_NORMS and norm.weight.dtype == torch.float32 for norm in norms))
+
+
+def _input_dtype(module: Any) -> torch.dtype:
+    """bf16 for a bf16 oneDNN GEMM (it would convert a float32 input itself), else float32."""
+    bf16 = isinstance(module, cpu_linear.PackedLinear) and module.packed.dtype == torch.bfloat16
+    return torch.bfloat16 if bf16 else torch.float32
 
 
 RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")  # weight * x / sqrt(mean(x^2) + eps), in float32

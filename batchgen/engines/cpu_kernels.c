@@ -59,6 +59,22 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+/* 8 (16) cache values from position idx of a float32 or, where bf16 is set, bfloat16 KV cache (the branch is the
+ * same on every call of a kernel: predicted). */
+static inline __m256 load8_kv(const void *base, long idx, int bf16) {
+    return bf16 ? load8_bf16((const uint16_t *)base + idx) : _mm256_loadu_ps((const float *)base + idx);
+}
+
+#ifdef BATCHGEN_AVX512
+static inline __m512 load16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline __m512 load16_kv(const void *base, long idx, int bf16) {
+    return bf16 ? load16_bf16((const uint16_t *)base + idx) : _mm512_loadu_ps((const float *)base + idx);
+}
+#endif
+
 /* Store n floats (n a multiple of 8) as float32 or, where bf16 is set, as bfloat16. */
 static inline void store_row(void *dst, const float *src, long n, int bf16) {
     if (!bf16) {
@@ -239,17 +255,17 @@ static inline __m512 exp512(__m512 x) {
 /* attend_group with 16-wide vectors, for d a multiple of 16: scores of 16 keys at a time stay in one register
  * (each key's dot product reduced once), the softmax and the weighted sum of values run 16 lanes wide. Measured
  * against the 8-wide code on the benchmark model's decode steps (README "hf engine"). */
-static void attend_group16(const float *qg, const float *kh, const float *vh, long L, long d, long group,
-                           float scale, float *og) {
+static void attend_group16(const float *qg, const void *kh, const void *vh, long L, long d, long group,
+                           float scale, int kv_bf16, float *og) {
     float *s = malloc(sizeof(float) * group * (L + 16));
     for (long t = 0; t < group; t++) {
         const float *qt = qg + t * d;
         float *st = s + t * (L + 16);
         for (long l = 0; l < L; l++) {
-            const float *key = kh + l * d;
-            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qt), _mm512_loadu_ps(key));
+            const long key = l * d;
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qt), load16_kv(kh, key, kv_bf16));
             for (long c = 16; c < d; c += 16)
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qt + c), _mm512_loadu_ps(key + c), acc);
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qt + c), load16_kv(kh, key + c, kv_bf16), acc);
             st[l] = _mm512_reduce_add_ps(acc) * scale;
         }
         __m512 vmx = _mm512_set1_ps(-INFINITY);
@@ -275,18 +291,18 @@ static void attend_group16(const float *qg, const float *kh, const float *vh, lo
             if (width == 64) {
                 for (long m = 0; m < L; m++) {
                     const __m512 p = _mm512_set1_ps(st[m]);
-                    const float *val = vh + m * d + c0;
-                    a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(val), a0);
-                    a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(val + 16), a1);
-                    a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(val + 32), a2);
-                    a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(val + 48), a3);
+                    const long val = m * d + c0;
+                    a0 = _mm512_fmadd_ps(p, load16_kv(vh, val, kv_bf16), a0);
+                    a1 = _mm512_fmadd_ps(p, load16_kv(vh, val + 16, kv_bf16), a1);
+                    a2 = _mm512_fmadd_ps(p, load16_kv(vh, val + 32, kv_bf16), a2);
+                    a3 = _mm512_fmadd_ps(p, load16_kv(vh, val + 48, kv_bf16), a3);
                 }
             } else {
                 __m512 acc[4] = {a0, a1, a2, a3};
                 for (long m = 0; m < L; m++) {
                     const __m512 p = _mm512_set1_ps(st[m]);
                     for (long c = 0; c < width; c += 16)
-                        acc[c / 16] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vh + m * d + c0 + c), acc[c / 16]);
+                        acc[c / 16] = _mm512_fmadd_ps(p, load16_kv(vh, m * d + c0 + c, kv_bf16), acc[c / 16]);
                 }
                 a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3];
             }
@@ -299,30 +315,32 @@ static void attend_group16(const float *qg, const float *kh, const float *vh, lo
 }
 #endif
 
-static void attend_group8(const float *qg, const float *kh, const float *vh, long L, long d, long group,
-                          float scale, float *og);
+static void attend_group8(const float *qg, const void *kh, const void *vh, long L, long d, long group,
+                          float scale, int kv_bf16, float *og);
 
-/* One (row, KV head) task: the group's attention over L positions (16 lanes wide where built and d allows). */
-static void attend_group(const float *qg, const float *kh, const float *vh, long L, long d, long group,
-                         float scale, float *og) {
+/* One (row, KV head) task: the group's attention over L positions (16 lanes wide where built and d allows); the
+ * keys and values kh, vh [L, d] float32 or, where kv_bf16 is set, bfloat16 (half the bytes to read: a decode
+ * step's attention streams the whole cache, and measured bound by memory bandwidth at the working batch). */
+static void attend_group(const float *qg, const void *kh, const void *vh, long L, long d, long group,
+                         float scale, int kv_bf16, float *og) {
 #ifdef BATCHGEN_AVX512
     if (d % 16 == 0) {
-        attend_group16(qg, kh, vh, L, d, group, scale, og);
+        attend_group16(qg, kh, vh, L, d, group, scale, kv_bf16, og);
         return;
     }
 #endif
-    attend_group8(qg, kh, vh, L, d, group, scale, og);
+    attend_group8(qg, kh, vh, L, d, group, scale, kv_bf16, og);
 }
 
-static void attend_group8(const float *qg, const float *kh, const float *vh, long L, long d, long group,
-                          float scale, float *og) {
+static void attend_group8(const float *qg, const void *kh, const void *vh, long L, long d, long group,
+                          float scale, int kv_bf16, float *og) {
     float *s = malloc(sizeof(float) * group * L);
     for (long l = 0; l < L; l++) {
-        const float *key = kh + l * d;
+        const long key = l * d;
         for (long t = 0; t < group; t++) {
             __m256 acc = _mm256_setzero_ps();
             for (long c = 0; c < d; c += 8)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + t * d + c), _mm256_loadu_ps(key + c), acc);
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + t * d + c), load8_kv(kh, key + c, kv_bf16), acc);
             s[t * L + l] = hsum(acc) * scale;
         }
     }
@@ -337,16 +355,16 @@ static void attend_group8(const float *qg, const float *kh, const float *vh, lon
             if (width == 64) {  /* constant trip count: the accumulators stay in registers */
                 for (long l = 0; l < L; l++) {
                     const __m256 p = _mm256_set1_ps(st[l]);
-                    const float *val = vh + l * d + c0;
+                    const long val = l * d + c0;
                     for (int a = 0; a < 8; a++)
-                        acc[a] = _mm256_fmadd_ps(p, _mm256_loadu_ps(val + 8 * a), acc[a]);
+                        acc[a] = _mm256_fmadd_ps(p, load8_kv(vh, val + 8 * a, kv_bf16), acc[a]);
                 }
             } else {
                 for (long l = 0; l < L; l++) {
                     const __m256 p = _mm256_set1_ps(st[l]);
-                    const float *val = vh + l * d + c0;
+                    const long val = l * d + c0;
                     for (long c = 0; c < width; c += 8)
-                        acc[c / 8] = _mm256_fmadd_ps(p, _mm256_loadu_ps(val + c), acc[c / 8]);
+                        acc[c / 8] = _mm256_fmadd_ps(p, load8_kv(vh, val + c, kv_bf16), acc[c / 8]);
                 }
             }
             for (long c = 0; c < width; c += 8)
@@ -364,7 +382,7 @@ void batchgen_decode_attention(const float *q, const float *k, const float *v, c
     for (long task = 0; task < n * kv_heads; task++) {
         const long r = task / kv_heads, j = task % kv_heads;
         attend_group(q + (r * heads + j * group) * d, k + r * slot_stride + j * head_stride,
-                     v + r * slot_stride + j * head_stride, lengths[r], d, group, scale,
+                     v + r * slot_stride + j * head_stride, lengths[r], d, group, scale, 0,
                      out + (r * heads + j * group) * d);
     }
 }
@@ -389,12 +407,15 @@ static void rope_head(float *x, const float *cos, const float *sin, long d) {
  * For each row r and KV head j: rotate the group's query heads and key head j in place, write key and value
  * head j into the cache at position lengths[r], then attend over lengths[r] + 1 positions into
  * out[r, heads of group j]. One call instead of the ~25 torch operations of rotary embedding, cache
- * writes and attention (each a few microseconds at batch 1). d a multiple of 16. out float32, or bfloat16 where
- * out_bf16 is set (the input of a bf16 o_proj GEMM). */
-void batchgen_decode_layer_attention(float *qkv, const float *cos, const float *sin, float *k, float *v,
+ * writes and attention (each a few microseconds at batch 1). d a multiple of 16. The cache k, v float32 or, where
+ * kv_bf16 is set, bfloat16 (keys and values rounded once, when written); out float32, or bfloat16 where out_bf16
+ * is set (the input of a bf16 o_proj GEMM). */
+void batchgen_decode_layer_attention(float *qkv, const float *cos, const float *sin, void *k, void *v,
                                      const int64_t *lengths, void *out, long n, long heads, long kv_heads, long d,
-                                     long slot_stride, long head_stride, float scale, int out_bf16, int threads) {
+                                     long slot_stride, long head_stride, float scale, int kv_bf16, int out_bf16,
+                                     int threads) {
     const long group = heads / kv_heads, row = (heads + 2 * kv_heads) * d;
+    const size_t item = kv_bf16 ? sizeof(uint16_t) : sizeof(float);  /* strides are in elements */
 #pragma omp parallel num_threads(threads)
     {
         float *og = out_bf16 ? malloc(sizeof(float) * group * d) : NULL;  /* bf16 output: attend, then narrow */
@@ -406,11 +427,12 @@ void batchgen_decode_layer_attention(float *qkv, const float *cos, const float *
             for (long t = 0; t < group; t++)
                 rope_head(qg + t * d, cos + r * d, sin + r * d, d);
             rope_head(key, cos + r * d, sin + r * d, d);
-            float *kh = k + r * slot_stride + j * head_stride, *vh = v + r * slot_stride + j * head_stride;
-            memcpy(kh + pos * d, key, sizeof(float) * d);
-            memcpy(vh + pos * d, value, sizeof(float) * d);
+            char *kh = (char *)k + (r * slot_stride + j * head_stride) * item;
+            char *vh = (char *)v + (r * slot_stride + j * head_stride) * item;
+            store_row(kh + pos * d * item, key, d, kv_bf16);
+            store_row(vh + pos * d * item, value, d, kv_bf16);
             const long at = (r * heads + j * group) * d;
-            attend_group(qg, kh, vh, pos + 1, d, group, scale, out_bf16 ? og : (float *)out + at);
+            attend_group(qg, kh, vh, pos + 1, d, group, scale, kv_bf16, out_bf16 ? og : (float *)out + at);
             if (out_bf16)
                 store_row((uint16_t *)out + at, og, group * d, 1);
         }

@@ -159,7 +159,7 @@ def _load(isa: str) -> Optional[ctypes.CDLL]:
     dequantize.argtypes = [ptr, ptr, ptr, ctypes.c_long, ptr, ctypes.c_long, ctypes.c_long, ctypes.c_int]
     layer = lib.batchgen_decode_layer_attention
     layer.restype = None
-    layer.argtypes = [ptr] * 7 + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    layer.argtypes = [ptr] * 7 + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.batchgen_rms_norm.restype = None
     lib.batchgen_rms_norm.argtypes = [ptr, ptr, ptr, ctypes.c_long, ctypes.c_long, ctypes.c_float, ctypes.c_int,
                                       ctypes.c_int]
@@ -238,17 +238,20 @@ def decode_layer_attention(lib: ctypes.CDLL, qkv: torch.Tensor, cos: torch.Tenso
     """Rotary embedding, cache write and attention of one decode step for one layer, in one call.
 
     qkv: [n, (heads + 2 kv_heads) d] float32 contiguous, the fused projection's output (rotated in place);
-    cos, sin: [n, d] contiguous; k, v: one layer of the slot cache, as decode_attention's; positions: [n] int64,
+    cos, sin: [n, d] contiguous; k, v: one layer of the slot cache, as decode_attention's, float32 or bfloat16 (the
+    new keys and values are rounded to it as they are written); positions: [n] int64,
     each row's cache length before this token (its key and value go there) -> [n, heads * d] in out_dtype (float32,
     or bfloat16 for a bf16 GEMM to read)."""
     n = qkv.shape[0]
     kv_heads, d = k.shape[1], k.shape[3]
     assert qkv.is_contiguous() and qkv.shape[1] == (heads + 2 * kv_heads) * d and cos.is_contiguous()
     assert k.stride() == v.stride() and k.stride(3) == 1 and k.stride(2) == d and positions.is_contiguous()
+    assert k.dtype == v.dtype and _out(k.dtype) and qkv.dtype == torch.float32
     out = torch.empty((n, heads * d), dtype=_out(out_dtype))
     lib.batchgen_decode_layer_attention(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(),
                                         positions.data_ptr(), out.data_ptr(), n, heads, kv_heads, d, k.stride(0),
-                                        k.stride(1), scale, out.dtype == torch.bfloat16, torch.get_num_threads())
+                                        k.stride(1), scale, k.dtype == torch.bfloat16, out.dtype == torch.bfloat16,
+                                        torch.get_num_threads())
     return out
 
 

@@ -118,7 +118,8 @@ class HFEngine:
         max_len = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
         if self.fast and supports(self.model, max_len):
             if self._stepper is None:
-                self._stepper = LlamaStepper(self.model, self.activation_dtype)  # built once per engine
+                # built once per engine; around bf16 GEMMs the cache is bf16, as a bf16 model's would be
+                self._stepper = LlamaStepper(self.model, self.activation_dtype, self.dtype)
                 log.info("hf engine decode step: %s", self._stepper.describe())
             scheduler = Scheduler(self, self._stepper, max_batch_tokens=self.max_batch_tokens,
                                   max_batch_size=self.max_batch_size)

@@ -41,9 +41,10 @@ def supports(model: Any, max_len: int) -> bool:
 
 
 class LlamaStepper:
-    def __init__(self, model: Any, dtype: Optional[torch.dtype] = None):
-        """dtype: the activations' and the KV cache's (float32 around bf16 GEMMs, cpu_linear.mixed_bf16); default
-        the model's parameters'."""
+    def __init__(self, model: Any, dtype: Optional[torch.dtype] = None, kv_dtype: Optional[torch.dtype] = None):
+        """dtype: the activations' (float32 around bf16 GEMMs, cpu_linear.mixed_bf16); default the model's parameters'.
+        kv_dtype: the KV cache's where the native step runs (bf16 around bf16 GEMMs: half the bytes each decode step
+        streams); elsewhere the cache is in `dtype`."""
         self.model = model
         self.inner = model.model
         self.layers = list(self.inner.layers)
@@ -67,18 +68,21 @@ class LlamaStepper:
                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj))
                             for layer in self.layers] if self.native_step else []
         self.head_input = _input_dtype(model.lm_head)
+        self.kv_dtype = kv_dtype if self.native_step and kv_dtype is not None else self.dtype
 
     def describe(self) -> str:
         """Which decode step runs, for the engine's log."""
         if self.native_step:
-            return "batchgen's CPU kernels between the GEMMs (RMSNorm, rotary embedding + attention, SiLU)"
+            gemms = "bf16 GEMMs" if torch.bfloat16 in self.gemm_inputs[0] else "GEMMs"
+            return (f"batchgen's CPU kernels ({cpu_kernels.selected_isa()}) between the {gemms} (RMSNorm, rotary "
+                    f"embedding + attention, SiLU), KV cache in {str(self.kv_dtype).removeprefix('torch.')}")
         if self.native is not None:
             return "batchgen's CPU decode attention kernel, the model's own norms, rotary embedding and MLP"
         return "torch's batched attention (AttentionPlan), the model's own norms, rotary embedding and MLP"
 
     def new_cache(self, slots: int, max_len: int) -> SlotKVCache:
         return SlotKVCache(layers=len(self.layers), slots=slots, kv_heads=self.kv_heads, max_len=max_len,
-                           head_dim=self.head_dim, dtype=self.dtype, device=self.device)
+                           head_dim=self.head_dim, dtype=self.kv_dtype, device=self.device)
 
     def prefill(self, cache: SlotKVCache, first_slot: int, prompts: list[list[int]]) -> torch.Tensor:
         """Run right-padded prompts into slots [first_slot, first_slot + n); logits of each last token: [n, V]."""

@@ -1,12 +1,27 @@
-"""batchgen's native CPU kernels: built once into the cache, and never a reason for a job to fail."""
+"""batchgen's native CPU kernels: built once into the cache per ISA variant, picked from the CPU's flags or forced
+narrower, never a reason for a job to fail; and the decode-step kernels against torch under every variant the CPU
+runs (float32 and bf16 inputs, outputs and KV cache)."""
 
 from __future__ import annotations
 
 import logging
 
 import pytest
+import torch
 
 from batchgen.engines import cpu_kernels
+
+ISAS = cpu_kernels.supported_isas()
+every_isa = pytest.mark.parametrize("isa", ISAS or ["none"])
+
+
+def kernels(isa: str):
+    """The library of `isa`; skipped only where this CPU runs no variant (not x86-64 with AVX2 and FMA) or there
+    is no C compiler."""
+    lib = cpu_kernels.load(isa) if isa in ISAS else None
+    if lib is None:
+        pytest.skip("no variant of batchgen's CPU kernels runs here (x86-64 with AVX2 and FMA, and a C compiler)")
+    return lib
 
 
 @pytest.fixture
@@ -30,7 +45,7 @@ def test_no_compiler_means_torch_kernels(fresh, monkeypatch):
 
 def test_a_failing_compile_is_logged_not_raised(fresh, monkeypatch, caplog):
     if not cpu_kernels.wanted():
-        pytest.skip("this CPU does not take batchgen's AVX2 kernels")
+        pytest.skip("this CPU runs no variant of batchgen's kernels (x86-64 with AVX2 and FMA)")
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
         assert cpu_kernels.load() is None
@@ -38,13 +53,119 @@ def test_a_failing_compile_is_logged_not_raised(fresh, monkeypatch, caplog):
     assert not list(fresh.iterdir())  # no half-written library left behind
 
 
-def test_built_once_then_loaded_from_the_cache(fresh):
-    if not cpu_kernels.wanted():
-        pytest.skip("this CPU does not take batchgen's AVX2 kernels")
-    if cpu_kernels.load() is None:
-        pytest.skip("no working C compiler here")
+@every_isa
+def test_each_variant_is_built_once_then_loaded_from_the_cache(fresh, isa):
+    lib = kernels(isa)
+    assert lib.batchgen_isa().decode() == isa
     built = list(fresh.iterdir())
-    assert len(built) == 1 and built[0].suffix == ".so"
+    assert len(built) == 1 and built[0].suffix == ".so" and f"-{isa}-" in built[0].name
     stamp = built[0].stat().st_mtime_ns
     cpu_kernels.reset()
-    assert cpu_kernels.load() is not None and built[0].stat().st_mtime_ns == stamp
+    assert cpu_kernels.load(isa) is not None and built[0].stat().st_mtime_ns == stamp
+
+
+def test_the_widest_variant_by_default_and_a_narrower_one_when_forced(fresh, monkeypatch, caplog):
+    if not ISAS:
+        pytest.skip("this CPU runs no variant of batchgen's kernels (x86-64 with AVX2 and FMA)")
+    monkeypatch.delenv(cpu_kernels.ISA_ENV, raising=False)
+    assert cpu_kernels.selected_isa() == ISAS[-1]
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx2")
+    assert cpu_kernels.selected_isa() == "avx2"
+    if cpu_kernels.load() is not None:
+        assert cpu_kernels.load().batchgen_isa() == b"avx2"
+    cpu_kernels.reset()
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx9000")
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert cpu_kernels.selected_isa() == ISAS[-1]
+    assert "unknown variant" in caplog.text and "avx9000" in caplog.text
+
+
+def test_variants_follow_the_cpu_flags(monkeypatch):
+    """What each kind of CPU gets, from its /proc/cpuinfo flags (tools/as-cpu narrows them for whole runs)."""
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+    zen4 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
+    for flags, want in [(zen4, ["avx2", "avx512", "avx512_bf16"]), (zen4 - {"avx512_bf16"}, ["avx2", "avx512"]),
+                        ({"avx2", "fma"}, ["avx2"]), ({"avx", "sse4_2"}, [])]:
+        monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert cpu_kernels.supported_isas() == want
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "aarch64")
+    assert cpu_kernels.supported_isas() == []
+
+
+@every_isa
+@pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_decode_layer_attention_matches_torch(isa, kv, out_dtype):
+    """Rotary embedding (bit for bit transformers'), the cache write (rounded once to a bf16 cache) and attention
+    of each row over its own positions, against torch, for head sizes of 64 and 80 (the 16-wide and 8-wide paths)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    lib = kernels(isa)
+    torch.manual_seed(0)
+    for n, heads, kv_heads, d, positions in [(3, 4, 2, 64, [0, 3, 40]), (2, 6, 2, 80, [17, 5])]:
+        qkv = torch.randn(n, (heads + 2 * kv_heads) * d)
+        cos, sin = torch.randn(n, d), torch.randn(n, d)
+        k = torch.randn(n, kv_heads, 48, d).to(kv)
+        v = torch.randn(n, kv_heads, 48, d).to(kv)
+        pos = torch.tensor(positions)
+        q_want, k_want = apply_rotary_pos_emb(qkv[:, :heads * d].view(n, heads, 1, d),
+                                              qkv[:, heads * d:(heads + kv_heads) * d].view(n, kv_heads, 1, d),
+                                              cos[:, None], sin[:, None], unsqueeze_dim=1)
+        values = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
+        k_ref, v_ref = k.clone(), v.clone()
+        k_ref[torch.arange(n), :, pos], v_ref[torch.arange(n), :, pos] = k_want[:, :, 0].to(kv), values.to(kv)
+        out = cpu_kernels.decode_layer_attention(lib, qkv.clone(), cos, sin, k, v, pos, heads, 0.1, out_dtype)
+        assert out.dtype == out_dtype
+        assert torch.equal(k[torch.arange(n), :, pos], k_ref[torch.arange(n), :, pos])  # rounded as torch rounds
+        assert torch.equal(v[torch.arange(n), :, pos], v_ref[torch.arange(n), :, pos])
+        for r in range(n):
+            keys, vals = k_ref[r, :, :pos[r] + 1].float(), v_ref[r, :, :pos[r] + 1].float()
+            query = q_want[r, :, 0].view(kv_heads, heads // kv_heads, d)
+            probs = torch.softmax(query @ keys.transpose(-1, -2) * 0.1, dim=-1)
+            want = (probs @ vals).reshape(-1)
+            tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+            assert torch.allclose(out[r].float(), want, atol=tol, rtol=tol), (isa, r)
+
+
+@every_isa
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_silu_match_torch_in_either_dtype(isa, out_dtype):
+    """Decode rows and a prefill's many rows (threaded), widths with and without a remainder of the 8-wide loop;
+    bf16 outputs rounded to nearest even, as torch rounds."""
+    lib = kernels(isa)
+    torch.manual_seed(0)
+    for rows, hidden in [(5, 100), (3, 64), (300, 768)]:
+        x, weight = torch.randn(rows, hidden), torch.randn(hidden)
+        want = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+        got = cpu_kernels.rms_norm(lib, x, weight, 1e-6, out_dtype)
+        assert got.dtype == out_dtype
+        if out_dtype == torch.float32:
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+        else:  # rounded from the float32 result: at most one bf16 step from torch's rounding of torch's result
+            assert torch.allclose(got.float(), want.to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+        for in_dtype in (torch.float32, torch.bfloat16):
+            gate_up = (torch.randn(rows, 2 * hidden) * 10).to(in_dtype)
+            g, u = gate_up.float().chunk(2, dim=-1)
+            want = torch.nn.functional.silu(g) * u
+            got = cpu_kernels.silu_mul(lib, gate_up, out_dtype)
+            assert got.dtype == out_dtype
+            tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+            assert torch.allclose(got.float(), want, rtol=tol, atol=tol), (isa, rows, hidden, in_dtype)
+
+
+@every_isa
+def test_bf16_rounding_is_torchs_round_to_nearest_even(isa):
+    """The kernels' float32 -> bf16 stores against torch's conversion, on values at and around rounding ties: the
+    new values of a decode step go into a bf16 cache unchanged by any arithmetic."""
+    lib = kernels(isa)
+    torch.manual_seed(0)
+    n, heads, kv_heads, d = 4, 2, 1, 64
+    bits = (torch.randn(n, d) * 3).view(torch.int32)
+    ties = (bits & ~0xFFFF) | 0x8000  # exactly half-way between two bf16 values
+    values = torch.stack([ties, ties + 1, ties - 1, bits]).view(torch.float32)[:, 0]  # [n, d]
+    qkv = torch.cat([torch.randn(n, (heads + kv_heads) * d), values], dim=1)
+    k = torch.zeros(n, kv_heads, 4, d, dtype=torch.bfloat16)
+    v = torch.zeros_like(k)
+    cpu_kernels.decode_layer_attention(lib, qkv, torch.ones(n, d), torch.zeros(n, d), k, v,
+                                       torch.zeros(n, dtype=torch.long), heads, 0.1)
+    assert torch.equal(v[:, 0, 0], values.to(torch.bfloat16))

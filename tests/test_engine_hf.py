@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from batchgen.engines import cpu_kernels
 from batchgen.engines.base import EngineConfig
 from batchgen.engines.hf import HFEngine, resolve_dtype, sample_token
 from batchgen.records import Request
@@ -150,16 +151,16 @@ def test_auto_dtype_follows_the_measured_gemm_speed_and_an_explicit_dtype_wins(m
     from batchgen.engines import cpu_dtype
 
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "emulated"))
-    monkeypatch.setattr(cpu_dtype, "measure", lambda: {"cpu": "x", "float32_s": 1e-3, "bfloat16_s": 0.2,
-                                                       "speedup": 0.005})
+    emulated = {"cpu": "x", "float32_s": 1e-3, "bfloat16_s": 0.2, "speedup": 0.005}
+    monkeypatch.setattr(cpu_dtype, "measure", lambda features: emulated | {"shape": [64, *features]})
     with caplog.at_level(logging.INFO, logger=cpu_dtype.__name__):
         assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert "float32" in caplog.text and "0.01x" in caplog.text and "measured now" in caplog.text
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "native"))
-    monkeypatch.setattr(cpu_dtype, "measure", lambda: {"cpu": "x", "float32_s": 1e-3, "bfloat16_s": 3.7e-4,
-                                                       "speedup": 2.7})
+    native = {"cpu": "x", "float32_s": 1e-3, "bfloat16_s": 3.7e-4, "speedup": 2.7}
+    monkeypatch.setattr(cpu_dtype, "measure", lambda features: native | {"shape": [64, *features]})
     assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
-    monkeypatch.setattr(cpu_dtype, "measure", lambda: pytest.fail("measured again: the cache was not read"))
+    monkeypatch.setattr(cpu_dtype, "measure", lambda features: pytest.fail("measured again: the cache was not read"))
     assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
     assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
     assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
@@ -406,39 +407,76 @@ def test_native_decode_step_equals_the_torch_step(tiny_model, tokenizer, monkeyp
     assert torch.allclose(got_cache.v, want_cache.v, atol=1e-4)
 
 
-def test_native_rope_is_transformers_rope_bit_for_bit_and_norm_and_silu_match_torch(engine):
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+ISAS = cpu_kernels.supported_isas()
 
-    from batchgen.engines import cpu_kernels
 
-    lib = cpu_kernels.load()
-    if lib is None:
-        pytest.skip("batchgen's CPU kernels are not built here")
-    torch.manual_seed(0)
-    n, heads, kv_heads, d = 3, 4, 2, 32
-    qkv = torch.randn(n, (heads + 2 * kv_heads) * d)
-    cos, sin = torch.randn(n, d), torch.randn(n, d)
-    k = torch.zeros(n, kv_heads, 8, d)
-    v = torch.zeros_like(k)
-    positions = torch.tensor([0, 3, 7])
-    q_want, k_want = apply_rotary_pos_emb(qkv[:, :heads * d].view(n, heads, 1, d),
-                                          qkv[:, heads * d:(heads + kv_heads) * d].view(n, kv_heads, 1, d),
-                                          cos[:, None], sin[:, None], unsqueeze_dim=1)
-    values = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d).clone()
-    k[:, :, :7], v[:, :, :7] = torch.randn(n, kv_heads, 7, d), torch.randn(n, kv_heads, 7, d)  # earlier positions
-    rotated = qkv.clone()
-    out = cpu_kernels.decode_layer_attention(lib, rotated, cos, sin, k, v, positions, heads, 0.1)
-    for r in range(n):  # each row over its own positions [0, positions[r]], the new one included
-        keys, vals = k[r, :, :positions[r] + 1], v[r, :, :positions[r] + 1]  # [kv_heads, L, d]
-        query = q_want[r, :, 0].view(kv_heads, heads // kv_heads, d)
-        probs = torch.softmax(query @ keys.transpose(-1, -2) * 0.1, dim=-1)
-        assert torch.allclose(out[r], (probs @ vals).reshape(-1), atol=1e-5)
-    assert torch.equal(rotated[:, :heads * d], q_want.reshape(n, -1))
-    assert torch.equal(k[torch.arange(n), :, positions], k_want[:, :, 0])
-    assert torch.equal(v[torch.arange(n), :, positions], values)
-    x, weight = torch.randn(5, 100), torch.randn(100)
-    want = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
-    assert torch.allclose(cpu_kernels.rms_norm(lib, x, weight, 1e-6), want, rtol=1e-5, atol=1e-6)
-    gate_up = torch.randn(4, 2 * 100) * 10
-    want = torch.nn.functional.silu(gate_up[:, :100]) * gate_up[:, 100:]
-    assert torch.allclose(cpu_kernels.silu_mul(lib, gate_up), want, rtol=1e-5, atol=1e-5)
+@pytest.fixture
+def isa(request, monkeypatch):
+    """Run the test with batchgen's kernels forced to one variant (BATCHGEN_CPU_ISA), loaded afresh."""
+    if request.param not in ISAS:
+        pytest.skip("no variant of batchgen's CPU kernels runs here (x86-64 with AVX2 and FMA)")
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, request.param)
+    cpu_kernels.reset()
+    yield request.param
+    cpu_kernels.reset()
+
+
+@pytest.mark.parametrize("isa", ISAS or ["none"], indirect=True)
+def test_native_step_greedy_equals_one_row_generate_under_each_variant(isa, tiny_model, tokenizer, reference,
+                                                                      monkeypatch):
+    """float32 with batchgen's kernels between the GEMMs, forced to each variant this CPU runs: every row of a
+    continuous batch equals HF generate on it alone."""
+    from batchgen.engines import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "MIN_FEATURES", 1)  # the tiny model's projections fused, as a large model's are
+    engine = HFEngine(EngineConfig(model=tiny_model, dtype="float32", max_batch_size=8), tokenizer)
+    texts = prompts_with_lengths(tokenizer, [1, 7, 30, 120, 250, 15, 64, 3, 90, 44], seed=7)
+    reqs = [Request(key=i, prompt_ids=tokenizer(t).input_ids, params=GREEDY, seed=None) for i, t in enumerate(texts)]
+    results = engine.generate(reqs)
+    stepper = engine._stepper
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler: batchgen's kernels are not built")
+    assert stepper.native_step and stepper.native.batchgen_isa().decode() == isa
+    for req, res in zip(reqs, results):
+        assert res.text == tokenizer.decode(generate_alone(reference, req.prompt_ids, 16), skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("isa", ISAS or ["none"], indirect=True)
+def test_bf16_gemms_with_float32_kernels_between_track_the_float32_model(isa, tiny_model, tokenizer, reference,
+                                                                          monkeypatch, tmp_path):
+    """engine.dtype=bfloat16 on a CPU with native bf16: bf16 weights in oneDNN GEMMs, float32 norms and activations
+    through batchgen's kernels, a bf16 KV cache. The first tokens' logits track the float32 model's (bf16 weights
+    round each weight to 8 bits of mantissa), the model's own weights are the only copy, and a job writes every
+    row."""
+    from batchgen.engines import cpu_linear, hf
+
+    if not hf.cpu_has_fast_bf16() or not cpu_linear.available(torch.bfloat16):
+        pytest.skip("this CPU has no native bf16 (AVX-512 BF16 or AMX): bf16 stays torch's bf16 model")
+    monkeypatch.setattr(cpu_linear, "MIN_FEATURES", 1)
+    engine = HFEngine(EngineConfig(model=tiny_model, dtype="bfloat16", max_batch_size=8), tokenizer)
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler: batchgen's kernels are not built")
+    assert engine.identity()["dtype"] == "bfloat16" and engine.identity()["activations"] == "float32"
+    assert all(m.packed.dtype == torch.bfloat16 for m in engine.model.modules()
+               if isinstance(m, cpu_linear.PackedLinear))
+    assert engine.model.model.norm.weight.dtype == torch.float32
+    texts = prompts_with_lengths(tokenizer, [5, 40, 120, 12], seed=11)
+    reqs = [Request(key=i, prompt_ids=tokenizer(t).input_ids, params=GREEDY, seed=None) for i, t in enumerate(texts)]
+    engine.generate(reqs)
+    stepper = engine._stepper
+    assert stepper.native_step and stepper.kv_dtype == torch.bfloat16 and torch.bfloat16 in stepper.gemm_inputs[0]
+    cache = stepper.new_cache(len(reqs), 160)
+    with torch.inference_mode():
+        got = [stepper.prefill(cache, b, [r.prompt_ids]) for b, r in enumerate(reqs)]
+        got.append(stepper.decode(cache, torch.tensor([7] * len(reqs))))
+        want = [reference(input_ids=torch.tensor([r.prompt_ids])).logits[0, -1:] for r in reqs]
+        want.append(torch.cat([reference(input_ids=torch.tensor([r.prompt_ids + [7]])).logits[0, -1:]
+                               for r in reqs]))
+    for g, w in zip(got, want):
+        cos = torch.nn.functional.cosine_similarity(g.float(), w, dim=-1)
+        assert (cos > 0.99).all(), cos
+    data = write_parquet(tmp_path / "in.parquet", [{"prompt": t} for t in texts * 3])
+    run_job(compose_job([*job_overrides(tiny_model, data, tmp_path / "out", "sampling.max_new_tokens=8"),
+                         "engine.dtype=bfloat16"]))
+    out = read_output(tmp_path / "out").to_pylist()
+    assert len(out) == 12 and all(r["error"] is None and r["num_generated_tokens"] >= 1 for r in out)

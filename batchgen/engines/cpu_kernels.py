@@ -1,6 +1,7 @@
 """batchgen's own CPU kernels (`cpu_kernels.c`), compiled on first use, for x86-64 CPUs with AVX2 and FMA
-(AVX-512 ones included): the float32 decode step between the GEMMs (attention over the slot KV cache, rotary embedding and cache write, RMSNorm,
-SiLU-and-multiply), and int8 and int4 weight-only GEMMs for few rows.
+(AVX-512 ones included): the decode step between the GEMMs (attention over the slot KV cache, rotary
+embedding and cache write, RMSNorm, SiLU-and-multiply; float32 arithmetic, inputs, outputs and cache in
+float32 or bf16), and int8 and int4 weight-only GEMMs for few rows.
 
 Decode attention: torch's batched matmuls read the cache of a grouped-query head through small GEMMs
 (3 query rows each) and pad every row to a common width; the kernel reads each row's keys and values
@@ -37,7 +38,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Optional
 
@@ -83,7 +84,7 @@ def selected_isa() -> Optional[str]:
     return _select(os.environ.get(ISA_ENV, ""), tuple(supported_isas()))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _select(forced: str, supported: tuple[str, ...]) -> Optional[str]:  # cached: a bad setting is logged once
     if forced and forced not in supported:
         known = ", ".join(ISAS)
@@ -124,7 +125,7 @@ def cpu_model() -> str:
     return line.partition(":")[2].strip()
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load(isa: str) -> Optional[ctypes.CDLL]:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:

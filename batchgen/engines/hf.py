@@ -43,12 +43,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, model_config: Any = None) -> torch.dtype:
+    """An explicit engine.dtype as given; auto: bf16 (else fp16) on CUDA, and on CPU the dtype measured faster for
+    the model's linears (cpu_dtype: once per CPU kind and shape, cached)."""
     if name != "auto":
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return cpu_dtype.fastest_dtype()  # measured once per CPU kind, cached
+    return cpu_dtype.fastest_dtype(cpu_dtype.model_features(model_config))
 
 
 class HFEngine:
@@ -57,7 +59,8 @@ class HFEngine:
             torch.set_num_threads(cfg.threads)
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
-        self.dtype = quant.compute_dtype(cfg.quantization, self.device, resolve_dtype(cfg.dtype, self.device))
+        self.dtype = quant.compute_dtype(cfg.quantization, self.device,
+                                         resolve_dtype(cfg.dtype, self.device, _model_config(cfg)))
         self.tokenizer = tokenizer
         self.model = quant.load_model(cfg.model, scheme_name=cfg.quantization, device=self.device, dtype=self.dtype,
                                       trust_remote_code=cfg.trust_remote_code)  # from_pretrained, then quantized
@@ -295,6 +298,18 @@ def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return ids
+
+
+def _model_config(cfg: EngineConfig) -> Any:
+    """The checkpoint's config where engine.dtype=auto needs its sizes on CPU; None where it does not load."""
+    if cfg.dtype != "auto":
+        return None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError):
+        return None
 
 
 def _model_max_len(config: Any) -> int:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Optional
 
 from batchgen.engines.base import EngineConfig
@@ -39,8 +41,53 @@ def import_vllm() -> Any:
     return vllm
 
 
-def llm_kwargs(cfg: EngineConfig) -> dict[str, Any]:
-    """`vllm.LLM(...)` keyword arguments from the engine.* keys; engine.extra_args are added last and win."""
+GiB = 1 << 30
+# vLLM on CPU: KV cache = this share of the memory left once the weights are counted twice (loading holds a copy)
+# and HEADROOM is kept for activations, the tokenizer and the rest of the job; between KV_MIN and KV_MAX.
+KV_SHARE, HEADROOM, KV_MIN, KV_MAX = 0.5, 2 * GiB, GiB // 4, 64 * GiB
+
+
+def cpu_kv_cache_bytes(model_dir: str, available: int) -> int:
+    """The KV cache for vLLM's CPU build, from the memory available now and the checkpoint's size on disk.
+
+    vLLM's CPU worker otherwise reserves gpu_memory_utilization (0.9) of the NUMA node's total memory and refuses to
+    start unless that much is free, which a shared machine seldom has."""
+    weights = sum(f.stat().st_size for f in Path(model_dir).glob("*") if f.suffix in (".safetensors", ".bin", ".pt"))
+    spare = available - 2 * weights - HEADROOM
+    return int(min(max(KV_SHARE * spare, KV_MIN), KV_MAX))
+
+
+def available_memory() -> int:
+    """Bytes of memory available now (MemAvailable of /proc/meminfo, and of the first NUMA node where there are
+    several, as vLLM's CPU worker checks the node it runs on); 0 where unreadable."""
+    def read(path: str, key: str) -> Optional[int]:
+        try:
+            with open(path) as f:
+                line = next((x for x in f if key in x.split(":")[0]), None)
+        except OSError:
+            return None
+        return None if line is None else int(line.split()[-2]) * 1024  # "... 123456 kB"
+
+    machine = read("/proc/meminfo", "MemAvailable") or 0
+    nodes = sorted(Path("/sys/devices/system/node").glob("node[0-9]*"))
+    if len(nodes) > 1:
+        node = read(str(nodes[0] / "meminfo"), "MemFree")
+        return min(machine, node) if node else machine
+    return machine
+
+
+def is_cpu_build(vllm: Any) -> bool:
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return getattr(current_platform, "device_type", "") == "cpu" or "cpu" in getattr(vllm, "__version__", "")
+
+
+def llm_kwargs(cfg: EngineConfig, cpu: bool = False) -> dict[str, Any]:
+    """`vllm.LLM(...)` keyword arguments from the engine.* keys; engine.extra_args are added last and win. On CPU
+    (`cpu`), with no KV cache size given (engine.gpu_memory_utilization, extra_args.kv_cache_memory_bytes or
+    VLLM_CPU_KVCACHE_SPACE), the KV cache is sized to the memory free now (cpu_kv_cache_bytes), and logged."""
     kwargs: dict[str, Any] = {
         "model": cfg.model,
         "tokenizer": cfg.tokenizer or cfg.model,
@@ -48,10 +95,17 @@ def llm_kwargs(cfg: EngineConfig) -> dict[str, Any]:
         "quantization": cfg.quantization,
         "max_model_len": cfg.max_model_len,
         "tensor_parallel_size": cfg.tensor_parallel_size,
-        "gpu_memory_utilization": cfg.gpu_memory_utilization,
         "enable_prefix_caching": cfg.enable_prefix_caching,
         "trust_remote_code": cfg.trust_remote_code,
     }
+    if cfg.gpu_memory_utilization is not None:
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    elif cpu and "kv_cache_memory_bytes" not in cfg.extra_args and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        available = available_memory()
+        kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(cfg.model, available)
+        log.info("vllm on cpu: KV cache %.2f GiB (%.0f%% of the %.1f GiB free now after the weights and %.0f GiB "
+                 "headroom; set engine.extra_args.kv_cache_memory_bytes or VLLM_CPU_KVCACHE_SPACE to choose)",
+                 kwargs["kv_cache_memory_bytes"] / GiB, 100 * KV_SHARE, available / GiB, HEADROOM / GiB)
     if cfg.max_batch_tokens is not None:
         kwargs["max_num_batched_tokens"] = cfg.max_batch_tokens
     if cfg.max_batch_size is not None:
@@ -64,7 +118,7 @@ class VLLMEngine:
         self.vllm = import_vllm()
         self.cfg = cfg
         self.tokenizer = tokenizer  # batchgen's own: decodes the token ids vLLM returns, like the hf engine
-        self.llm = self.vllm.LLM(**llm_kwargs(cfg))
+        self.llm = self.vllm.LLM(**llm_kwargs(cfg, cpu=is_cpu_build(self.vllm)))
         self.model_config = self.llm.llm_engine.model_config
         self.max_model_len = self.model_config.max_model_len
         self.rows_per_part = ROWS_PER_PART

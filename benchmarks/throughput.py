@@ -235,7 +235,8 @@ def child(args: argparse.Namespace) -> None:
 # -- orchestration --------------------------------------------------------------------------------
 
 def spawn(name: str, args: argparse.Namespace, model: Path, data: Path, python: str) -> dict:
-    cmd = [python, __file__, "--run", name, "--model", str(model), "--data", str(data), "--dtype", args.dtype,
+    dtype = args.dtype if name in ("E", "ENG") else args.baseline_dtype
+    cmd = [python, __file__, "--run", name, "--model", str(model), "--data", str(data), "--dtype", dtype,
            "--workdir", str(args.workdir), "--rows", str(args.rows), "--b0-rows", str(args.b0_rows)]
     env = os.environ | {"OMP_WAIT_POLICY": "PASSIVE", "VLLM_CPU_KVCACHE_SPACE": "2",
                         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1")}
@@ -265,7 +266,11 @@ def main() -> None:
     parser.add_argument("--runners", default=None, help=f"comma-separated subset of {','.join(RUNNERS)}")
     parser.add_argument("--b0-rows", type=int, default=8, help="B0 runs on the first rows only (its rate compares)")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
-    parser.add_argument("--dtype", default=None, help="default: what engine.dtype=auto picks on this machine")
+    parser.add_argument("--dtype", default=None, help="E's dtype; default: what engine.dtype=auto picks here for the "
+                                                      "benchmark model")
+    parser.add_argument("--baseline-dtype", default=None,
+                        help="B0-B3's dtype; default: the dtype the CPU runs the model's GEMMs faster in (the "
+                             "engine's own calibration), i.e. each baseline at its best dtype on this CPU")
     parser.add_argument("--workdir", type=Path, default=ROOT / ".bench")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the medians here")
@@ -273,12 +278,6 @@ def main() -> None:
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.dtype is None:
-        import torch
-
-        from batchgen.engines.hf import resolve_dtype
-
-        args.dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
     if args.run:
         child(args)
         return
@@ -289,12 +288,36 @@ def main() -> None:
     size = "tiny" if args.quick else "bench"
     args.workdir.mkdir(parents=True, exist_ok=True)
     model, data = build(args.workdir, size=size, rows=args.rows, seed=args.seed)
+    auto = auto_dtype(model)
+    args.dtype = args.dtype or auto
+    args.baseline_dtype = args.baseline_dtype or auto
     report(args, model, data, size)
+
+
+def auto_dtype(model: Path) -> str:
+    """What engine.dtype=auto picks on this CPU for the model (measured by the engine's calibration)."""
+    import torch
+    from transformers import AutoConfig
+
+    from batchgen.engines.hf import resolve_dtype
+
+    return str(resolve_dtype("auto", torch.device("cpu"), AutoConfig.from_pretrained(model))).removeprefix("torch.")
+
+
+def cpu_line() -> str:
+    """The CPU model, its flags that steer the kernels and dtypes, and the kernel variant batchgen loads."""
+    from batchgen.engines import cpu_kernels
+    from batchgen.engines.cpu_runtime import cpu_flags
+
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+    flags = " ".join(f for f in wanted if f in cpu_flags()) or "none of avx2/avx512/amx"
+    isa = cpu_kernels.selected_isa() if cpu_kernels.load() is not None else "none (torch's kernels)"
+    return f"cpu: {cpu_kernels.cpu_model() or 'unknown'}, {os.cpu_count()} CPUs; flags: {flags}; batchgen kernels: {isa}"
 
 
 def report(args: argparse.Namespace, model: Path, data: Path, size: str) -> None:
     runners = [r for r in args.runners.split(",") if r]
-    calib = calibrate(args.dtype)
+    calib = calibrate(args.dtype)  # E's dtype: the roofline line is E's
     has_vllm = Path(args.vllm_python).exists()
     extra = [] if args.quick else ["ENG"]  # the engine alone, for job overhead and efficiency
     samples: dict[str, list[dict]] = {r: [] for r in runners + extra}
@@ -310,7 +333,8 @@ def report(args: argparse.Namespace, model: Path, data: Path, size: str) -> None
     med = {name: summarize(s) for name, s in samples.items()}
     print_table(args, med, calib, model, size)
     if args.json:
-        args.json.write_text(json.dumps({"medians": med, "calibration": calib}, indent=2))
+        args.json.write_text(json.dumps({"medians": med, "calibration": calib, "cpu": cpu_line(), "dtype": args.dtype,
+                                         "baseline_dtype": args.baseline_dtype}, indent=2))
 
 
 def print_table(args: argparse.Namespace, med: dict, calib: dict, model: Path, size: str) -> None:
@@ -318,8 +342,9 @@ def print_table(args: argparse.Namespace, med: dict, calib: dict, model: Path, s
 
     cfg = _json.loads((model / "config.json").read_text())
     params = _count_params(cfg)
-    print(f"\nmodel: random-weight Llama '{size}' ({params / 1e6:.0f}M params), dtype {args.dtype}, "
-          f"{args.rows} rows, {args.repeats} repeats (medians), {os.cpu_count()} CPUs")
+    print(f"\n{cpu_line()}")
+    print(f"model: random-weight Llama '{size}' ({params / 1e6:.0f}M params), E in {args.dtype}, baselines in "
+          f"{args.baseline_dtype}, {args.rows} rows, {args.repeats} repeats (medians)")
     print(f"calibration: GEMM {calib['gemm_flops'] / 1e9:.0f} GFLOP/s ({args.dtype}), read bandwidth "
           f"{calib['read_bytes_per_s'] / 1e9:.1f} GB/s")
     print(f"{'run':<4} {'useful tok/s':>12} {'E/run':>7} {'efficiency':>10} {'load s':>7}")

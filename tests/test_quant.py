@@ -39,13 +39,17 @@ def small_model(tmp_path_factory) -> str:
 def quantized_job(model: str, tmp_path, scheme: str, *extra: str):
     data = write_parquet(tmp_path / "in.parquet", [{"prompt": text} for text in corpus(12, seed=3)])
     overrides = [o for o in job_overrides(model, data, tmp_path / "out") if not o.startswith("engine.dtype=")]
-    return compose_job([*overrides, f"engine.quantization={scheme}", "engine.dtype=auto", "engine.device=cpu",
+    dtype = [] if any(e.startswith("engine.dtype=") for e in extra) else ["engine.dtype=auto"]
+    return compose_job([*overrides, f"engine.quantization={scheme}", *dtype, "engine.device=cpu",
                         "sampling.max_new_tokens=6", "run.rows_per_part=5", *extra])
 
 
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16", "float32"])
 @pytest.mark.parametrize("scheme", ["int8", pytest.param("int4", marks=needs_int4)])
-def test_quantized_job_writes_every_row(small_model, tmp_path, scheme):
-    summary = run_job(quantized_job(small_model, tmp_path, scheme))
+def test_quantized_job_writes_every_row(small_model, tmp_path, scheme, dtype):
+    """auto (whatever this CPU measured faster), bf16 (its dequantized GEMMs in bf16, float32 around them where
+    batchgen's kernels run) and float32."""
+    summary = run_job(quantized_job(small_model, tmp_path, scheme, f"engine.dtype={dtype}"))
     table = read_output(tmp_path / "out")
     assert summary.state == "done" and table.num_rows == 12
     assert table.column("error").null_count == 12
@@ -98,7 +102,7 @@ def test_torchao_int4_weights_take_at_most_035x_of_bf16(bench_model, dtype):
     (["engine.quantization=bnb-nf4", "engine.device=cpu"], "bnb-nf4 does not run with engine.device=cpu"),
     (["engine.quantization=bnb-int8", "engine.device=cpu"], "supported devices: cuda"),
     (["engine.quantization=int4", "engine.device=cpu", "engine.dtype=float16"], "choices: auto, bfloat16, float32"),
-    (["engine.quantization=int8", "engine.device=cpu", "engine.dtype=bfloat16"], "dtype=bfloat16 is not supported"),
+    (["engine.quantization=int8", "engine.device=cpu", "engine.dtype=float16"], "choices: auto, float32, bfloat16"),
     (["engine.quantization=int3"], "choices: int8, int4, bnb-int8, bnb-nf4"),
 ])
 def test_invalid_combinations_are_config_errors(tiny_model, tmp_path, extra, expected):
@@ -232,7 +236,9 @@ def test_quick_benchmark_prints_the_table(tmp_path):
                            "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"none", "int8"} and rows["int8"]["vs_none"] < 0.5 and "| int8 |" in proc.stdout
+    # against bf16 (2 bytes a parameter), whatever dtype `none` runs in here: 0.545x on the tiny model (its norms and
+    # int8 embedding scales weigh more than a large model's)
+    assert set(rows) == {"none", "int8"} and rows["int8"]["vs_bf16"] < 0.6 and "| int8 |" in proc.stdout
 
 
 @pytest.mark.gpu

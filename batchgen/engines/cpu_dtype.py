@@ -39,6 +39,10 @@ CALLS = 5  # calls per sample (a 64x1024x1024 call takes ~0.3-1 ms where bf16 or
 def fastest_dtype(features: tuple[int, int] = DEFAULT_FEATURES) -> torch.dtype:
     """torch.bfloat16 or torch.float32 for a CPU engine with engine.dtype=auto whose linears are about `features`
     (in, out) wide (measured once per CPU kind and shape)."""
+    if min(features) < cpu_linear.MIN_FEATURES:  # not prepacked: bf16 would be a cast around each small GEMM
+        log.info("engine.dtype=auto: float32 (the model's linears, %s, are under %d features: not prepacked for "
+                 "oneDNN, so bf16 cannot pay)", "x".join(map(str, features)), cpu_linear.MIN_FEATURES)
+        return torch.float32
     figures = calibration(features)
     choice = torch.bfloat16 if figures["speedup"] >= BF16_MIN_SPEEDUP else torch.float32
     log.info("engine.dtype=auto on %s: %s (a %s linear took %.3f ms in float32, %.3f ms in bfloat16: bf16 %.2fx; "

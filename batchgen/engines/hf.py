@@ -61,12 +61,18 @@ class HFEngine:
         self.device = resolve_device(cfg.device)
         self.dtype = quant.compute_dtype(cfg.quantization, self.device,
                                          resolve_dtype(cfg.dtype, self.device, _model_config(cfg)))
+        self.activation_dtype = self.dtype  # what flows between the GEMMs and sits in the KV cache
+        quantized_bf16 = self.quantized_bf16_gemms(cfg)
+        if quantized_bf16:  # int8/int4 weights, float32 between them: batchgen's kernels take float32
+            self.activation_dtype = torch.float32
         self.tokenizer = tokenizer
-        self.model = quant.load_model(cfg.model, scheme_name=cfg.quantization, device=self.device, dtype=self.dtype,
+        self.model = quant.load_model(cfg.model, scheme_name=cfg.quantization, device=self.device,
+                                      dtype=self.activation_dtype,
                                       trust_remote_code=cfg.trust_remote_code)  # from_pretrained, then quantized
+        if quantized_bf16:
+            quant.set_gemm_dtype(self.model, torch.bfloat16)
         self.max_model_len = cfg.max_model_len or _model_max_len(self.model.config)
         self.prepacked = self.fused = 0
-        self.activation_dtype = self.dtype  # what flows between the GEMMs and sits in the KV cache
         serves_all = supports(self.model, self.max_model_len)  # the stepper serves every window: fused GEMMs pay
         if self.mixed_bf16_pays(cfg):
             self.prepacked, self.fused = cpu_linear.mixed_bf16(self.model, fuse_projections if serves_all else None)
@@ -101,6 +107,12 @@ class HFEngine:
         kernels are built and oneDNN can prepack bf16 weights."""
         return (self.device.type == "cpu" and self.dtype == torch.bfloat16 and cfg.prepack and not cfg.quantization
                 and cpu_has_fast_bf16() and cpu_kernels.load() is not None and cpu_linear.available(torch.bfloat16))
+
+    def quantized_bf16_gemms(self, cfg: EngineConfig) -> bool:
+        """int8/int4 in bf16 on CPU through batchgen's kernels: the model computes in float32 (the kernels for few
+        rows take float32), and each quantized linear runs its dequantized GEMM (prefill) in bf16."""
+        return (self.device.type == "cpu" and cfg.quantization in ("int8", "int4") and self.dtype == torch.bfloat16
+                and cpu_kernels.load() is not None)
 
     def identity(self) -> dict[str, Any]:
         quantization = {"quantization": self.cfg.quantization} if self.cfg.quantization else {}

@@ -133,6 +133,7 @@ class Int8WeightOnlyLinear(nn.Module):
         self.native = cpu_kernels.load()  # batchgen's AVX2 kernel for few rows; None where it does not run
         self.native_rows = NATIVE_ROWS if self.native is not None else 0  # see route_rows
         self.dequant_rows = DEQUANT_ROWS
+        self.gemm_dtype: Optional[torch.dtype] = None  # the dequantized GEMM's dtype; None: the input's (set_gemm_dtype)
         self.register_buffer("bias", bias)
 
     @classmethod
@@ -157,10 +158,12 @@ class Int8WeightOnlyLinear(nn.Module):
             y = cpu_kernels.int8_gemm(self.native, x2.float().contiguous(), self.qweight, self.scale_f32,
                                    None if self.bias is None else self.bias.float())
             return y.to(x.dtype).view(*lead, self.out_features)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
         if rows >= self.dequant_rows or rows == 0 or self.in_features % INT8_K_MULTIPLE:
-            weight = self.qweight.to(x.dtype).mul_(self.scale.to(x.dtype)[:, None])  # [N, K], freed on return
-            return F.linear(x, weight, bias)
+            dtype = self.gemm_dtype or x.dtype
+            weight = self.qweight.to(dtype).mul_(self.scale.to(dtype)[:, None])  # [N, K], freed on return
+            bias = None if self.bias is None else self.bias.to(dtype)
+            return F.linear(x.to(dtype), weight, bias).to(x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
         a = x2.to(torch.bfloat16).contiguous()
         if a.data_ptr() % 64:  # the kernel's vector loads of the input rows need aligned memory
             a = a.clone()
@@ -191,6 +194,18 @@ def route_rows(model: nn.Module, native_rows: Optional[int] = None, dequant_rows
         else:
             continue
         count += 1
+    return count
+
+
+def set_gemm_dtype(model: nn.Module, dtype: Optional[torch.dtype]) -> int:
+    """The dtype the int8/int4 weight-only linears of `model` run their dequantized GEMMs in (inputs of many rows:
+    prefill). bf16 on a CPU with native bf16 (where its GEMMs ran ~2.7x float32's on the benchmark's shapes); the
+    kernels for few rows and the rest of the model stay float32. None: the input's dtype. Returns how many."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (Int8WeightOnlyLinear, Int4WeightOnlyLinear)):
+            module.gemm_dtype = dtype
+            count += 1
     return count
 
 
@@ -309,6 +324,7 @@ class Int4WeightOnlyLinear(nn.Module):
                              f"{qweight.shape[1] * 2}, scales and mins bfloat16")
         self.group = group
         self.native_rows = INT4_NATIVE_ROWS  # see route_rows
+        self.gemm_dtype: Optional[torch.dtype] = None  # the dequantized GEMM's dtype; None: the input's (set_gemm_dtype)
         self.out_features, self.in_features = qweight.shape[0], qweight.shape[1] * 2
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.contiguous())
@@ -340,8 +356,9 @@ class Int4WeightOnlyLinear(nn.Module):
             y = cpu_kernels.int4_gemm(self.native, x2.float().contiguous(), self.qweight, self.scale, self.mins,
                                       self.group, self.bias)
             return y.to(x.dtype).view(*lead, self.out_features)
-        bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantize().to(x.dtype), bias)
+        dtype = self.gemm_dtype or x.dtype
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(x.to(dtype), self.dequantize().to(dtype), bias).to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}, "
@@ -433,7 +450,7 @@ def bnb_kwargs(kind: str) -> Callable[[torch.dtype], dict[str, Any]]:
 
 CUDA_ONLY = "bitsandbytes' kernels need CUDA"
 SCHEMES: dict[str, Scheme] = {
-    "int8": Scheme("int8", {"cpu": ("float32",), "cuda": ("bfloat16", "float16")}, requires=""),
+    "int8": Scheme("int8", {"cpu": ("float32", "bfloat16"), "cuda": ("bfloat16", "float16")}, requires=""),
     "int4": Scheme("int4", {"cpu": ("bfloat16", "float32"), "cuda": ("bfloat16",)}, requires="torchao"),
     "bnb-int8": Scheme("bnb-int8", {"cuda": ("bfloat16", "float16", "float32")}, requires="bitsandbytes",
                        load_kwargs=bnb_kwargs("int8"), why_not={"cpu": CUDA_ONLY}),

@@ -357,7 +357,7 @@ def test_native_decode_attention_equals_torch_attention(engine):
 
     native = llama_step.LlamaStepper(engine.model)
     if native.native is None:
-        pytest.skip("batchgen's CPU kernels are not built here (x86 with AVX2/FMA and no AVX-512, and a C compiler)")
+        pytest.skip("batchgen's CPU kernels are not built here (they need x86-64 with AVX2 and FMA, and a C compiler)")
     reference = llama_step.LlamaStepper(engine.model)
     reference.native = None
     torch.manual_seed(0)
@@ -383,7 +383,7 @@ def test_native_decode_step_equals_the_torch_step(tiny_model, tokenizer, monkeyp
     engine = HFEngine(EngineConfig(model=tiny_model, dtype="float32", max_batch_size=16), tokenizer)
     native = llama_step.LlamaStepper(engine.model)
     if native.native is None:
-        pytest.skip("batchgen's CPU kernels are not built here (x86 with AVX2/FMA and no AVX-512, and a C compiler)")
+        pytest.skip("batchgen's CPU kernels are not built here (they need x86-64 with AVX2 and FMA, and a C compiler)")
     if not native.native_step:
         pytest.skip("the projections were not fused (no oneDNN linear reorder in this torch build)")
     reference = llama_step.LlamaStepper(engine.model)

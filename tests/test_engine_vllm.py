@@ -63,3 +63,14 @@ def test_vllm_on_cpu_sizes_its_kv_cache_to_free_memory_unless_told(tmp_path, mon
     assert llm_kwargs(explicit, cpu=True)["kv_cache_memory_bytes"] == 123
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
     assert "kv_cache_memory_bytes" not in llm_kwargs(cfg, cpu=True)  # vLLM reads the variable itself
+    assert engine.cpu_kv_cache_bytes(str(tmp_path), 1024 * GiB, most=GiB // 2) == GiB // 2
+
+
+def test_the_kv_cache_ceiling_is_what_the_sequences_can_fill(tiny_model):
+    from batchgen.engines import vllm as engine
+
+    # tiny: 2 layers, 2 KV heads of 16, 2048 positions; K and V in 2 bytes; 256 sequences (vLLM's default) or 8
+    assert engine.kv_cache_ceiling(EngineConfig(name="vllm", model=tiny_model)) == 2 * 2 * 2 * 16 * 2 * 2048 * 256
+    small = EngineConfig(name="vllm", model=tiny_model, max_model_len=512, max_batch_size=8, dtype="float32")
+    assert engine.kv_cache_ceiling(small) == 2 * 2 * 2 * 16 * 4 * 512 * 8
+    assert engine.kv_cache_ceiling(EngineConfig(name="vllm", model="/no/such/model")) is None

@@ -27,8 +27,8 @@ What runs where (measured on an AVX2-only CPU without fast bf16; see README "Qua
 - bnb-int8, bnb-nf4: bitsandbytes through `BitsAndBytesConfig`, CUDA only.
 With int8, and with batchgen's int4, the input embedding table is stored as int8 rows with one scale per row
 (`Int8Embedding`).
-A scheme measured slower than float32 at the CPU working batch logs a warning when it is built on such a CPU
-(CPU_WORKING_BATCH_VS_FLOAT32).
+A scheme measured slower than the unquantized model at the CPU working batch, on the CPU kind it is built on, logs a
+warning when it is built (CPU_WORKING_BATCH_VS_UNQUANTIZED).
 """
 
 from __future__ import annotations
@@ -64,10 +64,15 @@ INT4_CPU_GROUP = 64  # weights per int4 scale/min pair in batchgen's CPU kernel 
 # int4 on CPU: inputs under this many rows run batchgen's kernel, larger ones dequantize for a float32 GEMM. Over the
 # benchmark model's linears the kernel was faster up to 96 rows (64: 142 ms against 170 ms) and slower at 128.
 INT4_NATIVE_ROWS = 112
-# Output tokens/s at the CPU working batch (64 rows) over float32's, measured with benchmarks/quantization.py on the
-# development CPU (AVX2, no fast bf16; README "Quantization"). A scheme under 0.9 here logs a warning when it is
-# built on a CPU without fast bf16: the engine does not switch schemes on its own, it says so.
-CPU_WORKING_BATCH_VS_FLOAT32 = {"int8": 0.90, "int4": 0.81, "int4-torchao": 0.56}  # torchao: the fallback's figure
+# Output tokens/s at the CPU working batch (64 rows) over the unquantized model's at engine.dtype=auto, per CPU kind
+# (cpu_kind), measured with benchmarks/quantization.py (README "Quantization"): on the AVX2 EPYC against float32, on
+# the Zen 4 EPYC (AVX-512 BF16) against bf16 GEMMs with float32 kernels between them. A scheme under 0.9 on the CPU
+# kind it is built on logs a warning with the figure: the engine does not switch schemes on its own, it says so.
+# A kind without figures (not measured) logs nothing. torchao: the fallback's figure, where batchgen's kernels are
+# not built.
+CPU_WORKING_BATCH_VS_UNQUANTIZED: dict[str, dict[str, float]] = {
+    "avx2": {"int8": 0.90, "int4": 0.81, "int4-torchao": 0.56},
+}
 TORCHAO_HINT = "pip install 'batchgen[quant]' (torchao)"
 BNB_HINT = "pip install 'batchgen[bnb]' (bitsandbytes, CUDA only)"
 
@@ -524,22 +529,35 @@ def load_model(path: str, *, scheme_name: Optional[str], device: torch.device, d
     return model.eval()
 
 
-def warn_if_slow_at_working_batch(scheme_name: str, model: Optional[nn.Module] = None) -> None:
-    """Say so when the scheme decoded large batches slower than float32 on a CPU like this one (no fast bf16)."""
-    from batchgen.engines.hf import cpu_has_fast_bf16  # imported here: hf imports this module
+def cpu_kind() -> str:
+    """The CPU kind the working-batch figures are kept for: avx512_bf16 (native bf16 dot products), avx512, avx2,
+    or other."""
+    from batchgen.engines.cpu_runtime import cpu_flags
 
+    flags = cpu_flags()
+    if "avx512_bf16" in flags or "amx_bf16" in flags:
+        return "avx512_bf16"
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else "other"
+
+
+def warn_if_slow_at_working_batch(scheme_name: str, model: Optional[nn.Module] = None) -> None:
+    """Say so when the scheme decoded large batches slower than the unquantized model on a CPU of this kind."""
     if scheme_name == "int4" and model is not None and not any(
             isinstance(m, Int4WeightOnlyLinear) for m in model.modules()):
         scheme_name = "int4-torchao"  # batchgen's kernels are not built here: torchao's int4 runs
-    ratio = CPU_WORKING_BATCH_VS_FLOAT32.get(scheme_name)
-    if ratio is None or ratio >= 0.9 or cpu_has_fast_bf16():
+    kind = cpu_kind()
+    ratio = CPU_WORKING_BATCH_VS_UNQUANTIZED.get(kind, {}).get(scheme_name)
+    if ratio is None or ratio >= 0.9:
         return
     if scheme_name == "int8" and model is not None and not any(
             isinstance(m, Int8WeightOnlyLinear) for m in model.modules()):
         return  # the dynamic-int8 fallback: the figure is not its own
-    log.warning("%s on this CPU decodes large batches slower than float32: %.2fx float32's output tokens/s at "
-                "batch 64 on an AVX2 CPU without fast bf16 (README \"Quantization\"); use it when the model does "
-                "not fit in memory in float32, or for batch-1 jobs, where it measured faster", scheme_name, ratio)
+    log.warning("%s on this CPU decodes large batches slower than the unquantized model: %.2fx its output tokens/s "
+                "at batch 64 with engine.dtype=auto, measured on a CPU of this kind (%s; README \"Quantization\"); "
+                "use it when the model does not fit in memory unquantized, or for batch-1 jobs, where it measured "
+                "faster", scheme_name, ratio, kind)
 
 
 def explain_load_failure(path: str, device: torch.device, exc: Exception) -> str:

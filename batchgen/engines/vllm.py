@@ -47,14 +47,38 @@ GiB = 1 << 30
 KV_SHARE, HEADROOM, KV_MIN, KV_MAX = 0.5, 2 * GiB, GiB // 4, 64 * GiB
 
 
-def cpu_kv_cache_bytes(model_dir: str, available: int) -> int:
-    """The KV cache for vLLM's CPU build, from the memory available now and the checkpoint's size on disk.
+VLLM_MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs: sequences one step may hold
+
+
+def cpu_kv_cache_bytes(model_dir: str, available: int, most: Optional[int] = None) -> int:
+    """The KV cache for vLLM's CPU build, from the memory available now and the checkpoint's size on disk, and at
+    most `most` bytes (what the job's sequences could ever fill: kv_cache_ceiling).
 
     vLLM's CPU worker otherwise reserves gpu_memory_utilization (0.9) of the NUMA node's total memory and refuses to
     start unless that much is free, which a shared machine seldom has."""
     weights = sum(f.stat().st_size for f in Path(model_dir).glob("*") if f.suffix in (".safetensors", ".bin", ".pt"))
     spare = available - 2 * weights - HEADROOM
-    return int(min(max(KV_SHARE * spare, KV_MIN), KV_MAX))
+    return int(min(max(KV_SHARE * spare, KV_MIN), KV_MAX, most or KV_MAX))
+
+
+def kv_cache_ceiling(cfg: EngineConfig) -> Optional[int]:
+    """Bytes of KV cache that max_num_seqs sequences of max_model_len tokens fill (vLLM never needs more); None
+    where the checkpoint's config does not say."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError):
+        return None
+    config = getattr(config, "text_config", None) or config
+    layers, heads = getattr(config, "num_hidden_layers", None), getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    length = cfg.max_model_len or getattr(config, "max_position_embeddings", None)
+    if not all(isinstance(v, int) and v > 0 for v in (layers, kv_heads, head_dim, length)):
+        return None
+    item = 4 if cfg.dtype == "float32" else 2
+    return 2 * layers * kv_heads * head_dim * item * length * (cfg.max_batch_size or VLLM_MAX_NUM_SEQS)
 
 
 def available_memory() -> int:
@@ -101,11 +125,12 @@ def llm_kwargs(cfg: EngineConfig, cpu: bool = False) -> dict[str, Any]:
     if cfg.gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
     elif cpu and "kv_cache_memory_bytes" not in cfg.extra_args and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-        available = available_memory()
-        kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(cfg.model, available)
+        available, most = available_memory(), kv_cache_ceiling(cfg)
+        kwargs["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(cfg.model, available, most)
         log.info("vllm on cpu: KV cache %.2f GiB (%.0f%% of the %.1f GiB free now after the weights and %.0f GiB "
-                 "headroom; set engine.extra_args.kv_cache_memory_bytes or VLLM_CPU_KVCACHE_SPACE to choose)",
-                 kwargs["kv_cache_memory_bytes"] / GiB, 100 * KV_SHARE, available / GiB, HEADROOM / GiB)
+                 "headroom, at most the %s GiB its sequences can fill; set engine.extra_args.kv_cache_memory_bytes "
+                 "or VLLM_CPU_KVCACHE_SPACE to choose)", kwargs["kv_cache_memory_bytes"] / GiB, 100 * KV_SHARE,
+                 available / GiB, HEADROOM / GiB, "?" if most is None else f"{most / GiB:.2f}")
     if cfg.max_batch_tokens is not None:
         kwargs["max_num_batched_tokens"] = cfg.max_batch_tokens
     if cfg.max_batch_size is not None:

@@ -67,9 +67,16 @@ def sampled_data(tmp_path_factory):
 def clean_run(vllm_model, sampled_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("clean") / "out"
     started = time.perf_counter()
-    run_vllm(job_overrides(vllm_model, sampled_data, out, *SAMPLED))
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ  # vLLM's defaults: batchgen sizes the KV cache
+    proc = run_vllm(job_overrides(vllm_model, sampled_data, out, *SAMPLED))
     print(f"clean vllm run: {time.perf_counter() - started:.1f}s")
+    (out.parent / "stderr.txt").write_text(proc.stderr)
     return out
+
+
+def test_vllm_on_cpu_starts_with_its_defaults_and_a_kv_cache_batchgen_sized(clean_run):
+    log = (clean_run.parent / "stderr.txt").read_text()
+    assert "vllm on cpu: KV cache" in log, log[-3000:]
 
 
 def test_job_end_to_end(clean_run, vllm_model, sampled_data):

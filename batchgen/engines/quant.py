@@ -138,7 +138,7 @@ class Int8WeightOnlyLinear(nn.Module):
         self.native = cpu_kernels.load()  # batchgen's AVX2 kernel for few rows; None where it does not run
         self.native_rows = NATIVE_ROWS if self.native is not None else 0  # see route_rows
         self.dequant_rows = DEQUANT_ROWS
-        self.gemm_dtype: Optional[torch.dtype] = None  # the dequantized GEMM's dtype; None: the input's (set_gemm_dtype)
+        self.gemm_dtype: Optional[torch.dtype] = None  # the dequantized GEMM's (None: the input's); set_gemm_dtype
         self.register_buffer("bias", bias)
 
     @classmethod
@@ -329,7 +329,7 @@ class Int4WeightOnlyLinear(nn.Module):
                              f"{qweight.shape[1] * 2}, scales and mins bfloat16")
         self.group = group
         self.native_rows = INT4_NATIVE_ROWS  # see route_rows
-        self.gemm_dtype: Optional[torch.dtype] = None  # the dequantized GEMM's dtype; None: the input's (set_gemm_dtype)
+        self.gemm_dtype: Optional[torch.dtype] = None  # the dequantized GEMM's (None: the input's); set_gemm_dtype
         self.out_features, self.in_features = qweight.shape[0], qweight.shape[1] * 2
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.contiguous())

@@ -312,7 +312,8 @@ def cpu_line() -> str:
     wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
     flags = " ".join(f for f in wanted if f in cpu_flags()) or "none of avx2/avx512/amx"
     isa = cpu_kernels.selected_isa() if cpu_kernels.load() is not None else "none (torch's kernels)"
-    return f"cpu: {cpu_kernels.cpu_model() or 'unknown'}, {os.cpu_count()} CPUs; flags: {flags}; batchgen kernels: {isa}"
+    model = cpu_kernels.cpu_model() or "unknown"
+    return f"cpu: {model}, {os.cpu_count()} CPUs; flags: {flags}; batchgen kernels: {isa}"
 
 
 def report(args: argparse.Namespace, model: Path, data: Path, size: str) -> None:

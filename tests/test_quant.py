@@ -386,3 +386,27 @@ def test_int4_on_cpu_needs_torchao_only_without_batchgens_kernels(monkeypatch):
     assert quant.check("int4", "cpu", "auto") == []
     monkeypatch.setattr(cpu_kernels, "load", lambda isa=None: None)
     assert any("needs torchao" in problem for problem in quant.check("int4", "cpu", "auto"))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_bf16_runs_its_prefill_gemms_in_bf16_and_float32_around_them(small_model, scheme):
+    """engine.dtype=bfloat16 with int8/int4 on CPU: the quantized linears (fused ones included) dequantize to bf16 for
+    their many-row GEMMs; the model and batchgen's kernels stay float32; logits track the float32 engine's."""
+    from transformers import AutoTokenizer
+
+    from batchgen.engines.base import EngineConfig
+    from batchgen.engines.hf import HFEngine
+
+    native_or_skip()
+    tokenizer = AutoTokenizer.from_pretrained(small_model)
+    engines = {dtype: HFEngine(EngineConfig(model=small_model, quantization=scheme, device="cpu", dtype=dtype),
+                               tokenizer) for dtype in ("bfloat16", "float32")}
+    bf16 = engines["bfloat16"]
+    kind = {"int8": quant.Int8WeightOnlyLinear, "int4": quant.Int4WeightOnlyLinear}[scheme]
+    quantized = [m for m in bf16.model.modules() if isinstance(m, kind)]
+    assert bf16.fused and quantized and all(m.gemm_dtype == torch.bfloat16 for m in quantized)
+    assert bf16.identity()["activations"] == "float32" and bf16.model.model.norm.weight.dtype == torch.float32
+    ids = torch.randint(10, bf16.model.config.vocab_size, (2, 200), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():  # 400 rows: the dequantized GEMM path
+        got, want = (engines[d].model(input_ids=ids).logits for d in ("bfloat16", "float32"))
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.99

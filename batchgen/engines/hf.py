@@ -69,8 +69,6 @@ class HFEngine:
         self.model = quant.load_model(cfg.model, scheme_name=cfg.quantization, device=self.device,
                                       dtype=self.activation_dtype,
                                       trust_remote_code=cfg.trust_remote_code)  # from_pretrained, then quantized
-        if quantized_bf16:
-            quant.set_gemm_dtype(self.model, torch.bfloat16)
         self.max_model_len = cfg.max_model_len or _model_max_len(self.model.config)
         self.prepacked = self.fused = 0
         serves_all = supports(self.model, self.max_model_len)  # the stepper serves every window: fused GEMMs pay
@@ -83,6 +81,8 @@ class HFEngine:
             self.prepacked = self.fused + cpu_linear.pack_linears(self.model)
         elif self.device.type == "cpu" and cfg.quantization in ("int8", "int4") and serves_all:
             self.fused = fuse_projections(self.model, quant.concatenate)
+        if quantized_bf16:  # after fusing: the fused modules are new
+            quant.set_gemm_dtype(self.model, torch.bfloat16)
         if self.device.type == "cpu":  # after loading: memory freed while loading or quantizing goes back to the OS
             cpu_runtime.keep_freed_memory()
         budget, size, part = DEFAULTS["cuda" if self.device.type == "cuda" else "cpu"]

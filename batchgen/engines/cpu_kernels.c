@@ -252,22 +252,70 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
+/* [sum(a0), sum(a1), sum(a2), sum(a3)]: four horizontal sums in 13 instructions (four reduce_add_ps take ~32). */
+static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    const __m512 s = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* The scores scale * q[t] . K[l] of the group's query heads (qg [group, d]) against keys kh [L, d] into
+ * s[t * stride + l]: 4 keys at a time, each key chunk loaded (and widened from bf16) once for up to 4 heads, and
+ * each (head, 4 keys) reduced together (reduce4), where one reduce_add per (head, key) cost more than its FMAs. */
+static void scores16(const float *qg, const void *kh, long L, long d, long group, float scale, int kv_bf16,
+                     float *s, long stride) {
+    const __m512 zero = _mm512_setzero_ps();
+    const __m128 vscale = _mm_set1_ps(scale);
+    for (long l0 = 0; l0 < L; l0 += 4) {
+        const long nk = L - l0 < 4 ? L - l0 : 4;
+        for (long t0 = 0; t0 < group; t0 += 4) {
+            const long nt = group - t0 < 4 ? group - t0 : 4;
+            __m512 acc[4][4];
+            for (int t = 0; t < 4; t++)
+                for (int j = 0; j < 4; j++)
+                    acc[t][j] = zero;
+            for (long c = 0; c < d; c += 16) {
+                __m512 key[4];
+                for (int j = 0; j < 4; j++)  /* keys past L read as zero (the cache may end there) */
+                    key[j] = j < nk ? load16_kv(kh, (l0 + j) * d + c, kv_bf16) : zero;
+                for (int t = 0; t < 4; t++) {
+                    if (t >= nt)
+                        break;
+                    const __m512 q = _mm512_loadu_ps(qg + (t0 + t) * d + c);
+                    for (int j = 0; j < 4; j++)
+                        acc[t][j] = _mm512_fmadd_ps(q, key[j], acc[t][j]);
+                }
+            }
+            for (int t = 0; t < nt; t++) {
+                const __m128 sums = _mm_mul_ps(reduce4(acc[t][0], acc[t][1], acc[t][2], acc[t][3]), vscale);
+                float *dst = s + (t0 + t) * stride + l0;
+                if (nk == 4) {
+                    _mm_storeu_ps(dst, sums);
+                } else {
+                    float tmp[4];
+                    _mm_storeu_ps(tmp, sums);
+                    for (long j = 0; j < nk; j++)
+                        dst[j] = tmp[j];
+                }
+            }
+        }
+    }
+}
+
 /* attend_group with 16-wide vectors, for d a multiple of 16: scores of 16 keys at a time stay in one register
  * (each key's dot product reduced once), the softmax and the weighted sum of values run 16 lanes wide. Measured
  * against the 8-wide code on the benchmark model's decode steps (README "hf engine"). */
 static void attend_group16(const float *qg, const void *kh, const void *vh, long L, long d, long group,
                            float scale, int kv_bf16, float *og) {
-    float *s = malloc(sizeof(float) * group * (L + 16));
-    for (long t = 0; t < group; t++) {
-        const float *qt = qg + t * d;
-        float *st = s + t * (L + 16);
-        for (long l = 0; l < L; l++) {
-            const long key = l * d;
-            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qt), load16_kv(kh, key, kv_bf16));
-            for (long c = 16; c < d; c += 16)
-                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qt + c), load16_kv(kh, key + c, kv_bf16), acc);
-            st[l] = _mm512_reduce_add_ps(acc) * scale;
-        }
+    const long stride = L + 16;
+    float *s = malloc(sizeof(float) * group * stride), inv[group];
+    scores16(qg, kh, L, d, group, scale, kv_bf16, s, stride);
+    for (long t = 0; t < group; t++) {  /* softmax of each head's scores, unnormalized; 1 / sum kept apart */
+        float *st = s + t * stride;
         __m512 vmx = _mm512_set1_ps(-INFINITY);
         long l = 0;
         for (; l + 16 <= L; l += 16)
@@ -284,31 +332,35 @@ static void attend_group16(const float *qg, const void *kh, const void *vh, long
             _mm512_mask_storeu_ps(st + l, live, kept);
             vsum = _mm512_add_ps(vsum, kept);
         }
-        const float inv = 1.0f / _mm512_reduce_add_ps(vsum);
-        for (long c0 = 0; c0 < d; c0 += 64) {  /* 4 accumulators of 16 floats: 64 output dims at a time */
-            const long width = d - c0 < 64 ? d - c0 : 64;
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            if (width == 64) {
-                for (long m = 0; m < L; m++) {
-                    const __m512 p = _mm512_set1_ps(st[m]);
-                    const long val = m * d + c0;
-                    a0 = _mm512_fmadd_ps(p, load16_kv(vh, val, kv_bf16), a0);
-                    a1 = _mm512_fmadd_ps(p, load16_kv(vh, val + 16, kv_bf16), a1);
-                    a2 = _mm512_fmadd_ps(p, load16_kv(vh, val + 32, kv_bf16), a2);
-                    a3 = _mm512_fmadd_ps(p, load16_kv(vh, val + 48, kv_bf16), a3);
+        inv[t] = 1.0f / _mm512_reduce_add_ps(vsum);
+    }
+    /* The weighted sum of values, 64 output dims and up to 3 heads at a time: each value chunk is loaded (and
+     * widened from bf16) once for the heads of the block; 3 heads x 4 accumulators + 4 values fit the registers. */
+    for (long c0 = 0; c0 < d; c0 += 64) {
+        const long width = d - c0 < 64 ? d - c0 : 64, chunks = width / 16;
+        for (long t0 = 0; t0 < group; t0 += 3) {
+            const long nt = group - t0 < 3 ? group - t0 : 3;
+            __m512 acc[3][4];
+            for (int t = 0; t < 3; t++)
+                for (int c = 0; c < 4; c++)
+                    acc[t][c] = _mm512_setzero_ps();
+            for (long m = 0; m < L; m++) {
+                __m512 val[4];
+                for (int c = 0; c < 4; c++)
+                    val[c] = c < chunks ? load16_kv(vh, m * d + c0 + 16 * c, kv_bf16) : _mm512_setzero_ps();
+                for (int t = 0; t < 3; t++) {
+                    if (t >= nt)
+                        break;
+                    const __m512 p = _mm512_set1_ps(s[(t0 + t) * stride + m]);
+                    for (int c = 0; c < 4; c++)
+                        acc[t][c] = _mm512_fmadd_ps(p, val[c], acc[t][c]);
                 }
-            } else {
-                __m512 acc[4] = {a0, a1, a2, a3};
-                for (long m = 0; m < L; m++) {
-                    const __m512 p = _mm512_set1_ps(st[m]);
-                    for (long c = 0; c < width; c += 16)
-                        acc[c / 16] = _mm512_fmadd_ps(p, load16_kv(vh, m * d + c0 + c, kv_bf16), acc[c / 16]);
-                }
-                a0 = acc[0], a1 = acc[1], a2 = acc[2], a3 = acc[3];
             }
-            const __m512 vinv = _mm512_set1_ps(inv), out[4] = {a0, a1, a2, a3};
-            for (long c = 0; c < width; c += 16)
-                _mm512_storeu_ps(og + t * d + c0 + c, _mm512_mul_ps(out[c / 16], vinv));
+            for (long t = 0; t < nt; t++) {
+                const __m512 vinv = _mm512_set1_ps(inv[t0 + t]);
+                for (long c = 0; c < chunks; c++)
+                    _mm512_storeu_ps(og + (t0 + t) * d + c0 + 16 * c, _mm512_mul_ps(acc[t][c], vinv));
+            }
         }
     }
     free(s);

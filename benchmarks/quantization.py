@@ -237,7 +237,9 @@ def main() -> None:
     table = summarize(args.workdir, samples, params)
     print_table(table, plan, params, len(samples["none"]))
     if args.json:
-        args.json.write_text(json.dumps({"rows": table, "samples": samples}, indent=1))
+        from batchgen.engines.cpu_kernels import describe_cpu
+
+        args.json.write_text(json.dumps({"rows": table, "samples": samples, "cpu": describe_cpu()}, indent=1))
 
 
 SPEEDS = ("b1", "working", "short")
@@ -277,8 +279,11 @@ def print_table(rows: list[dict], plan: dict, params: int, repeats: int) -> None
     def x(v: Optional[float]) -> str:
         return "-" if v is None else f"{v:.2f}x"
 
+    from batchgen.engines.cpu_kernels import describe_cpu
+
     base = rows[0]["dtype"]
     batch = rows[0]["working_batch"]
+    print(f"\n{describe_cpu()}")
     (r1, p1, n1), (rw, pw, nw), (rs, ps, ns) = plan["b1"], plan["working"], plan["short"]
     print(f"\nmodel: {plan['size']} Llama, {params / 1e6:.1f}M params; {repeats} interleaved repeat(s); ratios are "
           f"medians of same-repeat ratios to 'none' ({base}) and to 'bf16' (unquantized bfloat16)")

@@ -305,15 +305,9 @@ def auto_dtype(model: Path) -> str:
 
 
 def cpu_line() -> str:
-    """The CPU model, its flags that steer the kernels and dtypes, and the kernel variant batchgen loads."""
-    from batchgen.engines import cpu_kernels
-    from batchgen.engines.cpu_runtime import cpu_flags
+    from batchgen.engines.cpu_kernels import describe_cpu
 
-    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
-    flags = " ".join(f for f in wanted if f in cpu_flags()) or "none of avx2/avx512/amx"
-    isa = cpu_kernels.selected_isa() if cpu_kernels.load() is not None else "none (torch's kernels)"
-    model = cpu_kernels.cpu_model() or "unknown"
-    return f"cpu: {model}, {os.cpu_count()} CPUs; flags: {flags}; batchgen kernels: {isa}"
+    return describe_cpu()
 
 
 def report(args: argparse.Namespace, model: Path, data: Path, size: str) -> None:

@@ -226,15 +226,8 @@ static void softmax(float *s, long L) {
         s[l] *= inv;
 }
 
-/* Decode attention, one new token per row, grouped-query heads: for row r and query head h (KV head
- * j = h / group), out[r, h] = softmax(scale * q[r, h] . K[r, j, l] for l < lengths[r]) . V[r, j, :lengths[r]].
- *
- * q, out: [n, heads, d] contiguous; k, v: one layer of the slot cache, row r / KV head j at
- * r * slot_stride + j * head_stride, positions of d floats each; d a multiple of 8. Each (row, KV head)
- * is one task: its keys and values are read once, each row over its own length only (no padding). */
-/* One (row, KV head) task: the group of query heads qg [group, d] over keys and values kh, vh [L, d]. */
 #ifdef BATCHGEN_AVX512
-/* e^x for x <= 0, 16 at a time (exp256's polynomial). */
+/* e^x for x <= 0, 16 at a time: exp256's polynomial and constants, 16 lanes wide. */
 static inline __m512 exp512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -426,6 +419,12 @@ static void attend_group8(const float *qg, const void *kh, const void *vh, long 
     free(s);
 }
 
+/* Decode attention, one new token per row, grouped-query heads: for row r and query head h (KV head
+ * j = h / group), out[r, h] = softmax(scale * q[r, h] . K[r, j, l] for l < lengths[r]) . V[r, j, :lengths[r]].
+ *
+ * q, out: [n, heads, d] contiguous; k, v: one layer of the slot cache, row r / KV head j at
+ * r * slot_stride + j * head_stride, positions of d floats each; d a multiple of 8. Each (row, KV head)
+ * is one task: its keys and values are read once, each row over its own length only (no padding). */
 void batchgen_decode_attention(const float *q, const float *k, const float *v, const int64_t *lengths, float *out,
                                long n, long heads, long kv_heads, long d, long slot_stride, long head_stride,
                                float scale, int threads) {

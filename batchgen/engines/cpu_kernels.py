@@ -125,6 +125,15 @@ def cpu_model() -> str:
     return line.partition(":")[2].strip()
 
 
+def describe_cpu() -> str:
+    """The CPU model, the flags that steer batchgen's kernels and dtypes, and the kernel variant loaded (benchmarks
+    print it beside every figure)."""
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
+    flags = " ".join(f for f in wanted if f in cpu_flags()) or "none of avx2/avx512/amx"
+    isa = selected_isa() if load() is not None else "none (torch's kernels)"
+    return f"cpu: {cpu_model() or 'unknown'}, {os.cpu_count()} CPUs; flags: {flags}; batchgen kernels: {isa}"
+
+
 @cache
 def _load(isa: str) -> Optional[ctypes.CDLL]:
     compiler = shutil.which(os.environ.get("CC", "cc"))

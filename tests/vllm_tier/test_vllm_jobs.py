@@ -70,12 +70,12 @@ def clean_run(vllm_model, sampled_data, tmp_path_factory):
     assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ  # vLLM's defaults: batchgen sizes the KV cache
     proc = run_vllm(job_overrides(vllm_model, sampled_data, out, *SAMPLED))
     print(f"clean vllm run: {time.perf_counter() - started:.1f}s")
-    (out.parent / "stderr.txt").write_text(proc.stderr)
+    (out.parent / "log.txt").write_text(proc.stdout + proc.stderr)  # Hydra's console log goes to stdout
     return out
 
 
 def test_vllm_on_cpu_starts_with_its_defaults_and_a_kv_cache_batchgen_sized(clean_run):
-    log = (clean_run.parent / "stderr.txt").read_text()
+    log = (clean_run.parent / "log.txt").read_text()
     assert "vllm on cpu: KV cache" in log, log[-3000:]
 
 

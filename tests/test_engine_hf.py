@@ -480,3 +480,27 @@ def test_bf16_gemms_with_float32_kernels_between_track_the_float32_model(isa, ti
                          "engine.dtype=bfloat16"]))
     out = read_output(tmp_path / "out").to_pylist()
     assert len(out) == 12 and all(r["error"] is None and r["num_generated_tokens"] >= 1 for r in out)
+
+
+def test_mixed_bf16_keeps_small_and_tied_linears_in_bf16(tiny_model):
+    """Linears too small to prepack, and an LM head tied to the embeddings (many small checkpoints tie them), stay
+    bf16 behind a cast; the tied weight is still one tensor; the model's own forward gives float32 logits that track
+    the float32 model's."""
+    from transformers import AutoModelForCausalLM
+
+    from batchgen.engines import cpu_linear
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16).eval()
+    model.lm_head.weight = model.model.embed_tokens.weight
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    reference.lm_head.weight = reference.model.embed_tokens.weight
+    cpu_linear.mixed_bf16(model)  # the tiny model's linears are all under MIN_FEATURES
+    assert isinstance(model.lm_head, cpu_linear.CastLinear) and model.lm_head.linear.weight.dtype == torch.bfloat16
+    assert model.lm_head.linear.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    assert isinstance(model.model.layers[0].mlp.down_proj, cpu_linear.CastLinear)
+    assert model.model.norm.weight.dtype == torch.float32
+    ids = torch.randint(10, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        got, want = model(input_ids=ids).logits, reference(input_ids=ids).logits
+    assert got.dtype == torch.float32
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.99

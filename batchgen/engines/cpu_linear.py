@@ -150,11 +150,13 @@ def mixed_bf16(model: Any, fuse: Optional[Callable[[Any, Callable], int]] = None
         return packed if packed is not None else CastLinear(linear, linear.weight.dtype)
 
     replace_linears(model, convert)
+    casts = [m for m in model.modules() if isinstance(m, CastLinear)]
+    kept_bf16 = {id(sub) for cast in casts for sub in cast.modules()}  # a CastLinear and its shell stay bf16
     for module in model.modules():
-        if isinstance(module, (PackedLinear, CastLinear, CastEmbedding)):
+        if id(module) in kept_bf16 or module is embed or isinstance(module, PackedLinear):
             continue
         for name, param in list(module.named_parameters(recurse=False)):
-            if param.dtype == torch.bfloat16 and module is not embed:
+            if param.dtype == torch.bfloat16:
                 setattr(module, name, nn.Parameter(param.detach().float(), requires_grad=False))
     if isinstance(embed, nn.Embedding):
         model.set_input_embeddings(CastEmbedding(embed, torch.float32))

@@ -166,6 +166,17 @@ def test_auto_dtype_follows_the_measured_gemm_speed_and_an_explicit_dtype_wins(m
     assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
 
 
+def test_dtype_calibration_times_the_models_shape_capped():
+    from types import SimpleNamespace
+
+    from batchgen.engines import cpu_dtype
+
+    assert cpu_dtype.model_features(SimpleNamespace(hidden_size=768, intermediate_size=2048)) == (768, 2048)
+    assert cpu_dtype.model_features(SimpleNamespace(hidden_size=8192, intermediate_size=28672)) == (4096, 4096)
+    assert cpu_dtype.model_features(None) == cpu_dtype.DEFAULT_FEATURES
+    assert cpu_dtype.fastest_dtype((64, 128)) == torch.float32  # too small to prepack: no measurement needed
+
+
 def test_dtype_calibration_measures_both_dtypes_here(monkeypatch, tmp_path):
     """The real measurement on this CPU: both dtypes timed, the ratio consistent with the times, cached on disk."""
     from batchgen.engines import cpu_dtype

@@ -30,6 +30,8 @@ from batchgen.engines.cpu_runtime import cpu_flags
 log = logging.getLogger(__name__)
 ROWS = 64  # rows of the timed linear: the CPU working batch
 DEFAULT_FEATURES = (1024, 1024)  # input and output features where the model's are unknown
+MAX_FEATURES = 4096  # a side is timed at most this wide: a 70B model's 8192x28672 linear would cost seconds and
+# ~1.4 GB to time, and the bf16/float32 ratio no longer moves with size there
 PROBE = (16, 256, 256)  # timed first: an emulated bf16 shows itself here in milliseconds, not seconds
 BF16_MIN_SPEEDUP = 1.25  # bf16 must run the linear at least this much faster than float32 to be chosen
 REPEATS = 7  # samples per dtype, alternating
@@ -53,10 +55,13 @@ def fastest_dtype(features: tuple[int, int] = DEFAULT_FEATURES) -> torch.dtype:
 
 
 def model_features(config: object) -> tuple[int, int]:
-    """(hidden size, intermediate size) of a transformers config, the defaults where it has neither."""
+    """(hidden size, intermediate size) of a transformers config, each at most MAX_FEATURES; the defaults where it
+    has neither."""
     hidden = getattr(config, "hidden_size", None)
     inter = getattr(config, "intermediate_size", None) or (4 * hidden if isinstance(hidden, int) else None)
-    return (hidden, inter) if isinstance(hidden, int) and isinstance(inter, int) else DEFAULT_FEATURES
+    if not (isinstance(hidden, int) and isinstance(inter, int)):
+        return DEFAULT_FEATURES
+    return min(hidden, MAX_FEATURES), min(inter, MAX_FEATURES)
 
 
 def calibration(features: tuple[int, int] = DEFAULT_FEATURES) -> dict:

@@ -1,9 +1,12 @@
 """The throughput benchmark's quick mode as a regression guard: batchgen's job must stay well ahead of
 HF generate in fixed batches of 16, as a ratio measured side by side in the same run (not a timed test).
 
-Both run in the dtype engine.dtype=auto picks for the tiny model, float32 on every CPU (its linears are too small
-to prepack, so bf16 cannot pay). Measured: E/B1 3.45 on a 2-core AMD EPYC Zen 4 (AVX-512 BF16); on the 2-core
-AVX2-only EPYC the guard passed in every clean-clone CI run (the figure was not recorded)."""
+E runs in what engine.dtype=auto picks for the tiny model, float32 on every CPU (its linears are too small to
+prepack; measured on the Zen 4 EPYC: E 5990 tok/s in float32, 5354 in bf16). B1 runs in float32 and in bf16 and
+the faster counts (--baseline-dtype best): HF at its best dtype on this CPU. Measured on a 2-core AMD EPYC Zen 4
+(AVX-512 BF16): B1 2592 tok/s in bf16 (1971 in float32), E/B1 2.24; E/B1 was 3.45 against B1 in float32. On the
+2-core AVX2-only EPYC, where bf16 is emulated and B1 runs in float32, the guard passed in every clean-clone CI run
+(the figure was not recorded)."""
 
 from __future__ import annotations
 
@@ -27,5 +30,5 @@ def test_quick_benchmark_e_over_b1(tmp_path):
     med = report["medians"]
     ratio = med["E"]["tok_s"] / med["B1"]["tok_s"]
     assert med["E"]["useful_tokens"] == med["B1"]["useful_tokens"]  # same work: every row ran to its cap
-    assert report["dtype"] == report["baseline_dtype"] == "float32"
-    assert ratio >= 1.5, f"E/B1 = {ratio:.2f} on {report['cpu']}"
+    assert report["dtype"] == "float32" and report["baseline_dtype"] == "best"
+    assert ratio >= 1.5, f"E/B1 = {ratio:.2f} (B1 in {med['B1']['dtype']}) on {report['cpu']}"

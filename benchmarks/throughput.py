@@ -307,13 +307,9 @@ def auto_dtype(model: Path) -> str:
     return str(resolve_dtype("auto", torch.device("cpu"), AutoConfig.from_pretrained(model))).removeprefix("torch.")
 
 
-def cpu_line() -> str:
+def report(args: argparse.Namespace, model: Path, data: Path, size: str) -> None:
     from batchgen.engines.cpu_kernels import describe_cpu
 
-    return describe_cpu()
-
-
-def report(args: argparse.Namespace, model: Path, data: Path, size: str) -> None:
     runners = [r for r in args.runners.split(",") if r]
     calib = calibrate(args.dtype)  # E's dtype: the roofline line is E's
     has_vllm = Path(args.vllm_python).exists()
@@ -339,16 +335,19 @@ def report(args: argparse.Namespace, model: Path, data: Path, size: str) -> None
             med[name] = m
     print_table(args, med, calib, model, size)
     if args.json:
-        args.json.write_text(json.dumps({"medians": med, "calibration": calib, "cpu": cpu_line(), "dtype": args.dtype,
-                                         "baseline_dtype": args.baseline_dtype}, indent=2))
+        out = {"medians": med, "calibration": calib, "cpu": describe_cpu(), "dtype": args.dtype,
+               "baseline_dtype": args.baseline_dtype}
+        args.json.write_text(json.dumps(out, indent=2))
 
 
 def print_table(args: argparse.Namespace, med: dict, calib: dict, model: Path, size: str) -> None:
     import json as _json
 
+    from batchgen.engines.cpu_kernels import describe_cpu
+
     cfg = _json.loads((model / "config.json").read_text())
     params = _count_params(cfg)
-    print(f"\n{cpu_line()}")
+    print(f"\n{describe_cpu()}")
     print(f"model: random-weight Llama '{size}' ({params / 1e6:.0f}M params), E in {args.dtype}, baselines in "
           f"{args.baseline_dtype}, {args.rows} rows, {args.repeats} repeats (medians)")
     print(f"calibration: GEMM {calib['gemm_flops'] / 1e9:.0f} GFLOP/s ({args.dtype}), read bandwidth "

@@ -186,7 +186,7 @@ def test_dtype_calibration_measures_both_dtypes_here(monkeypatch, tmp_path):
     assert figures["source"] == "measured now" and figures["float32_s"] > 0 and figures["bfloat16_s"] > 0
     assert figures["speedup"] == pytest.approx(figures["float32_s"] / figures["bfloat16_s"])
     assert cpu_dtype.calibration()["source"].startswith("cached in") and len(list(tmp_path.iterdir())) == 1
-    print(f"{cpu_dtype.cpu_kernels.cpu_model()}: float32 {1e3 * figures['float32_s']:.3f} ms, bfloat16 "
+    print(f"{cpu_dtype.cpu_model()}: float32 {1e3 * figures['float32_s']:.3f} ms, bfloat16 "
           f"{1e3 * figures['bfloat16_s']:.3f} ms, bf16 speedup {figures['speedup']:.2f}x")
 
 

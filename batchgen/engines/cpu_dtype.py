@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.engines import cpu_kernels, cpu_linear
-from batchgen.engines.cpu_runtime import cpu_flags
+from batchgen.engines.cpu_runtime import cpu_flags, cpu_model
 
 log = logging.getLogger(__name__)
 ROWS = 64  # rows of the timed linear: the CPU working batch
@@ -87,7 +87,7 @@ def calibration(features: tuple[int, int] = DEFAULT_FEATURES) -> dict:
 
 def cache_path(features: tuple[int, int]):
     flags = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma"))))
-    key = f"{cpu_kernels.cpu_model()}|{flags}|{torch.__version__}|{features}"
+    key = f"{cpu_model()}|{flags}|{torch.__version__}|{features}"
     return cpu_kernels.cache_dir() / f"dtype-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
@@ -96,7 +96,7 @@ def measure(features: tuple[int, int] = DEFAULT_FEATURES) -> dict:
     sample of each (on a shared machine a slow sample measures the neighbours, not the dtype)."""
     shape = (ROWS, *features)
     probe = {dtype: _time(_linear(PROBE, dtype), 3) for dtype in (torch.float32, torch.bfloat16)}
-    result = {"cpu": cpu_kernels.cpu_model(), "torch": torch.__version__, "shape": list(shape)}
+    result = {"cpu": cpu_model(), "torch": torch.__version__, "shape": list(shape)}
     if probe[torch.bfloat16] > 2 * probe[torch.float32]:  # emulated bf16: the full shape would take seconds
         scale = probe[torch.float32] / probe[torch.bfloat16]
         return result | {"float32_s": probe[torch.float32], "bfloat16_s": probe[torch.bfloat16], "speedup": scale,

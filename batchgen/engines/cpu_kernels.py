@@ -44,7 +44,7 @@ from typing import Optional
 
 import torch
 
-from batchgen.engines.cpu_runtime import cpu_flags
+from batchgen.engines.cpu_runtime import cpu_flags, cpu_model
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
@@ -113,16 +113,6 @@ def reset() -> None:
     """Forget the loaded libraries (tests: the cache directory or the environment changed)."""
     _load.cache_clear()
     _select.cache_clear()
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo (platform.processor() is empty on Linux); "" where unreadable."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((x for x in f if x.startswith("model name")), "")
-    except OSError:
-        return ""
-    return line.partition(":")[2].strip()
 
 
 def describe_cpu() -> str:

@@ -39,10 +39,34 @@ def keep_freed_memory() -> bool:
 
 
 @lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (avx2, avx512_bf16, amx_bf16, ...); empty where unreadable."""
+def _cpuinfo() -> tuple[str, frozenset[str]]:
+    """(model name, feature flags) of the first CPU in /proc/cpuinfo, read once; ("", {}) where unreadable."""
+    model, flags = "", ""
     try:
         with open("/proc/cpuinfo") as f:
-            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
+            for line in f:
+                if line.startswith("model name") and not model:
+                    model = line.partition(":")[2].strip()
+                elif line.startswith("flags"):
+                    flags = line.partition(":")[2]
+                    break
     except OSError:
-        return frozenset()
+        pass
+    return model, frozenset(flags.split())
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (avx2, avx512_bf16, amx_bf16, ...); empty where unreadable."""
+    return _cpuinfo()[1]
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (platform.processor() is empty on Linux); "" where unreadable."""
+    return _cpuinfo()[0]
+
+
+def has_native_bf16() -> bool:
+    """True where the CPU has native bf16 dot products (AVX-512 BF16 or AMX); elsewhere bf16 is emulated, slow.
+    A flag, not a measurement: engine.dtype=auto asks cpu_dtype instead."""
+    flags = cpu_flags()
+    return "avx512_bf16" in flags or "amx_bf16" in flags

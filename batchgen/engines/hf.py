@@ -30,11 +30,7 @@ DEFAULTS = {  # (max_batch_tokens, max_batch_size, rows_per_part) per device typ
 }
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True where the CPU has native bf16 dot products (AVX-512 BF16 or AMX); elsewhere bf16 is emulated, slow.
-    A flag, not a measurement: engine.dtype=auto asks cpu_dtype instead."""
-    flags = cpu_runtime.cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+cpu_has_fast_bf16 = cpu_runtime.has_native_bf16  # the flag; engine.dtype=auto measures instead (cpu_dtype)
 
 
 def resolve_device(name: str) -> torch.device:

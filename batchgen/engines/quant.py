@@ -533,10 +533,10 @@ def load_model(path: str, *, scheme_name: Optional[str], device: torch.device, d
 def cpu_kind() -> str:
     """The CPU kind the working-batch figures are kept for: avx512_bf16 (native bf16 dot products), avx512, avx2,
     or other."""
-    from batchgen.engines.cpu_runtime import cpu_flags
+    from batchgen.engines.cpu_runtime import cpu_flags, has_native_bf16
 
     flags = cpu_flags()
-    if "avx512_bf16" in flags or "amx_bf16" in flags:
+    if has_native_bf16():
         return "avx512_bf16"
     if "avx512f" in flags:
         return "avx512"

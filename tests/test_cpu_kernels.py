@@ -128,6 +128,44 @@ def test_decode_layer_attention_matches_torch(isa, kv, out_dtype):
 
 
 @every_isa
+def test_decode_layer_attention_reads_a_bf16_projection_as_its_widened_values(isa):
+    """A bf16 qkv (a bf16 GEMM's output, read without a conversion pass) gives bit for bit what its float32 widening
+    gives: the same cache writes, the same attention."""
+    lib = kernels(isa)
+    torch.manual_seed(1)
+    for n, heads, kv_heads, d, positions in [(4, 12, 4, 64, [0, 9, 31, 2]), (2, 6, 2, 80, [17, 5])]:
+        qkv = torch.randn(n, (heads + 2 * kv_heads) * d).to(torch.bfloat16)
+        cos, sin = torch.randn(n, d), torch.randn(n, d)
+        pos = torch.tensor(positions)
+        outs = []
+        for given in (qkv, qkv.float()):
+            k = torch.zeros(n, kv_heads, 40, d, dtype=torch.bfloat16)
+            v = torch.zeros_like(k)
+            out = cpu_kernels.decode_layer_attention(lib, given.clone(), cos, sin, k, v, pos, heads, 0.125,
+                                                     torch.bfloat16)
+            outs.append((out, k, v))
+        for got, want in zip(*outs):
+            assert torch.equal(got, want), isa
+
+
+@every_isa
+@pytest.mark.parametrize("delta_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_the_residual_add_then_the_norm(isa, delta_dtype, out_dtype):
+    """The fused residual add and RMSNorm: x becomes x + delta (a bf16 delta widened exactly) and the output is
+    rms_norm of that sum, bit for bit, for decode rows and a prefill's many rows (threaded)."""
+    lib = kernels(isa)
+    torch.manual_seed(0)
+    for rows, hidden in [(5, 100), (64, 768), (300, 768)]:
+        x, weight = torch.randn(rows, hidden), torch.randn(hidden)
+        delta = torch.randn(rows, hidden).to(delta_dtype)
+        want_x = x + delta.float()
+        want = cpu_kernels.rms_norm(lib, want_x, weight, 1e-6, out_dtype)
+        got = cpu_kernels.add_rms_norm(lib, x, delta, weight, 1e-6, out_dtype)
+        assert torch.equal(x, want_x) and torch.equal(got, want), (isa, rows, hidden)
+
+
+@every_isa
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_and_silu_match_torch_in_either_dtype(isa, out_dtype):
     """Decode rows and a prefill's many rows (threaded), widths with and without a remainder of the 8-wide loop;

@@ -458,23 +458,37 @@ static void rope_head(float *x, const float *cos, const float *sin, long d) {
  * For each row r and KV head j: rotate the group's query heads and key head j in place, write key and value
  * head j into the cache at position lengths[r], then attend over lengths[r] + 1 positions into
  * out[r, heads of group j]. One call instead of the ~25 torch operations of rotary embedding, cache
- * writes and attention (each a few microseconds at batch 1). d a multiple of 16. The cache k, v float32 or, where
- * kv_bf16 is set, bfloat16 (keys and values rounded once, when written); out float32, or bfloat16 where out_bf16
- * is set (the input of a bf16 o_proj GEMM). */
-void batchgen_decode_layer_attention(float *qkv, const float *cos, const float *sin, void *k, void *v,
+ * writes and attention (each a few microseconds at batch 1). d a multiple of 16. qkv float32 (rotated in place) or,
+ * where qkv_bf16 is set, bfloat16 (a bf16 GEMM's output, read as is: widened into a per-thread buffer, so no
+ * conversion pass runs before the call). The cache k, v float32 or, where kv_bf16 is set, bfloat16 (keys and values
+ * rounded once, when written); out float32, or bfloat16 where out_bf16 is set (the input of a bf16 o_proj GEMM). */
+void batchgen_decode_layer_attention(void *qkv, const float *cos, const float *sin, void *k, void *v,
                                      const int64_t *lengths, void *out, long n, long heads, long kv_heads, long d,
-                                     long slot_stride, long head_stride, float scale, int kv_bf16, int out_bf16,
-                                     int threads) {
+                                     long slot_stride, long head_stride, float scale, int qkv_bf16, int kv_bf16,
+                                     int out_bf16, int threads) {
     const long group = heads / kv_heads, row = (heads + 2 * kv_heads) * d;
     const size_t item = kv_bf16 ? sizeof(uint16_t) : sizeof(float);  /* strides are in elements */
 #pragma omp parallel num_threads(threads)
     {
         float *og = out_bf16 ? malloc(sizeof(float) * group * d) : NULL;  /* bf16 output: attend, then narrow */
+        float *wide = qkv_bf16 ? malloc(sizeof(float) * (group + 2) * d) : NULL;  /* bf16 input: widened here */
 #pragma omp for schedule(dynamic, 1)
         for (long task = 0; task < n * kv_heads; task++) {
             const long r = task / kv_heads, j = task % kv_heads, pos = lengths[r];
-            float *qg = qkv + r * row + j * group * d, *key = qkv + r * row + (heads + j) * d;
-            const float *value = qkv + r * row + (heads + kv_heads + j) * d;
+            float *qg, *key, *value;
+            if (qkv_bf16) {
+                const uint16_t *src = (const uint16_t *)qkv + r * row;
+                qg = wide, key = wide + group * d, value = wide + (group + 1) * d;
+                for (long c = 0; c < group * d; c += 8)
+                    _mm256_storeu_ps(qg + c, load8_bf16(src + j * group * d + c));
+                for (long c = 0; c < d; c += 8) {
+                    _mm256_storeu_ps(key + c, load8_bf16(src + (heads + j) * d + c));
+                    _mm256_storeu_ps(value + c, load8_bf16(src + (heads + kv_heads + j) * d + c));
+                }
+            } else {
+                qg = (float *)qkv + r * row + j * group * d, key = (float *)qkv + r * row + (heads + j) * d;
+                value = (float *)qkv + r * row + (heads + kv_heads + j) * d;
+            }
             for (long t = 0; t < group; t++)
                 rope_head(qg + t * d, cos + r * d, sin + r * d, d);
             rope_head(key, cos + r * d, sin + r * d, d);
@@ -488,6 +502,7 @@ void batchgen_decode_layer_attention(float *qkv, const float *cos, const float *
                 store_row((uint16_t *)out + at, og, group * d, 1);
         }
         free(og);
+        free(wide);
     }
 }
 
@@ -498,37 +513,64 @@ void batchgen_decode_layer_attention(float *qkv, const float *cos, const float *
 /* RMSNorm of rows [0, n) of x [n, hidden]: out = x / sqrt(mean(x^2) + eps) * weight, as transformers'
  * LlamaRMSNorm computes it in float32 (up to the order of the sum); out float32, or bfloat16 where out_bf16 is set
  * (the input of a bf16 GEMM). hidden a multiple of 8 where out_bf16 is set. */
+static void rms_row(const float *xr, const float *weight, void *out, long r, long hidden, float eps, int out_bf16) {
+    __m256 acc = _mm256_setzero_ps();
+    long c = 0;
+    for (; c + 8 <= hidden; c += 8) {
+        const __m256 a = _mm256_loadu_ps(xr + c);
+        acc = _mm256_fmadd_ps(a, a, acc);
+    }
+    float sum = hsum(acc);
+    for (; c < hidden; c++)
+        sum += xr[c] * xr[c];
+    const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+    const __m256 vinv = _mm256_set1_ps(inv);
+    if (out_bf16) {
+        uint16_t *o = (uint16_t *)out + r * hidden;
+        for (c = 0; c + 8 <= hidden; c += 8)
+            store8_bf16(o + c, _mm256_mul_ps(_mm256_loadu_ps(weight + c), _mm256_mul_ps(_mm256_loadu_ps(xr + c), vinv)));
+        for (; c < hidden; c++)
+            o[c] = float_to_bf16(weight[c] * (xr[c] * inv));
+        return;
+    }
+    float *o = (float *)out + r * hidden;
+    for (c = 0; c + 8 <= hidden; c += 8)
+        _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(weight + c), _mm256_mul_ps(_mm256_loadu_ps(xr + c), vinv)));
+    for (; c < hidden; c++)
+        o[c] = weight[c] * (xr[c] * inv);
+}
+
 void batchgen_rms_norm(const float *x, const float *weight, void *out, long n, long hidden, float eps, int out_bf16,
                        int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_ROWS)
+    for (long r = 0; r < n; r++)
+        rms_row(x + r * hidden, weight, out, r, hidden, eps, out_bf16);
+}
+
+/* The residual add and the next RMSNorm in one pass over each row (vLLM's fused_add_rms_norm): x += delta in place
+ * (x float32, delta float32 or, where delta_bf16 is set, bfloat16: a bf16 GEMM's output), then out = RMSNorm(x) as
+ * batchgen_rms_norm writes it. The same sums as torch's x + delta followed by the norm, without the add's own pass
+ * over memory, its widening copy of a bf16 delta, or its parallel region. */
+void batchgen_add_rms_norm(float *x, const void *delta, const float *weight, void *out, long n, long hidden, float eps,
+                           int delta_bf16, int out_bf16, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_ROWS)
     for (long r = 0; r < n; r++) {
-        const float *xr = x + r * hidden;
-        __m256 acc = _mm256_setzero_ps();
+        float *xr = x + r * hidden;
         long c = 0;
-        for (; c + 8 <= hidden; c += 8) {
-            const __m256 a = _mm256_loadu_ps(xr + c);
-            acc = _mm256_fmadd_ps(a, a, acc);
-        }
-        float sum = hsum(acc);
-        for (; c < hidden; c++)
-            sum += xr[c] * xr[c];
-        const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
-        const __m256 vinv = _mm256_set1_ps(inv);
-        if (out_bf16) {
-            uint16_t *o = (uint16_t *)out + r * hidden;
-            for (c = 0; c + 8 <= hidden; c += 8)
-                store8_bf16(o + c, _mm256_mul_ps(_mm256_loadu_ps(weight + c),
-                                                 _mm256_mul_ps(_mm256_loadu_ps(xr + c), vinv)));
+        if (delta_bf16) {
+            const uint16_t *dr = (const uint16_t *)delta + r * hidden;
+            for (; c + 8 <= hidden; c += 8)
+                _mm256_storeu_ps(xr + c, _mm256_add_ps(_mm256_loadu_ps(xr + c), load8_bf16(dr + c)));
             for (; c < hidden; c++)
-                o[c] = float_to_bf16(weight[c] * (xr[c] * inv));
-            continue;
+                xr[c] += bf16_to_float(dr[c]);
+        } else {
+            const float *dr = (const float *)delta + r * hidden;
+            for (; c + 8 <= hidden; c += 8)
+                _mm256_storeu_ps(xr + c, _mm256_add_ps(_mm256_loadu_ps(xr + c), _mm256_loadu_ps(dr + c)));
+            for (; c < hidden; c++)
+                xr[c] += dr[c];
         }
-        float *o = (float *)out + r * hidden;
-        for (c = 0; c + 8 <= hidden; c += 8)
-            _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(weight + c),
-                                                  _mm256_mul_ps(_mm256_loadu_ps(xr + c), vinv)));
-        for (; c < hidden; c++)
-            o[c] = weight[c] * (xr[c] * inv);
+        rms_row(xr, weight, out, r, hidden, eps, out_bf16);
     }
 }
 

@@ -159,10 +159,13 @@ def _load(isa: str) -> Optional[ctypes.CDLL]:
     dequantize.argtypes = [ptr, ptr, ptr, ctypes.c_long, ptr, ctypes.c_long, ctypes.c_long, ctypes.c_int]
     layer = lib.batchgen_decode_layer_attention
     layer.restype = None
-    layer.argtypes = [ptr] * 7 + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    layer.argtypes = [ptr] * 7 + [ctypes.c_long] * 6 + [ctypes.c_float] + [ctypes.c_int] * 4
     lib.batchgen_rms_norm.restype = None
     lib.batchgen_rms_norm.argtypes = [ptr, ptr, ptr, ctypes.c_long, ctypes.c_long, ctypes.c_float, ctypes.c_int,
                                       ctypes.c_int]
+    lib.batchgen_add_rms_norm.restype = None
+    lib.batchgen_add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_long, ctypes.c_long, ctypes.c_float,
+                                          ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.batchgen_silu_mul.restype = None
     lib.batchgen_silu_mul.argtypes = [ptr, ptr, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int,
                                       ctypes.c_int]
@@ -237,7 +240,8 @@ def decode_layer_attention(lib: ctypes.CDLL, qkv: torch.Tensor, cos: torch.Tenso
                            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rotary embedding, cache write and attention of one decode step for one layer, in one call.
 
-    qkv: [n, (heads + 2 kv_heads) d] float32 contiguous, the fused projection's output (rotated in place);
+    qkv: [n, (heads + 2 kv_heads) d] contiguous, the fused projection's output: float32 (rotated in place) or
+    bfloat16 (a bf16 GEMM's, read as is);
     cos, sin: [n, d] contiguous; k, v: one layer of the slot cache, as decode_attention's, float32 or bfloat16 (the
     new keys and values are rounded to it as they are written); positions: [n] int64,
     each row's cache length before this token (its key and value go there) -> [n, heads * d] in out_dtype (float32,
@@ -246,12 +250,12 @@ def decode_layer_attention(lib: ctypes.CDLL, qkv: torch.Tensor, cos: torch.Tenso
     kv_heads, d = k.shape[1], k.shape[3]
     assert qkv.is_contiguous() and qkv.shape[1] == (heads + 2 * kv_heads) * d and cos.is_contiguous()
     assert k.stride() == v.stride() and k.stride(3) == 1 and k.stride(2) == d and positions.is_contiguous()
-    assert k.dtype == v.dtype and _out(k.dtype) and qkv.dtype == torch.float32
+    assert k.dtype == v.dtype and _out(k.dtype) and _out(qkv.dtype)
     out = torch.empty((n, heads * d), dtype=_out(out_dtype))
     lib.batchgen_decode_layer_attention(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(),
                                         positions.data_ptr(), out.data_ptr(), n, heads, kv_heads, d, k.stride(0),
-                                        k.stride(1), scale, k.dtype == torch.bfloat16, out.dtype == torch.bfloat16,
-                                        torch.get_num_threads())
+                                        k.stride(1), scale, qkv.dtype == torch.bfloat16, k.dtype == torch.bfloat16,
+                                        out.dtype == torch.bfloat16, torch.get_num_threads())
     return out
 
 
@@ -263,6 +267,20 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
     hidden = x.shape[-1]
     lib.batchgen_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps,
                           out.dtype == torch.bfloat16, torch.get_num_threads())
+    return out
+
+
+def add_rms_norm(lib: ctypes.CDLL, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x += delta in place (x: [..., hidden] float32 contiguous, the residual stream; delta: x's shape, float32 or
+    bfloat16 contiguous), then RMSNorm(x) * weight as rms_norm returns it: the residual add and the next norm in
+    one pass."""
+    assert x.dtype == torch.float32 and x.is_contiguous() and delta.is_contiguous() and delta.shape == x.shape
+    out = torch.empty(x.shape, dtype=_out(out_dtype))
+    hidden = x.shape[-1]
+    lib.batchgen_add_rms_norm(x.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // hidden,
+                              hidden, eps, _out(delta.dtype) == torch.bfloat16, out.dtype == torch.bfloat16,
+                              torch.get_num_threads())
     return out
 
 

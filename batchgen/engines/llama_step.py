@@ -107,18 +107,27 @@ class LlamaStepper:
 
         positions = torch.arange(width, device=self.device).expand(n, width)
         cos_sin = self.inner.rotary_emb(x, positions)
+        if self.native_step:  # batchgen's RMSNorm (fused with the residual adds) and SiLU, over every prompt token
+            x = x.contiguous()
+            h = self._norm(self.layers[0].input_layernorm, x, self.gemm_inputs[0][0])
         for i, layer in enumerate(self.layers):
-            h = self._norm(layer.input_layernorm, x) if self.native_step else layer.input_layernorm(x)
+            if not self.native_step:
+                h = layer.input_layernorm(x)
             q, k, v = (t.to(self.dtype) for t in self._qkv(layer.self_attn, h, cos_sin, pad))
             cache.write_prefill(i, first_slot, k, v)  # [n, kv_heads, T, d], rounded to the cache's dtype
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
             out = out.transpose(1, 2).reshape(n, width, -1)  # [n, T, heads * d]
-            x = x + layer.self_attn.o_proj(out.view(-1, out.shape[-1]) if valid is None else out[valid])
-            if self.native_step:  # batchgen's RMSNorm and SiLU kernels, over every prompt token at once
+            attended = layer.self_attn.o_proj(out.view(-1, out.shape[-1]) if valid is None else out[valid])
+            if self.native_step:
                 _, _, gate_up_in, down_in = self.gemm_inputs[i]
-                gate_up = layer.mlp.gate_up_proj(self._norm(layer.post_attention_layernorm, x, gate_up_in))
-                x = x + layer.mlp.down_proj(cpu_kernels.silu_mul(self.native, gate_up.contiguous(), down_in))
+                h = self._add_norm(x, attended, layer.post_attention_layernorm, gate_up_in)
+                gate_up = layer.mlp.gate_up_proj(h)
+                down = layer.mlp.down_proj(cpu_kernels.silu_mul(self.native, gate_up.contiguous(), down_in))
+                # the next layer's input norm (its GEMM input dtype); after the last layer, the residual add alone
+                h = (self._add_norm(x, down, self.layers[i + 1].input_layernorm, self.gemm_inputs[i + 1][0])
+                     if i + 1 < len(self.layers) else x.add_(down))
             else:
+                x = x + attended
                 x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
         cache.set_lengths(first_slot, lengths)
         ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
@@ -153,22 +162,31 @@ class LlamaStepper:
         if max(cache.host_lengths[:n]) >= cache.max_len:  # the kernel writes without bounds checks
             raise IndexError(f"a decode step past the KV cache's {cache.max_len} positions")
         positions = cache.lengths[:n]  # where each row's new key and value go
-        x = self.inner.embed_tokens(tokens)  # [n, hidden]
+        x = self.inner.embed_tokens(tokens).contiguous()  # [n, hidden] float32: the residual stream, added to in place
         cos, sin = (t.reshape(n, self.head_dim).contiguous() for t in self.inner.rotary_emb(x, positions[:, None]))
+        h = self._norm(self.layers[0].input_layernorm, x, self.gemm_inputs[0][0])
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv_in, o_in, gate_up_in, down_in = self.gemm_inputs[i]  # bf16 GEMMs get bf16 inputs (no conversion)
-            qkv = attn.qkv_proj(self._norm(layer.input_layernorm, x, qkv_in)).float().contiguous()
+            _, o_in, gate_up_in, down_in = self.gemm_inputs[i]  # bf16 GEMMs get bf16 inputs (no conversion)
+            qkv = attn.qkv_proj(h).contiguous()  # bf16 out of a bf16 GEMM: the kernel widens it as it reads
             out = cpu_kernels.decode_layer_attention(self.native, qkv, cos, sin, cache.k[i], cache.v[i], positions,
                                                      self.heads, self.scaling, o_in)
-            x = x + attn.o_proj(out)
-            gate_up = mlp.gate_up_proj(self._norm(layer.post_attention_layernorm, x, gate_up_in)).contiguous()
-            x = x + mlp.down_proj(cpu_kernels.silu_mul(self.native, gate_up, down_in))
+            h = self._add_norm(x, attn.o_proj(out), layer.post_attention_layernorm, gate_up_in)
+            gate_up = mlp.gate_up_proj(h).contiguous()
+            down = mlp.down_proj(cpu_kernels.silu_mul(self.native, gate_up, down_in))
+            last = i + 1 == len(self.layers)  # then the final norm, for the LM head
+            h = self._add_norm(x, down, self.inner.norm if last else self.layers[i + 1].input_layernorm,
+                               self.head_input if last else self.gemm_inputs[i + 1][0])
         cache.advance(n)
-        return self.model.lm_head(self._norm(self.inner.norm, x, self.head_input)).float()
+        return self.model.lm_head(h).float()
 
     def _norm(self, norm: Any, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return cpu_kernels.rms_norm(self.native, x, norm.weight, norm.variance_epsilon, out_dtype)
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor, norm: Any, out_dtype: torch.dtype) -> torch.Tensor:
+        """x += delta (the residual stream, in place), then norm(x) in out_dtype: one kernel pass."""
+        return cpu_kernels.add_rms_norm(self.native, x, delta.contiguous(), norm.weight, norm.variance_epsilon,
+                                        out_dtype)
 
     def _native_attention(self, cache: SlotKVCache, n: int) -> Callable[[int, torch.Tensor], torch.Tensor]:
         lengths = cache.lengths[:n] + 1  # with the token appended this step

@@ -245,6 +245,18 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
+/* How far ahead the 16-wide attention prefetches its key and value streams. Each (row, KV head) reads its keys
+ * and values from the slot cache, a few KiB to a few hundred KiB apart from the next task's, and the hardware
+ * prefetcher stops at every 4 KiB page: measured side by side on the Zen 4 EPYC (64 rows, 12 layers of bf16 cache,
+ * 190 and 600 positions), the prefetching kernel took 0.87x and 0.88x the time, with the same output. 512 to
+ * 8192 bytes measured alike within the noise. */
+#define PREFETCH_BYTES 2048
+
+static inline void prefetch_lines(const char *p, long bytes) {
+    for (long o = 0; o < bytes; o += 64)
+        _mm_prefetch(p + o, _MM_HINT_T0);
+}
+
 /* [sum(a0), sum(a1), sum(a2), sum(a3)]: four horizontal sums in 13 instructions (four reduce_add_ps take ~32). */
 static inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
@@ -263,8 +275,12 @@ static void scores16(const float *qg, const void *kh, long L, long d, long group
                      float *s, long stride) {
     const __m512 zero = _mm512_setzero_ps();
     const __m128 vscale = _mm_set1_ps(scale);
+    const long item = kv_bf16 ? 2 : 4, ahead = PREFETCH_BYTES / (d * item);  /* keys ahead of the one read */
     for (long l0 = 0; l0 < L; l0 += 4) {
         const long nk = L - l0 < 4 ? L - l0 : 4;
+        if (l0 + ahead < L)  /* the keys `ahead` positions on */
+            prefetch_lines((const char *)kh + (l0 + ahead) * d * item,
+                           (L - l0 - ahead < 4 ? L - l0 - ahead : 4) * d * item);
         for (long t0 = 0; t0 < group; t0 += 4) {
             const long nt = group - t0 < 4 ? group - t0 : 4;
             __m512 acc[4][4];
@@ -327,6 +343,7 @@ static void attend_group16(const float *qg, const void *kh, const void *vh, long
         }
         inv[t] = 1.0f / _mm512_reduce_add_ps(vsum);
     }
+    const long vitem = kv_bf16 ? 2 : 4, vahead = PREFETCH_BYTES / (d * vitem);
     /* The weighted sum of values, 64 output dims and up to 3 heads at a time: each value chunk is loaded (and
      * widened from bf16) once for the heads of the block; 3 heads x 4 accumulators + 4 values fit the registers. */
     for (long c0 = 0; c0 < d; c0 += 64) {
@@ -338,6 +355,8 @@ static void attend_group16(const float *qg, const void *kh, const void *vh, long
                 for (int c = 0; c < 4; c++)
                     acc[t][c] = _mm512_setzero_ps();
             for (long m = 0; m < L; m++) {
+                if (m + vahead < L && c0 == 0 && t0 == 0)
+                    prefetch_lines((const char *)vh + (m + vahead) * d * vitem, d * vitem);
                 __m512 val[4];
                 for (int c = 0; c < 4; c++)
                     val[c] = c < chunks ? load16_kv(vh, m * d + c0 + 16 * c, kv_bf16) : _mm512_setzero_ps();

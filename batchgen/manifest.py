@@ -7,29 +7,43 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from batchgen import __version__
 from batchgen.errors import ResumeMismatchError
-from batchgen.fsutil import write_json_atomic
+from batchgen.fsutil import content_digest, write_json_atomic
 from batchgen.job import JobConfig
 
+log = logging.getLogger(__name__)
 MANIFEST = "_manifest.json"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
 def output_config(cfg: JobConfig) -> dict[str, Any]:
-    """The config keys that change what is written; batch sizes, sharding and policies do not."""
+    """The config keys that change what is written; batch sizes, sharding and policies do not. The requested
+    engine.dtype is not among them: what it resolves to is (ENGINE_KEYS, compared once the engine is loaded), so
+    `bfloat16` and an `auto` that resolves to bf16 are the same run, and an `auto` that resolves otherwise is not.
+    Local model and tokenizer paths are compared resolved (a symlink or a relative path to the same directory)."""
     engine = cfg.engine
     return {
         "dataset": dataclasses.asdict(cfg.dataset) | {"batch_rows": None},
         "sampling": dataclasses.asdict(cfg.sampling),
-        "engine": {"name": engine.name, "model": engine.model, "tokenizer": engine.tokenizer, "dtype": engine.dtype,
+        "engine": {"name": engine.name, "model": _local(engine.model), "tokenizer": _local(engine.tokenizer),
                    "quantization": engine.quantization, "max_model_len": engine.max_model_len},
         "run": {"rows_per_part": cfg.rows_per_part, "too_long": cfg.run.too_long},
     }
+
+
+def _local(path: Optional[str]) -> Optional[str]:
+    return os.path.realpath(path) if path and os.path.isdir(path) else path
+
+
+# What a loaded engine reports (Engine.identity()) that changes its outputs: compared on resume. The device and
+# the linear layout are not (the same dtype's arithmetic on another device or layout).
+ENGINE_KEYS = ("engine", "dtype", "activations", "quantization")
 
 
 def config_hash(cfg: JobConfig) -> str:
@@ -37,17 +51,38 @@ def config_hash(cfg: JobConfig) -> str:
 
 
 def model_identity(model: str) -> dict[str, Any]:
-    """Path, config.json digest and weight file sizes of a local model; the id alone for a hub model."""
+    """A local model by content: its directory (symlinks and relative paths resolved), config.json's digest, and
+    per weight file its size, its safetensors header's digest and a content digest (fsutil.content_digest, a few
+    MiB read per file). Retrained weights copied over the same files are a different model; the same bytes under
+    another path spelling are the same. A hub id stands for itself."""
     path = Path(model)
     if not path.is_dir():
         return {"model": model}
     config = path / "config.json"
-    weights = sorted((p.name, p.stat().st_size) for p in path.iterdir() if p.name.endswith(WEIGHT_SUFFIXES))
+    weights = []
+    for file in sorted(p for p in path.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)):
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            header = _safetensors_header(f) if file.suffix == ".safetensors" else None
+            f.seek(0)
+            weights.append({"file": file.name, "size": size, "header_sha256": header,
+                            "digest": content_digest(f, size)})
     return {
-        "model": os.path.abspath(model),
+        "model": os.path.realpath(model),
         "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest()[:16] if config.exists() else None,
-        "weights": [f"{name}:{size}" for name, size in weights],
+        "weights": weights,
     }
+
+
+def _safetensors_header(f: Any) -> Optional[str]:
+    """sha256 of a safetensors file's JSON header (tensor names, dtypes, shapes, offsets); None if unreadable."""
+    head = f.read(8)
+    if len(head) < 8:
+        return None
+    length = int.from_bytes(head, "little")
+    if length > 100 << 20:
+        return None
+    return hashlib.sha256(f.read(length)).hexdigest()[:16]
 
 
 def build_manifest(cfg: JobConfig, resolved: dict[str, Any], fingerprint: list[dict]) -> dict[str, Any]:
@@ -75,6 +110,41 @@ def check_or_write(output_dir: Path, manifest: dict[str, Any]) -> None:
             f"{output_dir} holds a run made from a different input, model or config:\n{lines}\n"
             f"Resume with the original settings, or write to a new output_dir (output_dir=... or name=...)."
         )
+
+
+def record_layout(output_dir: Path, num_shards: int) -> None:
+    """Record run.num_shards in the manifest. No live writer of another layout exists here (lock.OutputLock checked
+    that); a new layout after all writers of the old one have stopped is taken over, logged: parts are the same
+    whatever the sharding, only their assignment to shards changes. Call with the layout lock held."""
+    path = output_dir / MANIFEST
+    manifest = json.loads(path.read_text())
+    old = manifest.get("layout", {}).get("num_shards")
+    if old == num_shards:
+        return
+    if old is not None:
+        log.warning("%s was written with run.num_shards=%s and no writer of it is live; continuing with "
+                    "run.num_shards=%s (committed parts are kept whatever the sharding)", output_dir, old, num_shards)
+    write_json_atomic(path, manifest | {"layout": {"num_shards": num_shards}})
+
+
+def check_engine(output_dir: Path, identity: dict[str, Any]) -> None:
+    """Record the loaded engine's resolved settings (ENGINE_KEYS) in the manifest on the first run; on a resume,
+    refuse an engine whose settings resolved otherwise (engine.dtype=auto on another CPU kind, another
+    quantization) before any part is generated. Call with the output directory's layout lock held."""
+    path = output_dir / MANIFEST
+    manifest = json.loads(path.read_text())
+    resolved = {k: identity.get(k) for k in ENGINE_KEYS}
+    recorded = manifest.get("engine_resolved")
+    if recorded is None:
+        write_json_atomic(path, manifest | {"engine_resolved": resolved})
+        return
+    changes = _diff(recorded, resolved, "engine")
+    if changes:
+        lines = "\n".join(f"  {c}" for c in changes)
+        raise ResumeMismatchError(
+            f"{output_dir} was written by an engine whose settings resolved differently:\n{lines}\n"
+            f"Set them explicitly to the recorded values (e.g. engine.dtype={recorded.get('dtype')}) to resume, or "
+            f"write to a new output_dir.")
 
 
 def diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

@@ -6,7 +6,9 @@ Rows that cannot be generated become error rows here, before the engine sees the
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -15,7 +17,7 @@ import pyarrow as pa
 
 from batchgen.errors import TooLongError
 from batchgen.job import JobConfig
-from batchgen.reader import Reader
+from batchgen.reader import Reader, is_json_text
 from batchgen.records import InputBatch, OutputRow, Part, Request, Result
 from batchgen.render import Renderer
 from batchgen.sampling import SampleParams, derive_seed
@@ -137,7 +139,12 @@ class Planner:
         if not column:
             return [default] * table.num_rows
         caps = []
-        for row, value in enumerate(table.column(column).to_pylist()):
+        values = table.column(column).to_pylist()
+        if is_json_text(table.schema.field(column)):  # a mixed-type JSONL column: its values as written
+            values = [None if v is None else json.loads(v) for v in values]
+        for row, value in enumerate(values):
+            if isinstance(value, float) and (math.isnan(value) or value.is_integer()):
+                value = None if math.isnan(value) else int(value)  # pandas' float64 for an int column with NaN
             if value is None:
                 caps.append(default)
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -6,6 +6,7 @@ The renderer turns one part's input columns into prompt texts, or into a per-row
 
 from __future__ import annotations
 
+import json
 import string
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -13,7 +14,7 @@ from typing import Any, Optional
 import pyarrow as pa
 
 from batchgen.errors import ConfigError
-from batchgen.reader import DatasetConfig
+from batchgen.reader import DatasetConfig, is_json_text
 
 
 @dataclass(slots=True)
@@ -52,6 +53,10 @@ class Renderer:
 
     def render(self, table: pa.Table) -> Rendered:
         rows = table.to_pylist()
+        for name in [f.name for f in table.schema if is_json_text(f)]:  # mixed-type JSONL columns: their values
+            for row in rows:
+                if row[name] is not None:
+                    row[name] = json.loads(row[name])
         texts: list[Optional[str]] = []
         errors: list[Optional[str]] = []
         for row in rows:

@@ -24,7 +24,7 @@ from batchgen.errors import BatchgenError, ConfigError, ErrorRateExceeded
 from batchgen.job import JobConfig
 from batchgen.journal import Journal, crash_window, journal_key, journal_path
 from batchgen.lock import OutputLock
-from batchgen.manifest import build_manifest, check_or_write, config_hash, model_identity
+from batchgen.manifest import build_manifest, check_engine, check_or_write, config_hash, model_identity, record_layout
 from batchgen.planner import Planner, assemble
 from batchgen.reader import Reader, open_reader
 from batchgen.records import Part, Result
@@ -92,20 +92,24 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
     output_dir = Path(cfg.output_dir)
     with writing(output_dir):
         output_dir.mkdir(parents=True, exist_ok=True)
-    with OutputLock(output_dir, _lock_name(cfg)):
-        prepare_output_dir(cfg, output_dir, reader, resolved or {})
+    lock = OutputLock.for_shard(output_dir, cfg.run.shard, cfg.run.num_shards)
+    with lock:
+        with lock.layout():
+            prepare_output_dir(cfg, output_dir, reader, resolved or {})
         committer = Committer(output_dir, passthrough=passthrough, metadata=_file_metadata(cfg))
         committer.clean_stale(lambda k: k % cfg.run.num_shards == cfg.run.shard, (status_name(cfg),))
         if (output_dir / SUCCESS).exists():
-            summary = Summary(output_dir, "already_done", _totals(committer))
+            summary = Summary(output_dir, "already_done", _totals(committer, cfg))
             log.info("%s is already complete; nothing to do", output_dir)
             return summary
-        summary = Summary(output_dir, "partial", _totals(committer))
+        summary = Summary(output_dir, "partial", _totals(committer, cfg))
         planner = Planner(cfg, reader, renderer, tokenizer)
         progress = Progress(cfg, committer, reader.count_rows(), summary.totals, stop)
         try:
             engine = build_engine(cfg.engine, tokenizer)
             summary.load_s = time.perf_counter() - started
+            with lock.layout():
+                check_engine(output_dir, engine.identity())  # what engine.dtype=auto resolved to, the same
             committer.metadata["batchgen.engine"] = json.dumps(engine.identity())  # resolved dtype, device, version
             progress.engine = engine
             try:
@@ -246,6 +250,7 @@ def prepare_output_dir(cfg: JobConfig, output_dir: Path, reader: Reader, resolve
         raise ConfigError([f"run.resume=false but {output_dir} already holds a run; set run.resume=true to "
                            f"continue it, or choose a new output_dir"])
     check_or_write(output_dir, build_manifest(cfg, resolved, reader.fingerprint()))
+    record_layout(output_dir, cfg.run.num_shards)
 
 
 def _file_metadata(cfg: JobConfig) -> dict[str, str]:
@@ -255,15 +260,23 @@ def _file_metadata(cfg: JobConfig) -> dict[str, str]:
             "batchgen.version": __version__}
 
 
-def _totals(committer: Committer) -> PartStats:
+def _totals(committer: Committer, cfg: JobConfig) -> PartStats:
+    """What is committed so far: every part, or for a shard its own parts (so shards' totals add up)."""
     totals = PartStats()
     for k in sorted(committer.committed()):
-        totals.add(committer.read_stats(k))
+        if k % cfg.run.num_shards == cfg.run.shard:
+            totals.add(committer.read_stats(k))
     return totals
 
 
-def _lock_name(cfg: JobConfig) -> str:
-    return "_lock" if cfg.run.num_shards == 1 else f"_lock.shard-{cfg.run.shard:05d}"
+def shard_rows(total_rows: int, rows_per_part: int, shard: int, num_shards: int) -> int:
+    """Rows of the parts a shard owns (index % num_shards == shard) out of total_rows: full parts, and the last
+    part's remainder if it is the shard's."""
+    parts = -(-total_rows // rows_per_part)
+    owned = len(range(shard, parts, num_shards))
+    if owned and (parts - 1) % num_shards == shard:
+        return (owned - 1) * rows_per_part + total_rows - (parts - 1) * rows_per_part
+    return owned * rows_per_part
 
 
 def status_name(cfg: JobConfig) -> str:
@@ -281,7 +294,8 @@ class Progress:
         self.cfg = cfg
         self.committer = committer
         self.stop = stop
-        self.total = -(-total_rows // cfg.run.num_shards) if total_rows is not None else None
+        self.total = None if total_rows is None else shard_rows(total_rows, cfg.rows_per_part, cfg.run.shard,
+                                                                cfg.run.num_shards)
         self.start = time.time()
         self.done = PartStats()
         self.done.add(done)
@@ -320,7 +334,8 @@ class Progress:
 
     def write(self, state: str, total_rows: Optional[int] = None, error: Optional[str] = None) -> None:
         elapsed = max(time.time() - self.start, 1e-9)
-        total = total_rows if total_rows is not None else self.total
+        total = self.total if total_rows is None else shard_rows(total_rows, self.cfg.rows_per_part,
+                                                                 self.cfg.run.shard, self.cfg.run.num_shards)
         left = None if total is None else max(total - self.done.rows, 0)
         eta = None if left is None or not self.run_rows else left / (self.run_rows / elapsed)
         status = {

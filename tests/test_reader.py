@@ -54,7 +54,7 @@ def test_jsonl_bad_lines_become_error_rows_with_line_numbers(tmp_path):
     assert errors[2].startswith("invalid_utf8: line 4")
     assert errors[3].startswith("malformed_json: line 5")
     assert errors[5].startswith("malformed_json: line 7")
-    assert (rows[0]["n"], rows[4]["n"]) == ("1", "x")  # a column of mixed types is kept as JSON text
+    assert (rows[0]["n"], rows[4]["n"]) == ("1", '"x"')  # mixed types: every value as JSON text, exactly
 
 
 def test_hf_saved_dataset(tmp_path):

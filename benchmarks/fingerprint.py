@@ -67,7 +67,8 @@ def main() -> None:
                 drop_cache(model)
             t = time.perf_counter()
             model_identity(str(model))
-            print(f"model fingerprint, {size:.1f} GiB in 2 safetensors files, {label}: {time.perf_counter() - t:.3f} s")
+            took = time.perf_counter() - t
+            print(f"model fingerprint, {size:.1f} GiB in 2 safetensors files, {label}: {took:.3f} s")
 
         data = Path(tmp) / "in.jsonl"
         with open(data, "w") as f:

@@ -170,12 +170,13 @@ class Committer:
         return pa.Table.from_arrays([columns[f.name] for f in fields], schema=schema)
 
     def write_empty(self, schema_fields: Optional[list[pa.Field]] = None) -> None:
-        """An empty dataset still yields a readable result: one part with the schema and no rows."""
+        """An empty dataset still yields a readable result: one part with the schema and no rows. It has no row
+        group at all (an empty row group makes `datasets.load_dataset("parquet")` fail on a batch size of 0)."""
         schema = pa.schema(OUTPUT_FIELDS + (schema_fields or []), metadata=self.metadata)
         path = self.part_path(0)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         with writing(path):
-            pq.write_table(schema.empty_table(), tmp)
+            pq.ParquetWriter(tmp, schema).close()
             replace_durably(tmp, path)
 
     def write_status(self, status: dict[str, Any], name: str = "_status.json") -> None:

@@ -450,9 +450,10 @@ def resolve_files(cfg: DatasetConfig) -> tuple[str, list[str], fsspec.AbstractFi
         return "hf", [cfg.path], fsspec.filesystem("file"), ""
     fs, path = fsspec.core.url_to_fs(cfg.path)
     if any(ch in path for ch in "*?["):
-        files, root = sorted(fs.glob(path)), _glob_root(path)
+        root = _glob_root(path)
+        files = sorted(p for p in fs.glob(path) if not _hidden(p, root))
     elif fs.isdir(path):
-        files = sorted(p for p in fs.find(path) if p.endswith(PARQUET_EXTS + JSONL_EXTS))
+        files = sorted(p for p in fs.find(path) if p.endswith(PARQUET_EXTS + JSONL_EXTS) and not _hidden(p, path))
         root = path
     elif fs.exists(path):
         files, root = [path], ""
@@ -464,6 +465,14 @@ def resolve_files(cfg: DatasetConfig) -> tuple[str, list[str], fsspec.AbstractFi
     fmt = cfg.format if cfg.format != "auto" else _format_of(files)
     files = [fs.unstrip_protocol(f) if fs.protocol not in ("file", ("file", "local")) else f for f in files]
     return fmt, files, fs, root
+
+
+def _hidden(path: str, root: str) -> bool:
+    """A file or folder under `root` whose name starts with `_` or `.` (pyarrow's rule): a batchgen output's
+    _manifest.json, _status.json, _SUCCESS and journals, temp parts, .ipynb_checkpoints. A directory of parts
+    from an earlier job is then an input like any other."""
+    rel = path[len(root):] if root and path.startswith(root) else os.path.basename(path)
+    return any(name.startswith(("_", ".")) for name in rel.split("/") if name)
 
 
 def _is_saved_hf_dataset(path: str) -> bool:

@@ -253,3 +253,26 @@ def test_status_after_a_kill_and_across_shards(tiny_model, tmp_path):
     status.write_text(json.dumps(json.loads(status.read_text()) | {"state": "running", "eta_s": 12.0}))
     text = describe(out)
     assert "_status.shard-00001.json: stopped (no live writer)" in text and "ETA" not in text
+
+
+# -- 12. reading our own output ----------------------------------------------------------------------------------
+
+def test_an_empty_result_loads_with_datasets_and_an_output_is_the_next_jobs_input(tiny_model, tmp_path):
+    import datasets
+
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), empty)
+    out = tmp_path / "out"
+    assert run(tiny_model, empty, out).state == "done"
+    # streaming: datasets 5.2 refuses any empty split when not streaming ("corresponds to no data"), its own
+    # to_parquet output included; an empty row group made streaming fail too (a batch size of 0)
+    loaded = datasets.load_dataset("parquet", data_files=str(out / "*.parquet"), split="train", streaming=True)
+    assert list(loaded) == [] and "generation" in loaded.features
+
+    data = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"the river {i}"} for i in range(4)])
+    first, second = tmp_path / "first", tmp_path / "second"
+    run(tiny_model, data, first, "sampling.ignore_eos=true")
+    (first / "_part-00009.journal").write_bytes(b"")  # what a killed run leaves: skipped like the rest of _*
+    assert run(tiny_model, first, second, "dataset.prompt_column=generation",
+               "dataset.passthrough_columns=[]").state == "done"
+    assert read_output(second).column("id").to_pylist() == [f"part-00000.parquet:{i}" for i in range(4)]

@@ -126,29 +126,79 @@ class Reader:
 
 
 class ParquetReader(Reader):
+    """Parquet files under one schema: the files' schemas unified up front (a column missing from a file reads as
+    nulls there; integer and float widths promote), or the job refused before any generation naming the file and
+    the column. Read row group by row group: a row group that fails mid-job (a corrupt page) costs its unread
+    rows, which become `unreadable` error rows naming the file and row group; the rest of the input goes on."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._schema: Optional[pa.Schema] = None
+
     def _open(self, path: str) -> pq.ParquetFile:
         try:
-            return pq.ParquetFile(self.fs.open(path, "rb"))
+            return pq.ParquetFile(self.fs.open(path, "rb"), page_checksum_verification=True)
         except (pa.ArrowException, OSError) as exc:
             raise InputError(f"cannot read Parquet file {path}: {exc}") from exc
 
+    def schema(self) -> pa.Schema:
+        """Every file's footer read (a corrupt one stops the job here, before the model loads) and their schemas
+        unified."""
+        if self._schema is None:
+            unified: Optional[pa.Schema] = None
+            first = None
+            for path in self.files:
+                schema = self._open(path).schema_arrow.remove_metadata()
+                if unified is None:
+                    unified, first = schema, path
+                    continue
+                try:
+                    unified = pa.unify_schemas([unified, schema], promote_options="permissive")
+                except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+                    column = next(f.name for f in schema if f.name in unified.names
+                                  and unified.field(f.name).type != f.type)
+                    raise InputError(
+                        f"dataset.path: column {column!r} is {schema.field(column).type} in {path} but "
+                        f"{unified.field(column).type} in {first}; make the files agree (cast the column), or point "
+                        f"dataset.path at one kind") from None
+            self._schema = unified if unified is not None else pa.schema([])
+        return self._schema
+
     def columns(self) -> list[str]:
-        names: dict[str, None] = {}
-        for path in self.files:
-            names.update(dict.fromkeys(self._open(path).schema_arrow.names))
-        return list(names)
+        return self.schema().names
 
     def count_rows(self) -> Optional[int]:
         total = sum(self._open(p).metadata.num_rows for p in self.files)
         return total if self.cfg.limit is None else min(total, self.cfg.limit)
 
     def _file_batches(self, path: str) -> Iterator[tuple[pa.Table, list[str | None]]]:
+        schema = self.schema()
         pf = self._open(path)
-        try:
-            for batch in pf.iter_batches(batch_size=self.cfg.batch_rows):
-                yield pa.Table.from_batches([batch]), [None] * batch.num_rows
-        except (pa.ArrowException, OSError) as exc:
-            raise InputError(f"cannot read Parquet file {path}: {exc}") from exc
+        for group in range(pf.metadata.num_row_groups):
+            size, done = pf.metadata.row_group(group).num_rows, 0
+            try:
+                for batch in pf.iter_batches(batch_size=self.cfg.batch_rows, row_groups=[group]):
+                    done += batch.num_rows
+                    yield _conform(pa.Table.from_batches([batch]), schema), [None] * batch.num_rows
+            except (pa.ArrowException, OSError) as exc:
+                if size == done:
+                    continue
+                log.error("%s row group %d: %s; its %d unread rows become error rows", path, group, exc, size - done)
+                error = f"unreadable: {path} row group {group}: {str(exc)[:200]}"
+                yield _nulls(schema, size - done), [error] * (size - done)
+
+
+def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """A file's table in the unified schema: its columns in order, promoted, and nulls for those it lacks."""
+    if table.schema.equals(schema):
+        return table
+    columns = [table.column(f.name).cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
+               for f in schema]
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _nulls(schema: pa.Schema, rows: int) -> pa.Table:
+    return pa.Table.from_arrays([pa.nulls(rows, f.type) for f in schema], schema=schema)
 
 
 class JsonlReader(Reader):

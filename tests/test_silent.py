@@ -276,3 +276,51 @@ def test_an_empty_result_loads_with_datasets_and_an_output_is_the_next_jobs_inpu
     assert run(tiny_model, first, second, "dataset.prompt_column=generation",
                "dataset.passthrough_columns=[]").state == "done"
     assert read_output(second).column("id").to_pylist() == [f"part-00000.parquet:{i}" for i in range(4)]
+
+
+# -- 4. files of different schemas; 5. corruption found late ------------------------------------------------------
+
+def test_parquet_files_of_different_schemas_are_unified_or_refused_up_front(tiny_model, tmp_path):
+    from batchgen.errors import InputError
+
+    data = tmp_path / "in"
+    data.mkdir()
+    pq.write_table(pa.table({"prompt": ["the river", "the town"], "tag": ["x", "y"],
+                             "n": pa.array([1, 2], pa.int32())}), data / "a.parquet")
+    pq.write_table(pa.table({"prompt": ["old clock"], "n": pa.array([3], pa.int64())}), data / "b.parquet")
+    out = tmp_path / "out"
+    assert run(tiny_model, data, out, "run.rows_per_part=1").state == "done"
+    got = read_output(out).to_pylist()
+    assert [(r["tag"], r["n"]) for r in got] == [("x", 1), ("y", 2), (None, 3)]  # missing: null; int32 -> int64
+
+    pq.write_table(pa.table({"prompt": ["late"], "tag": pa.array([7], pa.int64())}), data / "c.parquet")
+    with pytest.raises(InputError, match=r"column 'tag' is int64 in .*c.parquet but string in .*a.parquet"):
+        run(tiny_model, data, tmp_path / "out2")
+    assert not (tmp_path / "out2").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("policy", ["record", "fail"])
+def test_a_corrupt_page_in_a_later_row_group_costs_only_its_rows(tiny_model, tmp_path, policy):
+    """Four row groups with page checksums; the third's data page is overwritten: the job keeps the other row
+    groups' rows, and the third's rows are `unreadable` error rows naming the file and row group (or, under
+    run.on_bad_row=fail, the job stops naming them, with the parts before it committed)."""
+    from batchgen.errors import BatchgenError
+
+    path = tmp_path / "in.parquet"
+    prompts = [f"the river town number {i}" for i in range(16)]
+    pq.write_table(pa.table({"prompt": prompts}), path, row_group_size=4, compression="none",
+                   write_page_checksum=True)
+    chunk = pq.read_metadata(path).row_group(2).column(0)
+    with open(path, "r+b") as f:
+        f.seek((chunk.dictionary_page_offset or chunk.data_page_offset) + chunk.total_compressed_size - 20)
+        f.write(b"\xff" * 12)
+    out = tmp_path / "out"
+    if policy == "fail":
+        with pytest.raises(BatchgenError, match=r"unreadable: .*in.parquet row group 2"):
+            run(tiny_model, path, out, "run.rows_per_part=4", "run.on_bad_row=fail")
+        assert len(read_output(out)) == 8  # the two parts before it are committed
+        return
+    assert run(tiny_model, path, out, "run.rows_per_part=4").state == "done"
+    errors = [r["error"] for r in read_output(out).to_pylist()]
+    assert all(e is None for e in errors[:8] + errors[12:])
+    assert all(e.startswith("unreadable: ") and "row group 2" in e for e in errors[8:12])

@@ -21,8 +21,11 @@ from hydra.core.config_store import ConfigStore  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
+from batchgen.engines.base import EngineConfig  # noqa: E402
 from batchgen.errors import BatchgenError, ConfigError  # noqa: E402
-from batchgen.job import JobConfig, validate  # noqa: E402
+from batchgen.job import JobConfig, RunConfig, validate  # noqa: E402
+from batchgen.reader import DatasetConfig  # noqa: E402
+from batchgen.sampling import SamplingConfig  # noqa: E402
 from batchgen.stopping import StopRequested  # noqa: E402
 
 log = logging.getLogger("batchgen")
@@ -76,11 +79,69 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
+GROUPS = ("job", "engine", "dataset", "sampling")  # config groups: `engine=vllm` picks a file, not a key
+
+
+def unknown_keys(overrides: list[str]) -> list[str]:
+    """Every override naming a key JobConfig does not have (Hydra stops at the first), with a likely spelling."""
+    import dataclasses
+    import difflib
+
+    problems = []
+    for arg in overrides:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        if "=" not in arg or key.startswith("hydra") or key in GROUPS:
+            continue
+        node: object = JobConfig
+        known: list[str] = []
+        for i, name in enumerate(key.split(".")):
+            if not dataclasses.is_dataclass(node):
+                break  # a dict-valued key (engine.extra_args.*): any sub-key goes
+            fields = {f.name: f for f in dataclasses.fields(node)}
+            if name not in fields:
+                prefix = ".".join(key.split(".")[:i])
+                known = [f"{prefix}.{f}" if prefix else f for f in fields]
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                problems.append(f"{key}: no such config key{hint}; see README \"Config reference\"")
+                break
+            typ = fields[name].type
+            node = {"EngineConfig": EngineConfig, "DatasetConfig": DatasetConfig, "SamplingConfig": SamplingConfig,
+                    "RunConfig": RunConfig}.get(typ if isinstance(typ, str) else getattr(typ, "__name__", ""))
+    return problems
+
+
+def preflight(overrides: list[str]) -> None:
+    """Compose and validate the config before Hydra starts the job (and writes output_dir/_logs): every unknown
+    key, config problem, missing path or model and unusable output_dir reported at once, one line each, exit 2."""
+    from hydra import compose, initialize_config_dir
+
+    problems = unknown_keys(overrides)
+    if not problems:
+        try:
+            with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+                cfg = compose(config_name="config", overrides=overrides)
+            if OmegaConf.is_missing(cfg, "name"):
+                problems.append("name is required: pick a job (job=demo) or set name=...")
+            else:
+                to_job_config(cfg)
+        except ConfigError as exc:
+            problems += exc.problems
+        except Exception as exc:  # Hydra's composition errors: a bad group, value or override syntax
+            problems.append(str(exc).splitlines()[0])
+    if problems:
+        for line in problems:
+            print(f"batchgen: error: {line}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "status":
         from batchgen.status import main as status_main
 
         sys.exit(status_main(sys.argv[2:]))
+    if not any(arg.startswith("-") for arg in sys.argv[1:]):  # Hydra's own flags (--help, -m) go straight to it
+        preflight(sys.argv[1:])
     try:
         _hydra_main()
     except SystemExit as exc:

@@ -5,7 +5,10 @@ Plain dataclasses: the CLI fills them from Hydra once; nothing here imports omeg
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from batchgen.engines import ENGINES
@@ -66,9 +69,30 @@ def validate(cfg: JobConfig) -> JobConfig:
 
             problems += quant.check(cfg.engine.quantization, cfg.engine.device, cfg.engine.dtype)
     problems += cfg.engine.problems() + cfg.dataset.problems() + cfg.sampling.problems() + _run_problems(cfg.run)
+    problems += output_dir_problems(cfg.output_dir)
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+MIN_FREE_BYTES = 64 << 20  # an output_dir on a disk with less free space is refused at start
+
+
+def output_dir_problems(output_dir: str) -> list[str]:
+    """output_dir (or the nearest folder it would be made in) must be a writable directory on a disk with room."""
+    if "://" in output_dir:
+        return []  # not a local path: the committer's writes tell
+    path = Path(output_dir)
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    if not existing.is_dir():
+        return [f"output_dir: {existing} is a file, not a directory"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [f"output_dir: {existing} is not writable (read-only or no permission); choose another output_dir"]
+    free = shutil.disk_usage(existing).free
+    if free < MIN_FREE_BYTES:
+        return [f"output_dir: the disk holding {existing} has {free // (1 << 20)} MiB free; free space or choose "
+                f"another output_dir"]
+    return []
 
 
 def _run_problems(run: RunConfig) -> list[str]:

@@ -51,6 +51,8 @@ class DatasetConfig:
         out = []
         if self.path in ("???", "", None):
             out.append("dataset.path is required (a file, directory, glob or URL)")
+        else:
+            out += _path_problems(self.path, self.format)
         if self.format not in FORMATS:
             out.append(f"dataset.format must be one of {', '.join(FORMATS)} (got {self.format!r})")
         if self.limit is not None and self.limit < 0:
@@ -62,6 +64,22 @@ class DatasetConfig:
         if self.template is not None and self.messages_column is not None:
             out.append("dataset.template and dataset.messages_column are exclusive: set one of them")
         return out
+
+
+def _path_problems(path: str, fmt: str) -> list[str]:
+    """A URL whose filesystem is not installed, or a local path that does not exist (no glob, not a hub id)."""
+    if "://" in path:
+        protocol = path.split("://", 1)[0]
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ImportError as exc:
+            return [f"dataset.path: {protocol}:// needs a package that is not installed: {exc}"]
+        except ValueError:
+            return [f"dataset.path: unknown URL scheme {protocol}:// (fsspec knows no such filesystem)"]
+        return []
+    if any(ch in path for ch in "*?[") or os.path.exists(path) or fmt == "hf":
+        return []
+    return [f"dataset.path: no such file or directory: {path}"]
 
 
 class Reader:

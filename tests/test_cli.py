@@ -22,8 +22,14 @@ def test_config_errors_exit_2_naming_the_key_before_the_model_loads(tiny_model, 
         "engine.model: no such model directory": [f"engine.model={tmp_path / 'no-model'}",
                                                   "dataset.prompt_column=text"],
         "sampling.top_p must be in (0, 1]": ["sampling.top_p=2.0", "dataset.prompt_column=text"],
-        "Key 'bogus' not in 'JobConfig'": ["bogus=1"],
+        "bogus: no such config key": ["bogus=1"],
+        "engine.device must be auto, cpu, cuda or cuda:N (got 'gpu')": ["engine.device=gpu"],
+        "has no weight files": [f"engine.model={tmp_path}"],  # a directory without weights
+        "dataset.path: s3:// needs a package": ["dataset.path=s3://bucket/in.parquet"],
+        "name is required": ["~name"],
+        "output_dir: the disk holding /proc has 0 MiB free": ["output_dir=/proc/out"],
     }
+    (tmp_path / "config.json").write_text("{}")
     for expected, extra in cases.items():
         proc = run_cli(base + extra, timeout=120)
         assert proc.returncode == 2, (expected, proc.stderr[-2000:])
@@ -38,6 +44,19 @@ def test_validation_reports_every_problem_at_once(tiny_model, tmp_path):
     assert proc.returncode == 2
     for key in ("sampling.n", "run.too_long", "engine.quantization"):
         assert key in proc.stderr
+    # a bad path, a bad model and a bad sampling.n together; then several unknown keys: each set in one run,
+    # one line per problem, and nothing written (no output_dir, no _logs)
+    out = tmp_path / "never"
+    proc = run_cli(job_overrides(tiny_model, tmp_path / "nope.parquet", out, f"engine.model={tmp_path / 'm'}",
+                                 "sampling.n=0"), timeout=120)
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("batchgen: error: ")]
+    assert proc.returncode == 2 and len(lines) == 3, proc.stderr
+    assert [x.removeprefix("batchgen: error: ").split(" ")[0].rstrip(":") for x in lines] == [
+        "engine.model", "dataset.path", "sampling.n"]
+    proc = run_cli(job_overrides(tiny_model, data, out, "engine.dtyp=float32", "run.shrd=1"), timeout=120)
+    assert proc.returncode == 2 and "did you mean engine.dtype?" in proc.stderr and "did you mean run.shard?" in \
+        proc.stderr
+    assert not out.exists()
 
 
 def wait_for(path, proc, timeout=240.0):
@@ -82,10 +101,14 @@ def test_second_writer_is_refused_and_a_dead_holder_lock_is_taken_over(tiny_mode
     first = subprocess.Popen([sys.executable, "-m", "batchgen", *job_overrides(tiny_model, data, out, *extra)],
                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(out / "_lock.holder.json", first)
+    logs = {p: p.stat().st_mtime_ns for p in (out / "_logs").rglob("*") if p.is_file()}
     second = run_cli(job_overrides(tiny_model, data, out, *extra), timeout=120)
     assert second.returncode == 2 and f"pid {first.pid}" in second.stderr
+    assert all(p.stat().st_mtime_ns == t for p, t in logs.items() if p.suffix == ".yaml")  # the live run's logs
+    assert len(list((out / "_logs").iterdir())) == 2  # each run its own logs folder
     status = run_cli(["status", str(out)], timeout=60)
     assert status.returncode == 0 and f"held by pid {first.pid}" in status.stdout
+    assert "stopped (no live writer)" not in status.stdout
     os.kill(first.pid, signal.SIGKILL)
     first.wait()
     third = run_cli(job_overrides(tiny_model, data, out, *extra))
@@ -93,3 +116,6 @@ def test_second_writer_is_refused_and_a_dead_holder_lock_is_taken_over(tiny_mode
     assert read_output(out).num_rows == 60
     status = run_cli(["status", str(out)], timeout=60)
     assert "complete" in status.stdout and "no run holds the lock" in status.stdout
+    for lock in out.glob("_lock*"):
+        lock.unlink()
+    assert run_cli(["status", str(out)], timeout=60).returncode == 0 and not list(out.glob("_lock*"))  # reads only

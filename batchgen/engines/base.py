@@ -6,6 +6,8 @@ It knows nothing about files, parts, ids or Hydra.
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
@@ -13,6 +15,26 @@ from typing import Any, Optional, Protocol
 from batchgen.records import Request, Result
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")  # name or org/name: left to from_pretrained (a hub, if reachable)
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+def model_dir_problems(path: str, key: str, weights: bool = True) -> list[str]:
+    """What makes `path` unusable as a local model (or tokenizer) directory, checked before anything loads."""
+    if os.path.isdir(path):
+        names = os.listdir(path)
+        if weights and "config.json" not in names:
+            return [f"{key}: {path} has no config.json; point it at a model directory (save_pretrained's output)"]
+        if weights and not any(n.endswith(WEIGHT_FILES) for n in names):
+            return [f"{key}: {path} has no weight files (*.safetensors, *.bin); point it at a model directory "
+                    f"with its weights"]
+        return []
+    if os.path.exists(path):
+        return [f"{key}: {path} is a file; point it at a model directory"]
+    if HUB_ID.match(path) and not path.startswith((".", "/")):
+        return []
+    return [f"{key}: no such model directory: {path}"]
 
 
 @dataclass
@@ -39,6 +61,12 @@ class EngineConfig:
         out = []
         if self.model in ("???", "", None):
             out.append("engine.model is required (a local model directory)")
+        else:
+            out += model_dir_problems(self.model, "engine.model")
+        if self.tokenizer:
+            out += model_dir_problems(self.tokenizer, "engine.tokenizer", weights=False)
+        if self.name == "hf" and not DEVICE.match(self.device):
+            out.append(f"engine.device must be auto, cpu, cuda or cuda:N (got {self.device!r})")
         if self.dtype not in DTYPES:
             out.append(f"engine.dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
         for key in ("max_batch_tokens", "max_batch_size", "max_model_len", "threads"):

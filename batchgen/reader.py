@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 PARQUET_EXTS = (".parquet", ".pq")
 JSONL_EXTS = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".jsonl.bz2", ".jsonl.xz")
 FORMATS = ("auto", "parquet", "jsonl", "hf")
+VERIFY = ("footers", "pages")
 MAX_DEPTH = 32  # nesting of a JSONL value beyond which its row is a too_deep error (Parquet readers choke deeper)
 BOM = b"\xef\xbb\xbf"
 JSON_TEXT = {b"batchgen.encoding": b"json"}  # field metadata of a column kept as JSON text (its types mix)
@@ -46,6 +47,7 @@ class DatasetConfig:
     split: Optional[str] = None  # format=hf: split of a DatasetDict or hub dataset
     batch_rows: int = 2048  # rows per read batch (memory bound of the reader)
     max_line_bytes: int = 8 * 1024 * 1024  # JSONL: a longer line is a too_large error row, never parsed
+    verify: str = "footers"  # Parquet, before generation: footers | pages (also every page's checksum: a full read)
 
     def problems(self) -> list[str]:
         out = []
@@ -59,6 +61,8 @@ class DatasetConfig:
             out.append(f"dataset.limit must be >= 0 or null (got {self.limit})")
         if self.batch_rows < 1:
             out.append(f"dataset.batch_rows must be >= 1 (got {self.batch_rows})")
+        if self.verify not in VERIFY:
+            out.append(f"dataset.verify must be one of {', '.join(VERIFY)} (got {self.verify!r})")
         if self.max_line_bytes < 1:
             out.append(f"dataset.max_line_bytes must be >= 1 (got {self.max_line_bytes})")
         if self.template is not None and self.messages_column is not None:
@@ -185,6 +189,22 @@ class ParquetReader(Reader):
     def columns(self) -> list[str]:
         return self.schema().names
 
+    def verify_pages(self) -> None:
+        """dataset.verify=pages: read every page once (checksums verified where the file has them), batch by
+        batch, before generation; every row group that fails is named in one InputError."""
+        bad = []
+        for path in self.files:
+            pf = self._open(path)
+            for group in range(pf.metadata.num_row_groups):
+                try:
+                    for _ in pf.iter_batches(batch_size=self.cfg.batch_rows, row_groups=[group]):
+                        pass
+                except (pa.ArrowException, OSError) as exc:
+                    bad.append(f"{path} row group {group}: {_one_line(exc)}")
+        if bad:
+            raise InputError("dataset.verify=pages: unreadable pages in " + "; ".join(bad) + ". Repair or drop "
+                             "these files, or set dataset.verify=footers to record their rows as errors and go on")
+
     def count_rows(self) -> Optional[int]:
         total = sum(self._open(p).metadata.num_rows for p in self.files)
         return total if self.cfg.limit is None else min(total, self.cfg.limit)
@@ -202,8 +222,12 @@ class ParquetReader(Reader):
                 if size == done:
                     continue
                 log.error("%s row group %d: %s; its %d unread rows become error rows", path, group, exc, size - done)
-                error = f"unreadable: {path} row group {group}: {str(exc)[:200]}"
+                error = f"unreadable: {path} row group {group}: {_one_line(exc)}"
                 yield _nulls(schema, size - done), [error] * (size - done)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:200]
 
 
 def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:

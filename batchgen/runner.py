@@ -89,6 +89,8 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
     tokenizer = load_tokenizer(cfg)
     renderer = Renderer(cfg.dataset, tokenizer)
     passthrough = check_columns(cfg, reader, renderer)
+    if cfg.dataset.verify == "pages" and hasattr(reader, "verify_pages"):
+        reader.verify_pages()
     output_dir = Path(cfg.output_dir)
     with writing(output_dir):
         output_dir.mkdir(parents=True, exist_ok=True)

@@ -324,3 +324,20 @@ def test_a_corrupt_page_in_a_later_row_group_costs_only_its_rows(tiny_model, tmp
     errors = [r["error"] for r in read_output(out).to_pylist()]
     assert all(e is None for e in errors[:8] + errors[12:])
     assert all(e.startswith("unreadable: ") and "row group 2" in e for e in errors[8:12])
+
+
+def test_verify_pages_names_every_corrupt_row_group_before_generation(tiny_model, tmp_path):
+    from batchgen.errors import InputError
+
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"prompt": [f"the river {i}" for i in range(16)]}), path, row_group_size=4,
+                   compression="none", write_page_checksum=True)
+    for group in (1, 3):
+        chunk = pq.read_metadata(path).row_group(group).column(0)
+        with open(path, "r+b") as f:
+            f.seek((chunk.dictionary_page_offset or chunk.data_page_offset) + chunk.total_compressed_size - 20)
+            f.write(b"\xff" * 12)
+    out = tmp_path / "out"
+    with pytest.raises(InputError, match=r"row group 1: .*row group 3: "):
+        run(tiny_model, path, out, "dataset.verify=pages")
+    assert not list(out.glob("part-*"))

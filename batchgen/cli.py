@@ -2,7 +2,7 @@
 
 `batchgen [job=NAME] [key=value ...]` composes conf/, converts it to JobConfig dataclasses once,
 validates it and runs the job. `batchgen status OUTPUT_DIR` reads a run's progress off disk.
-Exit codes (DESIGN section 7): 0 done, 1 runtime failure or error rate exceeded, 2 config or input error;
+Exit codes (docs/contract.md section 7): 0 done, 1 runtime failure or error rate exceeded, 2 config or input error;
 143 / 130 stopped by SIGTERM / SIGINT after journaling finished results (rerun the same command to resume).
 """
 

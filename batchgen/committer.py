@@ -1,6 +1,6 @@
 """The committer: restores input order, writes each part atomically, keeps progress facts on disk.
 
-A part is committed when `part-KKKKK.parquet` exists under its final name (DESIGN section 6); its
+A part is committed when `part-KKKKK.parquet` exists under its final name (docs/contract.md section 6); its
 key-value metadata carries the config hash, the model identity and the part's own counts, so that a
 resumed run can total what was done without reading the data. Knows Parquet and files, not models.
 """

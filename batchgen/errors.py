@@ -1,4 +1,4 @@
-"""Exceptions that carry what a user needs to act on; the CLI maps them to exit codes (DESIGN section 7)."""
+"""Exceptions that carry what a user needs to act on; the CLI maps them to exit codes (docs/contract.md section 7)."""
 
 from __future__ import annotations
 

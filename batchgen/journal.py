@@ -1,5 +1,5 @@
 """The part journal: finished results of the part in flight, appended as the engine finishes them, so
-that a crash loses only what the engine had not finished (DESIGN section 6, rule 2).
+that a crash loses only what the engine had not finished (docs/contract.md section 6, rule 2).
 
 `_part-KKKKK.journal` sits beside the part it feeds. It is a header frame (the journal key: part
 index, first row, row ids digest, config hash, samples per row) followed by one frame per Result.

@@ -1,4 +1,4 @@
-"""One writer per output (DESIGN section 6, rule 4): OS file locks plus a note of each holder.
+"""One writer per output (docs/contract.md section 6, rule 4): OS file locks plus a note of each holder.
 
 Each writer holds the lock of its shard (`_lock` for an unsharded run, `_lock.shard-KKKKK` for shard K); the OS
 releases a lock when its process dies, so a dead writer's lock is simply taken over, and its holder note (host,

@@ -1,5 +1,5 @@
 """The manifest: what a run's output was made from, so that a resume can refuse a different input,
-model or output-affecting config (DESIGN section 6, rule 3). Knows files and dicts, not models.
+model or output-affecting config (docs/contract.md section 6, rule 3). Knows files and dicts, not models.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The planner: cuts the input stream into parts, skips committed and other shards' parts, and turns
 a part's rows into engine Requests (render, tokenize, fit to max_model_len, per-sample seeds).
 
-Rows that cannot be generated become error rows here, before the engine sees them (DESIGN section 7).
+Rows that cannot be generated become error rows here, before the engine sees them (docs/contract.md section 7).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Typed records that flow between reader/planner, engine and committer (DESIGN section 5)."""
+"""Typed records that flow between reader/planner, engine and committer (docs/contract.md section 5)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class Result:
 
 @dataclass(slots=True)
 class OutputRow:
-    """One output row (one sample), as committed (DESIGN section 4)."""
+    """One output row (one sample), as committed (docs/contract.md section 4)."""
 
     row: int  # row position within the part (to take passthrough columns)
     id: str

@@ -1,7 +1,7 @@
 """Prompt rendering: a plain column, a `{column}` template, or the tokenizer's chat template.
 
 The renderer turns one part's input columns into prompt texts, or into a per-row error string
-(DESIGN section 7). It knows the tokenizer only for its chat template; it does not tokenize.
+(docs/contract.md section 7). It knows the tokenizer only for its chat template; it does not tokenize.
 """
 
 from __future__ import annotations

@@ -175,9 +175,15 @@ class Committer:
         schema = pa.schema(OUTPUT_FIELDS + (schema_fields or []), metadata=self.metadata)
         path = self.part_path(0)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        with writing(path):
-            pq.ParquetWriter(tmp, schema).close()
-            replace_durably(tmp, path)
+        try:
+            with writing(path), open(tmp, "wb") as f:
+                pq.ParquetWriter(f, schema).close()
+                f.flush()
+                os.fsync(f.fileno())
+                replace_durably(tmp, path)
+        except OutputWriteError:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def write_status(self, status: dict[str, Any], name: str = "_status.json") -> None:
         path = self.output_dir / name

@@ -47,3 +47,10 @@ class TooLongError(BatchgenError):
     """A prompt does not fit under run.too_long=fail."""
 
     exit_code = 1
+
+
+class ModelLoadError(BatchgenError):
+    """The model directory passed the checks but from_pretrained could not load it (corrupt weights, an
+    unsupported architecture, a scheme the device lacks): an input problem, before any generation."""
+
+    exit_code = 2

@@ -19,7 +19,7 @@ from batchgen.sampling import SamplingConfig
 
 ON_BAD_ROW = ("record", "fail")
 TOO_LONG = ("truncate_left", "skip", "fail")
-ROWS_PER_PART = {"hf": 256, "vllm": 1024}  # engine-dependent default commit unit
+ROWS_PER_PART = {"hf": 256, "vllm": 1024}  # default commit unit per engine (vllm: one window keeps its scheduler busy)
 QUANTIZATION = {"hf": ("int8", "int4", "bnb-int8", "bnb-nf4"),  # per device and dtype: engines/quant.py
                 "vllm": ("awq", "gptq", "fp8", "compressed-tensors", "bitsandbytes", "gguf", "awq_marlin",
                          "gptq_marlin", "experts_int8")}
@@ -56,6 +56,8 @@ def validate(cfg: JobConfig) -> JobConfig:
     problems: list[str] = []
     if not cfg.name or cfg.name == "???":
         problems.append("name is required: pick a job (job=demo) or set name=...")
+    elif "${name}" in cfg.output_dir:  # a JobConfig made in Python: Hydra's interpolation, done here
+        cfg.output_dir = cfg.output_dir.replace("${name}", cfg.name)
     if cfg.engine.name not in ENGINES:
         problems.append(f"engine must be one of {', '.join(ENGINES)} (got {cfg.engine.name!r})")
     else:
@@ -69,10 +71,27 @@ def validate(cfg: JobConfig) -> JobConfig:
 
             problems += quant.check(cfg.engine.quantization, cfg.engine.device, cfg.engine.dtype)
     problems += cfg.engine.problems() + cfg.dataset.problems() + cfg.sampling.problems() + _run_problems(cfg.run)
+    problems += _ignored_keys(cfg.engine)
     problems += output_dir_problems(cfg.output_dir)
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def _ignored_keys(engine: EngineConfig) -> list[str]:
+    """Keys set away from their defaults that the chosen engine would ignore: refused rather than dropped."""
+    defaults = EngineConfig()
+    only = {"hf": ("device", "threads", "prepack"),
+            "vllm": ("tensor_parallel_size", "gpu_memory_utilization", "extra_args")}
+    out = []
+    for owner, keys in only.items():
+        if engine.name == owner or engine.name not in only:
+            continue
+        for key in keys:
+            if getattr(engine, key) != getattr(defaults, key):
+                out.append(f"engine.{key}={getattr(engine, key)!r} is a setting of engine={owner}; engine="
+                           f"{engine.name} would ignore it (remove it, or pass vLLM options in engine.extra_args)")
+    return out
 
 
 MIN_FREE_BYTES = 64 << 20  # an output_dir on a disk with less free space is refused at start

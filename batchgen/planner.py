@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import pyarrow as pa
 
-from batchgen.errors import TooLongError
+from batchgen.errors import BatchgenError, TooLongError
 from batchgen.job import JobConfig
 from batchgen.reader import Reader, is_json_text
 from batchgen.records import InputBatch, OutputRow, Part, Request, Result
@@ -198,10 +198,14 @@ def assemble(planned: PlannedPart, results: list[Result], *, n: int, job_seed: i
                                       finish_reason="error", num_prompt_tokens=0, num_generated_tokens=0,
                                       seed=seed, error=error))
                 continue
-            res = by_key.pop(row * n + s)  # KeyError here means the engine lost a request
+            res = by_key.pop(row * n + s, None)
+            if res is None:
+                raise BatchgenError(f"part {part.index}: the engine returned no result for row {part.ids[row]!r} "
+                                    f"sample {s}; nothing of this part was committed, rerun to resume")
             rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=res.text,
                                   finish_reason=res.finish_reason, num_prompt_tokens=res.num_prompt_tokens,
                                   num_generated_tokens=res.num_generated_tokens, seed=seed, error=None))
     if by_key:
-        raise RuntimeError(f"engine returned results for unknown requests: {sorted(by_key)[:5]}")
+        raise BatchgenError(f"part {part.index}: the engine returned results for unknown requests "
+                            f"{sorted(by_key)[:5]}; nothing of this part was committed, rerun to resume")
     return rows

@@ -207,3 +207,16 @@ def test_bf16_rounding_is_torchs_round_to_nearest_even(isa):
     cpu_kernels.decode_layer_attention(lib, qkv, torch.ones(n, d), torch.zeros(n, d), k, v,
                                        torch.zeros(n, dtype=torch.long), heads, 0.1)
     assert torch.equal(v[:, 0, 0], values.to(torch.bfloat16))
+
+
+@every_isa
+def test_a_layout_the_kernels_do_not_expect_is_refused_even_under_python_O(isa):
+    """The kernels write through raw pointers: wrong layouts raise ValueError by explicit checks (asserts would
+    vanish under -O), e.g. a non-contiguous input or a cache of another dtype for v than for k."""
+    lib = kernels(isa)
+    with pytest.raises(ValueError, match="rms_norm"):
+        cpu_kernels.rms_norm(lib, torch.randn(8, 4).t(), torch.randn(8), 1e-6)
+    k = torch.zeros(1, 1, 8, 16)
+    with pytest.raises(ValueError, match="decode_layer_attention"):
+        cpu_kernels.decode_layer_attention(lib, torch.randn(1, 48), torch.randn(1, 16), torch.randn(1, 16), k,
+                                           k.to(torch.bfloat16), torch.tensor([0]), 1, 0.25)

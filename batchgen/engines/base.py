@@ -82,7 +82,6 @@ class EngineConfig:
 
 class Engine(Protocol):
     max_model_len: int  # prompt + generation limit in tokens
-    rows_per_part: int  # default commit unit for this engine
 
     def identity(self) -> dict[str, Any]:
         """What identifies the model and numerics: goes into the manifest and part metadata."""

@@ -207,7 +207,8 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torc
     positions contiguous; lengths: [n] int64 on the CPU, valid positions per row -> [n, heads, d] float32."""
     n, heads, d = q.shape
     kv_heads = k.shape[1]
-    assert k.stride() == v.stride() and k.stride(3) == 1 and k.stride(2) == d and q.is_contiguous()
+    _require(k.stride() == v.stride() and k.stride(3) == 1 and k.stride(2) == d and q.is_contiguous(),
+             "decode_attention: q contiguous, k and v one cache layout with positions contiguous")
     out = torch.empty_like(q)
     lib.batchgen_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), lengths.data_ptr(), out.data_ptr(), n,
                                   heads, kv_heads, d, k.stride(0), k.stride(1), scale, torch.get_num_threads())
@@ -248,9 +249,12 @@ def decode_layer_attention(lib: ctypes.CDLL, qkv: torch.Tensor, cos: torch.Tenso
     or bfloat16 for a bf16 GEMM to read)."""
     n = qkv.shape[0]
     kv_heads, d = k.shape[1], k.shape[3]
-    assert qkv.is_contiguous() and qkv.shape[1] == (heads + 2 * kv_heads) * d and cos.is_contiguous()
-    assert k.stride() == v.stride() and k.stride(3) == 1 and k.stride(2) == d and positions.is_contiguous()
-    assert k.dtype == v.dtype and _out(k.dtype) and _out(qkv.dtype)
+    _require(qkv.is_contiguous() and qkv.shape[1] == (heads + 2 * kv_heads) * d and cos.is_contiguous()
+             and sin.is_contiguous() and positions.is_contiguous() and positions.shape[0] == n,
+             "decode_layer_attention: qkv [n, (heads + 2 kv_heads) d], cos, sin, positions contiguous")
+    _require(k.stride() == v.stride() and k.stride(3) == 1 and k.stride(2) == d and k.dtype == v.dtype
+             and k.shape[0] >= n, "decode_layer_attention: k and v one cache layout, a slot per row")
+    _out(k.dtype), _out(qkv.dtype)
     out = torch.empty((n, heads * d), dtype=_out(out_dtype))
     lib.batchgen_decode_layer_attention(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(),
                                         positions.data_ptr(), out.data_ptr(), n, heads, kv_heads, d, k.stride(0),
@@ -263,6 +267,8 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x: [..., hidden] float32 contiguous; weight: [hidden] float32 -> RMSNorm(x) * weight, x's shape, in out_dtype
     (float32, or bfloat16 for a bf16 GEMM to read)."""
+    _require(x.dtype == torch.float32 and x.is_contiguous() and weight.dtype == torch.float32
+             and weight.numel() == x.shape[-1], "rms_norm: x float32 contiguous, weight float32 [hidden]")
     out = torch.empty(x.shape, dtype=_out(out_dtype))
     hidden = x.shape[-1]
     lib.batchgen_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps,
@@ -275,7 +281,8 @@ def add_rms_norm(lib: ctypes.CDLL, x: torch.Tensor, delta: torch.Tensor, weight:
     """x += delta in place (x: [..., hidden] float32 contiguous, the residual stream; delta: x's shape, float32 or
     bfloat16 contiguous), then RMSNorm(x) * weight as rms_norm returns it: the residual add and the next norm in
     one pass."""
-    assert x.dtype == torch.float32 and x.is_contiguous() and delta.is_contiguous() and delta.shape == x.shape
+    _require(x.dtype == torch.float32 and x.is_contiguous() and delta.is_contiguous() and delta.shape == x.shape,
+             "add_rms_norm: x float32 contiguous, delta contiguous of x's shape")
     out = torch.empty(x.shape, dtype=_out(out_dtype))
     hidden = x.shape[-1]
     lib.batchgen_add_rms_norm(x.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // hidden,
@@ -287,12 +294,20 @@ def add_rms_norm(lib: ctypes.CDLL, x: torch.Tensor, delta: torch.Tensor, weight:
 def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """gate_up: [..., 2 inter] float32 or bfloat16 contiguous -> silu(gate) * up, [..., inter], in out_dtype
     (default: gate_up's)."""
-    assert gate_up.dtype in (torch.float32, torch.bfloat16) and gate_up.is_contiguous()
+    _require(gate_up.dtype in (torch.float32, torch.bfloat16) and gate_up.is_contiguous(),
+             "silu_mul: gate_up float32 or bfloat16, contiguous")
     inter = gate_up.shape[-1] // 2
     out = torch.empty((*gate_up.shape[:-1], inter), dtype=_out(out_dtype or gate_up.dtype))
     lib.batchgen_silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * inter), inter,
                           gate_up.dtype == torch.bfloat16, out.dtype == torch.bfloat16, torch.get_num_threads())
     return out
+
+
+def _require(ok: bool, what: str) -> None:
+    """The kernels write through raw pointers without bounds checks: a layout they do not expect is refused here
+    (an explicit check, not an assert, which `python -O` would drop)."""
+    if not ok:
+        raise ValueError(f"batchgen's CPU kernels: {what}")
 
 
 def _out(dtype: torch.dtype) -> torch.dtype:

@@ -24,9 +24,9 @@ from batchgen.sampling import SampleParams, find_stop
 log = logging.getLogger(__name__)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-DEFAULTS = {  # (max_batch_tokens, max_batch_size, rows_per_part) per device type
-    "cpu": (8192, 64, 256),
-    "cuda": (65536, 256, 1024),
+DEFAULTS = {  # (max_batch_tokens, max_batch_size) per device type; rows per part: job.ROWS_PER_PART
+    "cpu": (8192, 64),
+    "cuda": (65536, 256),
 }
 
 
@@ -81,10 +81,9 @@ class HFEngine:
             quant.set_gemm_dtype(self.model, torch.bfloat16)
         if self.device.type == "cpu":  # after loading: memory freed while loading or quantizing goes back to the OS
             cpu_runtime.keep_freed_memory()
-        budget, size, part = DEFAULTS["cuda" if self.device.type == "cuda" else "cpu"]
+        budget, size = DEFAULTS["cuda" if self.device.type == "cuda" else "cpu"]
         self.max_batch_tokens = cfg.max_batch_tokens or budget
         self.max_batch_size = cfg.max_batch_size or size
-        self.rows_per_part = part
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
         self.eos_ids = _eos_ids(self.model, tokenizer)

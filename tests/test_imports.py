@@ -1,0 +1,61 @@
+"""The package's shape: no import circle among batchgen's modules (imports inside functions included), and the
+job side (runner, planner, committer, reader) never imports an engine's internals."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "batchgen"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                base = node.module
+                if node.level:  # relative
+                    base = ".".join(name.split(".")[:-node.level] + [node.module])
+                for alias in node.names:  # `from pkg import submodule` imports the submodule, not pkg's names
+                    found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def test_no_import_circle():
+    graph = imports()
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                raise AssertionError("import circle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_the_job_side_knows_engines_only_through_the_registry():
+    graph = imports()
+    for name in ("batchgen.runner", "batchgen.planner", "batchgen.committer", "batchgen.reader"):
+        internals = {m for m in graph[name] if m.startswith("batchgen.engines.") and m != "batchgen.engines.base"}
+        assert not internals, (name, internals)

@@ -1,0 +1,36 @@
+"""JobConfig made in Python (not through Hydra) validates like the CLI's: interpolations done, ignored keys refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchgen.errors import BatchgenError, ConfigError
+from batchgen.job import JobConfig, validate
+from batchgen.planner import PlannedPart, assemble
+from batchgen.records import Part
+
+
+def test_output_dir_gets_the_name_outside_hydra(tiny_model, tmp_path):
+    cfg = JobConfig(name="nightly")
+    cfg.engine.model, cfg.dataset.path = tiny_model, str(tmp_path)
+    assert validate(cfg).output_dir == "data/outputs/nightly"
+
+
+def test_keys_the_chosen_engine_ignores_are_refused(tiny_model, tmp_path):
+    cfg = JobConfig(name="j")
+    cfg.engine.model, cfg.dataset.path = tiny_model, str(tmp_path)
+    cfg.engine.name, cfg.engine.device = "vllm", "cuda:1"
+    with pytest.raises(ConfigError, match=r"engine.device='cuda:1' is a setting of engine=hf; engine=vllm"):
+        validate(cfg)
+    cfg.engine.name, cfg.engine.device, cfg.engine.tensor_parallel_size = "hf", "auto", 2
+    with pytest.raises(ConfigError, match=r"engine.tensor_parallel_size=2 is a setting of engine=vllm"):
+        validate(cfg)
+
+
+def test_a_request_the_engine_lost_is_a_clear_error_not_a_key_error():
+    import pyarrow as pa
+
+    part = Part(index=3, start=0, table=pa.table({"prompt": ["a", "b"]}), ids=["r0", "r1"], read_errors=[None, None])
+    planned = PlannedPart(part=part, requests=[], errors=[None, None], prompt_tokens=[1, 1])
+    with pytest.raises(BatchgenError, match=r"part 3: the engine returned no result for row 'r0' sample 0"):
+        assemble(planned, [], n=1, job_seed=0, greedy=True)

@@ -1,3 +1,40 @@
-"""batchgen: offline batch generation for LLMs, streamed from datasets into resumable Parquet parts."""
+"""batchgen: offline batch generation for LLMs, streamed from datasets into resumable Parquet parts.
+
+The public API for Python jobs (see jobs/): build a JobConfig (plain dataclasses, validated by run_job as the
+CLI validates its config) and call run_job, optionally with a row-rendering function:
+
+    from batchgen import JobConfig, run_job
+    cfg = JobConfig(name="sentiment")
+    cfg.dataset.path, cfg.engine.model = "reviews.parquet", "models/my-llama"
+    summary = run_job(cfg, render_row=lambda row: f"Review: {row['text']}\nSentiment:")
+
+The contract (config keys, output, resume, exit codes) is docs/contract.md.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+__all__ = ["BatchgenError", "JobConfig", "Summary", "run_job", "__version__"]
+
+if TYPE_CHECKING:
+    from batchgen.errors import BatchgenError
+    from batchgen.job import JobConfig
+    from batchgen.runner import Summary, run_job
+
+
+def __getattr__(name: str) -> Any:  # lazy: `import batchgen` stays cheap (no torch, no pyarrow) until used
+    if name == "run_job" or name == "Summary":
+        from batchgen import runner
+
+        return getattr(runner, name)
+    if name == "JobConfig":
+        from batchgen.job import JobConfig
+
+        return JobConfig
+    if name == "BatchgenError":
+        from batchgen.errors import BatchgenError
+
+        return BatchgenError
+    raise AttributeError(f"module 'batchgen' has no attribute {name!r}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import string
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -33,10 +34,17 @@ def template_fields(template: str) -> list[str]:
     return names
 
 
+RenderRow = Callable[[dict], Any]  # a row (its columns) -> prompt text, or a list of {role, content} messages
+
+
 class Renderer:
-    def __init__(self, cfg: DatasetConfig, tokenizer: Any):
+    def __init__(self, cfg: DatasetConfig, tokenizer: Any, render_row: Optional[RenderRow] = None):
+        """render_row: a Python job's own rendering (batchgen.run_job(cfg, render_row=...)), used instead of the
+        prompt column or template: it returns the prompt text, or chat messages for the chat template. Whatever it
+        raises costs its row (`bad_render: ...`), never the job."""
         self.cfg = cfg
         self.tokenizer = tokenizer
+        self.render_row = render_row
         self.chat = cfg.messages_column is not None or cfg.system_prompt is not None
         if self.chat and not getattr(tokenizer, "chat_template", None):
             key = "dataset.messages_column" if cfg.messages_column else "dataset.system_prompt"
@@ -45,6 +53,8 @@ class Renderer:
                                "dataset.system_prompt"])
 
     def required_columns(self) -> list[str]:
+        if self.render_row is not None:
+            return []  # the job's function reads what it reads; a missing column is its row's error
         if self.cfg.messages_column:
             return [self.cfg.messages_column]
         if self.cfg.template is not None:
@@ -66,6 +76,16 @@ class Renderer:
         return Rendered(texts=texts, errors=errors, add_special_tokens=not self.chat)
 
     def _render_row(self, row: dict) -> tuple[Optional[str], Optional[str]]:
+        if self.render_row is not None:
+            try:
+                value = self.render_row(row)
+            except Exception as exc:  # the job's own code: one row's failure is that row's error
+                return None, f"bad_render: {type(exc).__name__}: {exc}"
+            if isinstance(value, list):
+                return self._chat(value)
+            text, error = _check_prompt(value)
+            return (self._chat([{"role": "user", "content": text}]) if error is None and self.chat
+                    else (text, error))
         if self.cfg.messages_column:
             return self._chat(row.get(self.cfg.messages_column))
         text, error = self._plain(row)

@@ -21,14 +21,14 @@ from tqdm import tqdm
 from batchgen.committer import OUTPUT_COLUMNS, SUCCESS, Committer, PartStats, writing
 from batchgen.engines import build_engine
 from batchgen.errors import BatchgenError, ConfigError, ErrorRateExceeded
-from batchgen.job import JobConfig
+from batchgen.job import JobConfig, validate
 from batchgen.journal import Journal, crash_window, journal_key, journal_path
 from batchgen.lock import OutputLock
 from batchgen.manifest import build_manifest, check_engine, check_or_write, config_hash, model_identity, record_layout
 from batchgen.planner import Planner, assemble
 from batchgen.reader import Reader, open_reader
 from batchgen.records import Part, Result
-from batchgen.render import Renderer, template_fields
+from batchgen.render import Renderer, RenderRow, template_fields
 from batchgen.stopping import GracefulStop
 
 log = logging.getLogger(__name__)
@@ -67,8 +67,11 @@ class Summary:
         return "\n".join(lines)
 
 
-def run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]] = None) -> Summary:
-    """Run one job (or one shard of it) to completion; resumable at any point.
+def run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]] = None, *,
+            render_row: Optional[RenderRow] = None) -> Summary:
+    """Run one job (or one shard of it) to completion; resumable at any point. The config is validated here (as
+    the CLI does), so a Python job may build its JobConfig by hand; `render_row(row) -> str | messages` replaces
+    the prompt column or template (render.Renderer).
 
     1. open the input and load the tokenizer; check columns and chat template (before any model loads)
     2. lock output_dir and check or write the manifest (refuse a mismatched resume)
@@ -79,15 +82,17 @@ def run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]] = None) -> Summar
     6. write _SUCCESS once every part exists, and the summary
     SIGTERM / SIGINT raise StopRequested (exit 143 / 130) once the finished results are journaled.
     """
+    validate(cfg)
     with GracefulStop() as stop:
-        return _run_job(cfg, resolved, stop)
+        return _run_job(cfg, resolved, stop, render_row)
 
 
-def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulStop) -> Summary:
+def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulStop,
+             render_row: Optional[RenderRow]) -> Summary:
     started = time.perf_counter()
     reader = open_reader(cfg.dataset)
     tokenizer = load_tokenizer(cfg)
-    renderer = Renderer(cfg.dataset, tokenizer)
+    renderer = Renderer(cfg.dataset, tokenizer, render_row)
     passthrough = check_columns(cfg, reader, renderer)
     if cfg.dataset.verify == "pages" and hasattr(reader, "verify_pages"):
         reader.verify_pages()
@@ -217,7 +222,7 @@ def check_columns(cfg: JobConfig, reader: Reader, renderer: Renderer) -> list[st
     wanted = {"dataset.id_column": ds.id_column, "dataset.max_new_tokens_column": ds.max_new_tokens_column}
     if ds.messages_column:
         wanted["dataset.messages_column"] = ds.messages_column
-    elif ds.template is None:
+    elif ds.template is None and renderer.render_row is None:
         wanted["dataset.prompt_column"] = ds.prompt_column
     problems = [f"{key}: column {col!r} not found in {where} (columns: {', '.join(available)})"
                 for key, col in wanted.items() if col is not None and col not in available]
@@ -225,13 +230,13 @@ def check_columns(cfg: JobConfig, reader: Reader, renderer: Renderer) -> list[st
         problems += [f"dataset.template refers to {{{name}}}, but no column {name!r} exists in {where} "
                      f"(columns: {', '.join(available)})" for name in template_fields(ds.template)
                      if name not in available]
-    passthrough = _passthrough(cfg, available, problems)
+    passthrough = _passthrough(cfg, available, problems, renderer.render_row is not None)
     if problems:
         raise ConfigError(problems)
     return passthrough
 
 
-def _passthrough(cfg: JobConfig, available: list[str], problems: list[str]) -> list[str]:
+def _passthrough(cfg: JobConfig, available: list[str], problems: list[str], own_render: bool) -> list[str]:
     ds = cfg.dataset
     if ds.passthrough_columns is not None:
         for col in ds.passthrough_columns:
@@ -242,7 +247,8 @@ def _passthrough(cfg: JobConfig, available: list[str], problems: list[str]) -> l
                 problems.append(f"dataset.passthrough_columns: {col!r} collides with an output column; "
                                 f"rename it in the input")
         return list(ds.passthrough_columns)
-    used = {ds.messages_column} if ds.messages_column else {ds.prompt_column} if ds.template is None else set()
+    used = ({ds.messages_column} if ds.messages_column else set() if ds.template is not None or own_render
+            else {ds.prompt_column})
     return [c for c in available if c not in used and c not in OUTPUT_COLUMNS]
 
 

@@ -19,8 +19,10 @@ from batchgen.sampling import SamplingConfig
 
 ON_BAD_ROW = ("record", "fail")
 TOO_LONG = ("truncate_left", "skip", "fail")
-ROWS_PER_PART = {"hf": 256, "vllm": 1024}  # default commit unit per engine (vllm: one window keeps its scheduler busy)
+# default commit unit per engine (vllm: one window per part keeps its scheduler busy)
+ROWS_PER_PART = {"hf": 256, "vllm": 1024, "dummy": 256}
 QUANTIZATION = {"hf": ("int8", "int4", "bnb-int8", "bnb-nf4"),  # per device and dtype: engines/quant.py
+                "dummy": (),
                 "vllm": ("awq", "gptq", "fp8", "compressed-tensors", "bitsandbytes", "gguf", "awq_marlin",
                          "gptq_marlin", "experts_int8")}
 

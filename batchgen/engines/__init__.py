@@ -20,7 +20,14 @@ def _load_vllm(cfg: EngineConfig, tokenizer: Any) -> Engine:
     return VLLMEngine(cfg, tokenizer)
 
 
-ENGINES: dict[str, Callable[[EngineConfig, Any], Engine]] = {"hf": _load_hf, "vllm": _load_vllm}
+def _load_dummy(cfg: EngineConfig, tokenizer: Any) -> Engine:
+    from batchgen.engines.dummy import DummyEngine
+
+    return DummyEngine(cfg, tokenizer)
+
+
+ENGINES: dict[str, Callable[[EngineConfig, Any], Engine]] = {"hf": _load_hf, "vllm": _load_vllm,
+                                                               "dummy": _load_dummy}
 
 
 def build_engine(cfg: EngineConfig, tokenizer: Any) -> Engine:

@@ -39,7 +39,7 @@ def model_dir_problems(path: str, key: str, weights: bool = True) -> list[str]:
 
 @dataclass
 class EngineConfig:
-    name: str = "hf"  # hf | vllm (chosen with `engine=hf` / `engine=vllm`)
+    name: str = "hf"  # hf | vllm | dummy (chosen with `engine=hf` / `engine=vllm` / `engine=dummy`)
     model: str = "???"  # local model directory (or hub id where the hub is reachable)
     tokenizer: Optional[str] = None  # tokenizer directory; null = the model's
     dtype: str = "auto"  # auto = the fastest exact-enough dtype for the device
@@ -62,7 +62,7 @@ class EngineConfig:
         if self.model in ("???", "", None):
             out.append("engine.model is required (a local model directory)")
         else:
-            out += model_dir_problems(self.model, "engine.model")
+            out += model_dir_problems(self.model, "engine.model", weights=self.name != "dummy")
         if self.tokenizer:
             out += model_dir_problems(self.tokenizer, "engine.tokenizer", weights=False)
         if self.name == "hf" and not DEVICE.match(self.device):

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from batchgen.version import __version__
+
 __all__ = ["BatchgenError", "JobConfig", "Summary", "run_job", "__version__"]
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:  # lazy: `import batchgen` stays cheap (no torch, no pyarrow) until used
     if name == "run_job" or name == "Summary":
-        from batchgen import runner
+        import batchgen.runner as runner
 
         return getattr(runner, name)
     if name == "JobConfig":

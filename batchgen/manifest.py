@@ -12,10 +12,10 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from batchgen import __version__
 from batchgen.errors import ResumeMismatchError
 from batchgen.fsutil import content_digest, write_json_atomic
 from batchgen.job import JobConfig
+from batchgen.version import __version__
 
 log = logging.getLogger(__name__)
 MANIFEST = "_manifest.json"

@@ -262,7 +262,7 @@ def prepare_output_dir(cfg: JobConfig, output_dir: Path, reader: Reader, resolve
 
 
 def _file_metadata(cfg: JobConfig) -> dict[str, str]:
-    from batchgen import __version__
+    from batchgen.version import __version__
 
     return {"batchgen.config_hash": config_hash(cfg), "batchgen.model": json.dumps(model_identity(cfg.engine.model)),
             "batchgen.version": __version__}

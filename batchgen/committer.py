@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import re
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError
-from batchgen.fsutil import fsync_dir, replace_durably, write_json_atomic
+from batchgen.fsutil import fsync_dir, replace_durably
 from batchgen.journal import JOURNAL_RE, crash_window
 from batchgen.records import OutputRow, Part
 
@@ -184,11 +183,6 @@ class Committer:
         except OutputWriteError:
             tmp.unlink(missing_ok=True)
             raise
-
-    def write_status(self, status: dict[str, Any], name: str = "_status.json") -> None:
-        path = self.output_dir / name
-        with writing(path):
-            write_json_atomic(path, status | {"updated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
 
     def finish(self, total_parts: int) -> bool:
         """Write _SUCCESS, last, once every part exists (whichever shard finishes last)."""

@@ -10,13 +10,13 @@ process died: restart the job, it resumes); 3 on timeout. Prints one progress li
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from batchgen.heartbeat import read_heartbeats  # noqa: E402
 from batchgen.lock import is_held, lock_name  # noqa: E402
 
 
@@ -24,20 +24,14 @@ def check(output_dir: Path) -> tuple[str, str]:
     """(verdict, line): verdict is done, failed, dead or waiting."""
     if (output_dir / "_SUCCESS").exists():
         return "done", f"{output_dir}: complete"
-    statuses = []
-    for path in sorted(output_dir.glob("_status*.json")):
-        try:
-            statuses.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    for s in statuses:
-        if s.get("state") == "failed":
-            return "failed", f"{output_dir}: shard {s.get('shard')} failed: {s.get('error')}"
-        live = is_held(output_dir / lock_name(s.get("shard", 0), s.get("num_shards", 1)))
-        if s.get("state") == "running" and not live:
-            return "dead", f"{output_dir}: shard {s.get('shard')} stopped without a live writer (killed?)"
-    done = sum(s.get("rows_done", 0) for s in statuses)
-    return "waiting", f"{output_dir}: {done} rows done, {len(statuses)} shard status file(s)"
+    beats = [beat for _, beat in read_heartbeats(output_dir)]
+    for s in beats:
+        if s.state == "failed":
+            return "failed", f"{output_dir}: shard {s.shard} failed: {s.error}"
+        if s.state == "running" and not is_held(output_dir / lock_name(s.shard, s.num_shards)):
+            return "dead", f"{output_dir}: shard {s.shard} stopped without a live writer (killed?)"
+    done = sum(s.rows_done for s in beats)
+    return "waiting", f"{output_dir}: {done} rows done, {len(beats)} shard status file(s)"
 
 
 def main(argv: list[str]) -> int:

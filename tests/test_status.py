@@ -28,3 +28,22 @@ def test_status_shows_the_journaled_samples_of_the_part_in_flight(tmp_path):
     assert "duplicate ids: 3 rows" in text and "last error: stopped by SIGTERM" in text
     assert "part 00001 in flight: 7 of 20 samples journaled, torn tail of 2 bytes (dropped on resume)" in text
     assert "no run holds the lock" in text
+
+
+def test_the_heartbeat_record_round_trips_and_reads_older_and_newer_files(tmp_path):
+    import json
+
+    from batchgen.heartbeat import Heartbeat, read_heartbeat, status_name, write_heartbeat
+
+    beat = Heartbeat(state="running", rows_done=3, rows_total=10, errors={"empty_prompt": 1}, shard=1, num_shards=2,
+                     current_part={"index": 3, "samples_planned": 4, "samples_journaled": 1, "samples_reused": 0})
+    write_heartbeat(tmp_path, beat)
+    path = tmp_path / status_name(1, 2)
+    assert path.name == "_status.shard-00001.json"
+    assert read_heartbeat(path) == beat and beat.updated_at
+    raw = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in raw.items() if k != "duplicate_ids"} | {"from_the_future": 1}))
+    older_newer = read_heartbeat(path)
+    assert older_newer.duplicate_ids == 0 and older_newer.rows_done == 3
+    path.write_text("{torn")
+    assert read_heartbeat(path) is None

@@ -1,0 +1,70 @@
+"""Pre-flight checks of a job once its input is open, before the output directory is touched or a model loads:
+the tokenizer (and so the chat template), the columns the config names, the passthrough columns. Problems are
+ConfigErrors naming the key (exit 2). Knows the config, the reader's columns and the renderer, not engines."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from batchgen.committer import OUTPUT_COLUMNS
+from batchgen.errors import ConfigError
+from batchgen.job import JobConfig
+from batchgen.reader import Reader
+from batchgen.render import Renderer, template_fields
+
+HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+def load_tokenizer(cfg: JobConfig) -> Any:
+    from transformers import AutoTokenizer
+
+    path = cfg.engine.tokenizer or cfg.engine.model
+    key = "engine.tokenizer" if cfg.engine.tokenizer else "engine.model"
+    if not os.path.exists(path) and not HUB_ID.match(path):
+        raise ConfigError([f"{key}: no such model directory: {path}"])
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.engine.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ConfigError([f"{key}: cannot load a tokenizer from {path!r}: {exc}"]) from exc
+
+
+def check_columns(cfg: JobConfig, reader: Reader, renderer: Renderer) -> list[str]:
+    """Every column the config names must exist; returns the passthrough columns."""
+    ds = cfg.dataset
+    available = reader.columns()
+    if available is None:
+        return []
+    where = ", ".join(reader.files[:3]) + (" ..." if len(reader.files) > 3 else "")
+    wanted = {"dataset.id_column": ds.id_column, "dataset.max_new_tokens_column": ds.max_new_tokens_column}
+    if ds.messages_column:
+        wanted["dataset.messages_column"] = ds.messages_column
+    elif ds.template is None and renderer.render_row is None:
+        wanted["dataset.prompt_column"] = ds.prompt_column
+    problems = [f"{key}: column {col!r} not found in {where} (columns: {', '.join(available)})"
+                for key, col in wanted.items() if col is not None and col not in available]
+    if ds.template is not None:
+        problems += [f"dataset.template refers to {{{name}}}, but no column {name!r} exists in {where} "
+                     f"(columns: {', '.join(available)})" for name in template_fields(ds.template)
+                     if name not in available]
+    passthrough = _passthrough(cfg, available, problems, renderer.render_row is not None)
+    if problems:
+        raise ConfigError(problems)
+    return passthrough
+
+
+def _passthrough(cfg: JobConfig, available: list[str], problems: list[str], own_render: bool) -> list[str]:
+    ds = cfg.dataset
+    if ds.passthrough_columns is not None:
+        for col in ds.passthrough_columns:
+            if col not in available:
+                problems.append(f"dataset.passthrough_columns: column {col!r} not found (columns: "
+                                f"{', '.join(available)})")
+            elif col in OUTPUT_COLUMNS:
+                problems.append(f"dataset.passthrough_columns: {col!r} collides with an output column; "
+                                f"rename it in the input")
+        return list(ds.passthrough_columns)
+    used = ({ds.messages_column} if ds.messages_column else set() if ds.template is not None or own_render
+            else {ds.prompt_column})
+    return [c for c in available if c not in used and c not in OUTPUT_COLUMNS]

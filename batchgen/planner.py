@@ -187,12 +187,14 @@ class Planner:
 def assemble(planned: PlannedPart, results: list[Result], *, n: int, job_seed: int, greedy: bool) -> list[OutputRow]:
     """Output rows in input order, samples of a row consecutive; error rows get one row per sample."""
     by_key = {r.key: r for r in results}
+    seeds = {r.key: r.seed for r in planned.requests}  # a generated sample's seed is its request's, as planned
     part = planned.part
     rows: list[OutputRow] = []
     for row in range(part.num_rows):
         for s in range(n):
-            seed = None if greedy else derive_seed(job_seed, part.ids[row], s)
             error = planned.errors[row]
+            seed = seeds.get(row * n + s) if error is None else (
+                None if greedy else derive_seed(job_seed, part.ids[row], s))  # error rows: no request made
             if error is not None:
                 rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=None,
                                       finish_reason="error", num_prompt_tokens=0, num_generated_tokens=0,

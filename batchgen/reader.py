@@ -47,7 +47,7 @@ class DatasetConfig:
     split: Optional[str] = None  # format=hf: split of a DatasetDict or hub dataset
     batch_rows: int = 2048  # rows per read batch (memory bound of the reader)
     max_line_bytes: int = 8 * 1024 * 1024  # JSONL: a longer line is a too_large error row, never parsed
-    verify: str = "footers"  # Parquet, before generation: footers | pages (also every page's checksum: a full read)
+    verify: str = "pages"  # Parquet, before generation: pages (every page read once, checksums) | footers only
 
     def problems(self) -> list[str]:
         out = []

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -301,8 +302,8 @@ def test_parquet_files_of_different_schemas_are_unified_or_refused_up_front(tiny
 
 @pytest.mark.parametrize("policy", ["record", "fail"])
 def test_a_corrupt_page_in_a_later_row_group_costs_only_its_rows(tiny_model, tmp_path, policy):
-    """Four row groups with page checksums; the third's data page is overwritten: the job keeps the other row
-    groups' rows, and the third's rows are `unreadable` error rows naming the file and row group (or, under
+    """Four row groups with page checksums; the third's data page is overwritten; with dataset.verify=footers (no
+    page read up front) the job keeps the other row groups' rows, and the third's rows are `unreadable` error rows naming the file and row group (or, under
     run.on_bad_row=fail, the job stops naming them, with the parts before it committed)."""
     from batchgen.errors import BatchgenError
 
@@ -317,10 +318,10 @@ def test_a_corrupt_page_in_a_later_row_group_costs_only_its_rows(tiny_model, tmp
     out = tmp_path / "out"
     if policy == "fail":
         with pytest.raises(BatchgenError, match=r"unreadable: .*in.parquet row group 2"):
-            run(tiny_model, path, out, "run.rows_per_part=4", "run.on_bad_row=fail")
+            run(tiny_model, path, out, "run.rows_per_part=4", "run.on_bad_row=fail", "dataset.verify=footers")
         assert len(read_output(out)) == 8  # the two parts before it are committed
         return
-    assert run(tiny_model, path, out, "run.rows_per_part=4").state == "done"
+    assert run(tiny_model, path, out, "run.rows_per_part=4", "dataset.verify=footers").state == "done"
     errors = [r["error"] for r in read_output(out).to_pylist()]
     assert all(e is None for e in errors[:8] + errors[12:])
     assert all(e.startswith("unreadable: ") and "row group 2" in e for e in errors[8:12])
@@ -339,5 +340,37 @@ def test_verify_pages_names_every_corrupt_row_group_before_generation(tiny_model
             f.write(b"\xff" * 12)
     out = tmp_path / "out"
     with pytest.raises(InputError, match=r"row group 1: .*row group 3: "):
-        run(tiny_model, path, out, "dataset.verify=pages")
+        run(tiny_model, path, out)  # dataset.verify=pages, the default
     assert not list(out.glob("part-*"))
+
+
+def test_sigterm_during_the_typing_pass_over_huge_lines_takes_effect_within_a_second(tmp_path):
+    """The typing pass parses one line at a time, each at most dataset.max_line_bytes: a SIGTERM raises between
+    lines, however long the input (here 50 MB lines, read past unparsed, among ordinary ones)."""
+    import signal
+
+    data = tmp_path / "in.jsonl"
+    with open(data, "wb") as f:
+        for _ in range(12):
+            f.write(b'{"prompt": "' + b"x" * (50 << 20) + b'"}\n')
+            f.write(b"".join(b'{"prompt": "the river %d"}\n' % j for j in range(20_000)))
+    script = textwrap.dedent(f"""
+        import sys
+        from batchgen.reader import DatasetConfig, open_reader
+        from batchgen.stopping import GracefulStop, StopRequested
+        try:
+            with GracefulStop():
+                print("scanning", flush=True)
+                open_reader(DatasetConfig(path={str(data)!r})).schema()
+        except StopRequested as exc:
+            sys.exit(exc.exit_code)
+        sys.exit(0)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "scanning"
+    time.sleep(1.0)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=30)
+    took = time.monotonic() - sent
+    assert code == 143 and took < 1.0, (code, took)

@@ -303,8 +303,9 @@ def test_parquet_files_of_different_schemas_are_unified_or_refused_up_front(tiny
 @pytest.mark.parametrize("policy", ["record", "fail"])
 def test_a_corrupt_page_in_a_later_row_group_costs_only_its_rows(tiny_model, tmp_path, policy):
     """Four row groups with page checksums; the third's data page is overwritten; with dataset.verify=footers (no
-    page read up front) the job keeps the other row groups' rows, and the third's rows are `unreadable` error rows naming the file and row group (or, under
-    run.on_bad_row=fail, the job stops naming them, with the parts before it committed)."""
+    page read up front) the job keeps the other row groups' rows, and the third's rows are `unreadable` error rows
+    naming the file and row group (or, under run.on_bad_row=fail, the job stops naming them, with the parts before
+    it committed)."""
     from batchgen.errors import BatchgenError
 
     path = tmp_path / "in.parquet"

@@ -144,7 +144,7 @@ def chat_runs(vllm_model, tmp_path_factory):
     return read_output(base / "vllm").to_pylist(), read_output(base / "hf").to_pylist()
 
 
-def test_chat_rendering_is_identical_to_the_hf_engine(chat_runs, vllm_model):
+def test_chat_rendering_is_identical_to_the_hf_engine(chat_runs, vllm_model, tmp_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(vllm_model)
@@ -155,6 +155,22 @@ def test_chat_rendering_is_identical_to_the_hf_engine(chat_runs, vllm_model):
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         assert v["num_prompt_tokens"] == h["num_prompt_tokens"] == len(ids), v["id"]
         assert v["error"] is None and h["error"] is None
+    # token for token: the ids both engines are given are the planner's, from the same rendering; compare them
+    # with the tokenizer's own chat template tokenization
+    from batchgen.planner import Planner
+    from batchgen.reader import open_reader
+    from batchgen.render import Renderer
+
+    data = write_parquet(tmp_path / "in.parquet", chat_rows())
+    cfg = compose_job(job_overrides(vllm_model, data, tmp_path / "unused", *CHAT))
+    planner = Planner(cfg, open_reader(cfg.dataset), Renderer(cfg.dataset, tok), tok)
+    planned = [planner.plan(part, 4096) for part in planner.parts(skip=set())]
+    given = [req.prompt_ids for p in planned for req in p.requests]
+    assert len(given) == len(chat_rows())
+    for src, ids_given in zip(chat_rows(), given):
+        want = tok.apply_chat_template(src["messages"], add_generation_prompt=True, tokenize=True)
+        want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+        assert ids_given == list(want), src["uid"]
 
 
 def test_greedy_float32_equals_the_hf_engine_token_for_token(chat_runs):
@@ -193,8 +209,12 @@ def test_sigkill_inside_a_part_keeps_what_vllm_had_finished(vllm_model, sampled_
         proc.wait()
     _, kept, _ = read_journal(journal)
     assert not (out / "part-00000.parquet").exists() and 8 <= len(kept) < 2 * ROWS
-    run_vllm(job_overrides(vllm_model, sampled_data, out, *overrides))
+    resumed = run_vllm(job_overrides(vllm_model, sampled_data, out, *overrides))
+    assert f"resumed: {len(kept)} samples reused from part journals" in resumed.stdout, resumed.stdout[-2000:]
     got = read_output(out)
     keys = list(zip(got.column("id").to_pylist(), got.column("sample_index").to_pylist()))
     assert len(set(keys)) == len(keys) == 2 * ROWS
-    print(f"killed with {len(kept)} of {2 * ROWS} samples journaled inside the only part; resumed to completion")
+    rows = got.to_pylist()  # one part of all rows: a sample's key is its position in the output
+    assert all(rows[r.key]["generation"] == r.text for r in kept)  # reused as vLLM first wrote them
+    print(f"killed with {len(kept)} of {2 * ROWS} samples journaled inside the only part; the resume reused all "
+          f"of them and completed the part")

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from batchgen.committer import writing
 from batchgen.fsutil import write_json_atomic
+from batchgen.lock import is_held, lock_name
 
 
 @dataclass
@@ -62,6 +63,11 @@ def read_heartbeat(path: Path) -> Optional[Heartbeat]:
         return None
     known = {f.name for f in dataclasses.fields(Heartbeat)}
     return Heartbeat(**{k: v for k, v in raw.items() if k in known})
+
+
+def writer_is_gone(output_dir: Path, beat: Heartbeat) -> bool:
+    """The record says running, but no live process holds that shard's lock: the writer was killed."""
+    return beat.state == "running" and not is_held(output_dir / lock_name(beat.shard, beat.num_shards))
 
 
 def read_heartbeats(output_dir: Path) -> list[tuple[Path, Heartbeat]]:

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+from batchgen.engines.base import WEIGHT_FILES
 from batchgen.errors import ResumeMismatchError
 from batchgen.fsutil import content_digest, write_json_atomic
 from batchgen.job import JobConfig
@@ -19,7 +20,6 @@ from batchgen.version import __version__
 
 log = logging.getLogger(__name__)
 MANIFEST = "_manifest.json"
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 
 
 def output_config(cfg: JobConfig) -> dict[str, Any]:
@@ -60,7 +60,7 @@ def model_identity(model: str) -> dict[str, Any]:
         return {"model": model}
     config = path / "config.json"
     weights = []
-    for file in sorted(p for p in path.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)):
+    for file in sorted(p for p in path.iterdir() if p.name.endswith(WEIGHT_FILES)):
         size = file.stat().st_size
         with open(file, "rb") as f:
             header = _safetensors_header(f) if file.suffix == ".safetensors" else None

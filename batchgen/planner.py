@@ -6,7 +6,6 @@ Rows that cannot be generated become error rows here, before the engine sees the
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ import pyarrow as pa
 
 from batchgen.errors import BatchgenError, TooLongError
 from batchgen.job import JobConfig
-from batchgen.reader import Reader, is_json_text
+from batchgen.reader import Reader, column_values
 from batchgen.records import InputBatch, OutputRow, Part, Request, Result
 from batchgen.render import Renderer
 from batchgen.sampling import SampleParams, derive_seed
@@ -139,9 +138,7 @@ class Planner:
         if not column:
             return [default] * table.num_rows
         caps = []
-        values = table.column(column).to_pylist()
-        if is_json_text(table.schema.field(column)):  # a mixed-type JSONL column: its values as written
-            values = [None if v is None else json.loads(v) for v in values]
+        values = column_values(table, column)  # a mixed-type JSONL column: its values as written
         for row, value in enumerate(values):
             if isinstance(value, float) and (math.isnan(value) or value.is_integer()):
                 value = None if math.isnan(value) else int(value)  # pandas' float64 for an int column with NaN

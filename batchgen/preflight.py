@@ -5,16 +5,14 @@ ConfigErrors naming the key (exit 2). Knows the config, the reader's columns and
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 from batchgen.committer import OUTPUT_COLUMNS
+from batchgen.engines.base import HUB_ID
 from batchgen.errors import ConfigError
 from batchgen.job import JobConfig
 from batchgen.reader import Reader
 from batchgen.render import Renderer, template_fields
-
-HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 
 
 def load_tokenizer(cfg: JobConfig) -> Any:

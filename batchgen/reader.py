@@ -141,9 +141,7 @@ class Reader:
 
     def _ids(self, table: pa.Table, label: str, first_row: int) -> list[str]:
         col = self.cfg.id_column
-        values = table.column(col).to_pylist() if col else [None] * table.num_rows
-        if col and is_json_text(table.schema.field(col)):  # ids of mixed types (JSONL): each as it was written
-            values = [None if v is None else json.loads(v) for v in values]
+        values = column_values(table, col) if col else [None] * table.num_rows  # mixed-type ids: as written
         return [f"{label}:{first_row + i}" if v is None else str(v) for i, v in enumerate(values)]
 
 
@@ -507,6 +505,14 @@ def _field(name: str, kind: Any) -> pa.Field:
 
 def is_json_text(field: pa.Field) -> bool:
     return (field.metadata or {}).get(b"batchgen.encoding") == b"json"
+
+
+def column_values(table: pa.Table, name: str) -> list:
+    """A column's values as Python objects, as the input wrote them: a JSON-text column (mixed types) decoded."""
+    values = table.column(name).to_pylist()
+    if is_json_text(table.schema.field(name)):
+        values = [None if v is None else json.loads(v) for v in values]
+    return values
 
 
 def _to_table(rows: list[dict], schema: pa.Schema, errors: list[Optional[str]]) -> pa.Table:

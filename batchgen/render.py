@@ -6,7 +6,6 @@ The renderer turns one part's input columns into prompt texts, or into a per-row
 
 from __future__ import annotations
 
-import json
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from typing import Any, Optional
 import pyarrow as pa
 
 from batchgen.errors import ConfigError
-from batchgen.reader import DatasetConfig, is_json_text
+from batchgen.reader import DatasetConfig, column_values, is_json_text
 
 
 @dataclass(slots=True)
@@ -64,9 +63,8 @@ class Renderer:
     def render(self, table: pa.Table) -> Rendered:
         rows = table.to_pylist()
         for name in [f.name for f in table.schema if is_json_text(f)]:  # mixed-type JSONL columns: their values
-            for row in rows:
-                if row[name] is not None:
-                    row[name] = json.loads(row[name])
+            for row, value in zip(rows, column_values(table, name)):
+                row[name] = value
         texts: list[Optional[str]] = []
         errors: list[Optional[str]] = []
         for row in rows:

@@ -7,9 +7,9 @@ import argparse
 from pathlib import Path
 
 from batchgen.committer import SUCCESS
-from batchgen.heartbeat import read_heartbeats
+from batchgen.heartbeat import read_heartbeats, writer_is_gone
 from batchgen.journal import JOURNAL_RE, read_journal
-from batchgen.lock import is_held, live_writers, lock_name
+from batchgen.lock import live_writers
 
 
 def describe(output_dir: Path) -> str:
@@ -18,9 +18,7 @@ def describe(output_dir: Path) -> str:
     lines = [f"{output_dir}: {'complete' if (output_dir / SUCCESS).exists() else 'incomplete'}"]
     beats = read_heartbeats(output_dir)
     for path, s in beats:
-        state = s.state
-        if state == "running" and not is_held(output_dir / lock_name(s.shard, s.num_shards)):
-            state = "stopped (no live writer)"  # killed: its last heartbeat said running
+        state = "stopped (no live writer)" if writer_is_gone(output_dir, s) else s.state
         total = s.rows_total
         pct = f" ({100 * s.rows_done / total:.1f}%)" if total else ""
         eta = f", ETA {s.eta_s:.0f}s" if s.eta_s is not None and state == "running" else ""

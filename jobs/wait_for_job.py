@@ -16,8 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from batchgen.heartbeat import read_heartbeats  # noqa: E402
-from batchgen.lock import is_held, lock_name  # noqa: E402
+from batchgen.heartbeat import read_heartbeats, writer_is_gone  # noqa: E402
 
 
 def check(output_dir: Path) -> tuple[str, str]:
@@ -28,7 +27,7 @@ def check(output_dir: Path) -> tuple[str, str]:
     for s in beats:
         if s.state == "failed":
             return "failed", f"{output_dir}: shard {s.shard} failed: {s.error}"
-        if s.state == "running" and not is_held(output_dir / lock_name(s.shard, s.num_shards)):
+        if writer_is_gone(output_dir, s):
             return "dead", f"{output_dir}: shard {s.shard} stopped without a live writer (killed?)"
     done = sum(s.rows_done for s in beats)
     return "waiting", f"{output_dir}: {done} rows done, {len(beats)} shard status file(s)"

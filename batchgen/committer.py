@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 from batchgen.errors import BatchgenError
 from batchgen.fsutil import fsync_dir, replace_durably
 from batchgen.journal import JOURNAL_RE, crash_window
-from batchgen.records import OutputRow, Part
+from batchgen.records import OutputRow, Part, PlannedPart, Result
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ OUTPUT_FIELDS = [
 OUTPUT_COLUMNS = tuple(f.name for f in OUTPUT_FIELDS)
 PART_RE = re.compile(r"^part-(\d{5,})\.parquet$")
 TMP_PART_RE = re.compile(r"^\.part-(\d{5,})\.parquet\.tmp-\d+$")
+TMP_JOURNAL_RE = re.compile(r"^\._part-(\d{5,})\.journal\.tmp-\d+$")  # a journal header being written
 SUCCESS = "_SUCCESS"
 
 
@@ -86,6 +87,35 @@ class PartStats:
         self.errors = dict(Counter(self.errors) + Counter(other.errors))
         self.prompt_tokens += other.prompt_tokens
         self.generated_tokens += other.generated_tokens
+
+
+def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
+    """A part's output rows in input order, the samples of a row consecutive, from the engine's results in any
+    order (journaled ones from an earlier run included); an error row gets one row per sample. Every seed is the
+    planner's (planned.seeds), so a row reads the same whichever run generated it."""
+    by_key = {r.key: r for r in results}
+    part, n = planned.part, planned.n
+    rows: list[OutputRow] = []
+    for row in range(part.num_rows):
+        error = planned.errors[row]
+        for s in range(n):
+            seed = planned.seeds[row * n + s]
+            if error is not None:
+                rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=None,
+                                      finish_reason="error", num_prompt_tokens=0, num_generated_tokens=0,
+                                      seed=seed, error=error))
+                continue
+            res = by_key.pop(row * n + s, None)
+            if res is None:
+                raise BatchgenError(f"part {part.index}: the engine returned no result for row {part.ids[row]!r} "
+                                    f"sample {s}; nothing of this part was committed, rerun to resume")
+            rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=res.text,
+                                  finish_reason=res.finish_reason, num_prompt_tokens=res.num_prompt_tokens,
+                                  num_generated_tokens=res.num_generated_tokens, seed=seed, error=None))
+    if by_key:
+        raise BatchgenError(f"part {part.index}: the engine returned results for unknown requests "
+                            f"{sorted(by_key)[:5]}; nothing of this part was committed, rerun to resume")
+    return rows
 
 
 def error_kind(error: str) -> str:
@@ -135,16 +165,18 @@ class Committer:
         return stats
 
     def clean_stale(self, mine: Callable[[int], bool], own_files: tuple[str, ...] = ()) -> None:
-        """Remove what a killed run of this shard left behind: temp parts, journals of committed parts, and
-        temp copies of the files only this shard writes (`own_files`, e.g. its status file)."""
+        """Remove what a killed run of this shard left behind: temp parts and temp journals of its own parts,
+        journals of committed parts, and temp copies of the files only this shard writes (`own_files`, e.g. its
+        status file). Another shard's temp files are its own (docs/contract.md section 6, rule 4)."""
         done = self.committed()
         own_tmp = tuple(f".{name}.tmp-" for name in own_files)
         for p in self.output_dir.iterdir():
-            tmp, journal = TMP_PART_RE.match(p.name), JOURNAL_RE.match(p.name)
+            tmp = TMP_PART_RE.match(p.name) or TMP_JOURNAL_RE.match(p.name)
+            journal = JOURNAL_RE.match(p.name)
             if tmp and mine(int(tmp.group(1))) or journal and int(journal.group(1)) in done:
                 log.info("removing %s left by an interrupted run", p.name)
                 p.unlink(missing_ok=True)
-            elif p.name.startswith("._part-") and ".journal.tmp-" in p.name or p.name.startswith(own_tmp):
+            elif p.name.startswith(own_tmp):
                 p.unlink(missing_ok=True)
 
     def _table(self, part: Part, rows: list[OutputRow], stats: PartStats) -> pa.Table:

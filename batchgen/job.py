@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from batchgen.engines import ENGINES
+from batchgen.engines import ENGINES, quantization_problems
 from batchgen.engines.base import EngineConfig
 from batchgen.errors import ConfigError
 from batchgen.reader import DatasetConfig
@@ -21,7 +21,7 @@ ON_BAD_ROW = ("record", "fail")
 TOO_LONG = ("truncate_left", "skip", "fail")
 # default commit unit per engine (vllm: one window per part keeps its scheduler busy)
 ROWS_PER_PART = {"hf": 256, "vllm": 1024, "dummy": 256}
-QUANTIZATION = {"hf": ("int8", "int4", "bnb-int8", "bnb-nf4"),  # per device and dtype: engines/quant.py
+QUANTIZATION = {"hf": ("int8", "int4", "bnb-int8", "bnb-nf4"),  # per device and dtype: engines/hf/quant/
                 "dummy": (),
                 "vllm": ("awq", "gptq", "fp8", "compressed-tensors", "bitsandbytes", "gguf", "awq_marlin",
                          "gptq_marlin", "experts_int8")}
@@ -37,6 +37,9 @@ class RunConfig:
     shard: int = 0  # this worker's share of the parts: parts k with k % num_shards == shard
     num_shards: int = 1
     progress: bool = True  # tqdm bar on stderr
+    # parts in flight beyond the oldest one, so the engine's batch stays full across part boundaries (each part
+    # still commits on its own, as soon as its last sample is in); null: enough for twice the engine's batch
+    lookahead_parts: Optional[int] = None
 
 
 @dataclass
@@ -68,10 +71,8 @@ def validate(cfg: JobConfig) -> JobConfig:
             choices = ", ".join(allowed) if allowed else "none yet (leave it null)"
             problems.append(f"engine.quantization={cfg.engine.quantization!r} is not supported by "
                             f"engine={cfg.engine.name}; choices: {choices}")
-        elif cfg.engine.name == "hf" and cfg.engine.quantization is not None:
-            from batchgen.engines import quant  # imports torch: only when a scheme is asked for
-
-            problems += quant.check(cfg.engine.quantization, cfg.engine.device, cfg.engine.dtype)
+        else:
+            problems += quantization_problems(cfg.engine)
     problems += cfg.engine.problems() + cfg.dataset.problems() + cfg.sampling.problems() + _run_problems(cfg.run)
     problems += _ignored_keys(cfg.engine)
     problems += output_dir_problems(cfg.output_dir)
@@ -120,6 +121,8 @@ def _run_problems(run: RunConfig) -> list[str]:
     out = []
     if run.rows_per_part is not None and run.rows_per_part < 1:
         out.append(f"run.rows_per_part must be >= 1 or null (got {run.rows_per_part})")
+    if run.lookahead_parts is not None and run.lookahead_parts < 0:
+        out.append(f"run.lookahead_parts must be >= 0 or null (got {run.lookahead_parts}); 0 runs one part at a time")
     if run.on_bad_row not in ON_BAD_ROW:
         out.append(f"run.on_bad_row must be one of {', '.join(ON_BAD_ROW)} (got {run.on_bad_row!r})")
     if run.too_long not in TOO_LONG:

@@ -26,10 +26,11 @@ def output_config(cfg: JobConfig) -> dict[str, Any]:
     """The config keys that change what is written; batch sizes, sharding and policies do not. The requested
     engine.dtype is not among them: what it resolves to is (ENGINE_KEYS, compared once the engine is loaded), so
     `bfloat16` and an `auto` that resolves to bf16 are the same run, and an `auto` that resolves otherwise is not.
-    Local model and tokenizer paths are compared resolved (a symlink or a relative path to the same directory)."""
+    Local paths (dataset, model, tokenizer) are compared resolved: a symlink or a relative path to the same file or
+    directory is the same run."""
     engine = cfg.engine
     return {
-        "dataset": dataclasses.asdict(cfg.dataset) | {"batch_rows": None},
+        "dataset": dataclasses.asdict(cfg.dataset) | {"batch_rows": None, "path": _input(cfg.dataset.path)},
         "sampling": dataclasses.asdict(cfg.sampling),
         "engine": {"name": engine.name, "model": _local(engine.model), "tokenizer": _local(engine.tokenizer),
                    "quantization": engine.quantization, "max_model_len": engine.max_model_len},
@@ -39,6 +40,16 @@ def output_config(cfg: JobConfig) -> dict[str, Any]:
 
 def _local(path: Optional[str]) -> Optional[str]:
     return os.path.realpath(path) if path and os.path.isdir(path) else path
+
+
+def _input(path: str) -> str:
+    """dataset.path as compared: an existing local file or directory resolved, a local glob made absolute; a URL
+    or a hub id as given."""
+    if "://" in path:
+        return path
+    if os.path.exists(path):
+        return os.path.realpath(path)
+    return os.path.abspath(path) if any(ch in path for ch in "*?[") else path
 
 
 # What a loaded engine reports (Engine.identity()) that changes its outputs: compared on resume. The device and

@@ -9,28 +9,19 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import pyarrow as pa
 
-from batchgen.errors import BatchgenError, TooLongError
+from batchgen.errors import TooLongError
 from batchgen.job import JobConfig
 from batchgen.reader import Reader, column_values
-from batchgen.records import InputBatch, OutputRow, Part, Request, Result
+from batchgen.records import InputBatch, Part, PlannedPart, Request
 from batchgen.render import Renderer
 from batchgen.sampling import SampleParams, derive_seed
 
 log = logging.getLogger(__name__)
 DUPLICATE_CHECK_ROWS = 2_000_000  # ids remembered for the duplicate-id count (about 100 bytes each)
-
-
-@dataclass(slots=True)
-class PlannedPart:
-    part: Part
-    requests: list[Request]  # one per sample of every generable row
-    errors: list[Optional[str]]  # per row: why it is an error row, else None
-    prompt_tokens: list[int]  # per row: prompt length after truncation (0 for error rows)
 
 
 class Planner:
@@ -116,20 +107,20 @@ class Planner:
         ids = self._tokenize([t if e is None else None for t, e in zip(rendered.texts, errors)],
                              rendered.add_special_tokens)
         n = self.cfg.sampling.n
+        greedy = self.cfg.sampling.temperature == 0.0
+        seeds = [None if greedy else derive_seed(self.cfg.sampling.seed, part.ids[row], s)
+                 for row in range(part.num_rows) for s in range(n)]  # every sample's, error rows' included
         requests: list[Request] = []
-        prompt_tokens = [0] * part.num_rows
         for row in range(part.num_rows):
             if errors[row] is not None:
                 continue
             fitted, errors[row] = self._fit(ids[row], caps[row], max_model_len, part.ids[row])
             if errors[row] is not None:
                 continue
-            prompt_tokens[row] = len(fitted)
             params = self._params(caps[row])
-            for s in range(n):
-                seed = None if params.greedy else derive_seed(self.cfg.sampling.seed, part.ids[row], s)
-                requests.append(Request(key=row * n + s, prompt_ids=fitted, params=params, seed=seed))
-        return PlannedPart(part=part, requests=requests, errors=errors, prompt_tokens=prompt_tokens)
+            requests += [Request(key=row * n + s, prompt_ids=fitted, params=params, seed=seeds[row * n + s])
+                         for s in range(n)]
+        return PlannedPart(part=part, requests=requests, errors=errors, seeds=seeds, n=n)
 
     def _caps(self, table: pa.Table, errors: list[Optional[str]]) -> list[int]:
         """Per-row max_new_tokens: the sampling cap, lowered by dataset.max_new_tokens_column."""
@@ -179,32 +170,3 @@ class Planner:
         s = self.cfg.sampling
         return SampleParams(max_new_tokens=cap, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                             stop=tuple(s.stop), ignore_eos=s.ignore_eos)
-
-
-def assemble(planned: PlannedPart, results: list[Result], *, n: int, job_seed: int, greedy: bool) -> list[OutputRow]:
-    """Output rows in input order, samples of a row consecutive; error rows get one row per sample."""
-    by_key = {r.key: r for r in results}
-    seeds = {r.key: r.seed for r in planned.requests}  # a generated sample's seed is its request's, as planned
-    part = planned.part
-    rows: list[OutputRow] = []
-    for row in range(part.num_rows):
-        for s in range(n):
-            error = planned.errors[row]
-            seed = seeds.get(row * n + s) if error is None else (
-                None if greedy else derive_seed(job_seed, part.ids[row], s))  # error rows: no request made
-            if error is not None:
-                rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=None,
-                                      finish_reason="error", num_prompt_tokens=0, num_generated_tokens=0,
-                                      seed=seed, error=error))
-                continue
-            res = by_key.pop(row * n + s, None)
-            if res is None:
-                raise BatchgenError(f"part {part.index}: the engine returned no result for row {part.ids[row]!r} "
-                                    f"sample {s}; nothing of this part was committed, rerun to resume")
-            rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=res.text,
-                                  finish_reason=res.finish_reason, num_prompt_tokens=res.num_prompt_tokens,
-                                  num_generated_tokens=res.num_generated_tokens, seed=seed, error=None))
-    if by_key:
-        raise BatchgenError(f"part {part.index}: the engine returned results for unknown requests "
-                            f"{sorted(by_key)[:5]}; nothing of this part was committed, rerun to resume")
-    return rows

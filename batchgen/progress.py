@@ -35,6 +35,8 @@ class Summary:
     load_s: float = 0.0  # start-up until the engine is ready: imports, tokenizer, input checks, model load
     reused_samples: int = 0  # results taken from part journals of an interrupted run instead of generated
     duplicate_ids: int = 0  # input rows whose id repeats an earlier row's (each still gets its own output row)
+    lookahead_parts: int = 0  # parts in flight beyond the oldest, at most (run.lookahead_parts, resolved)
+    max_parts_in_flight: int = 0  # the most parts this run held at once
 
     def render(self) -> str:
         t = self.totals
@@ -50,6 +52,9 @@ class Summary:
                          f"rows; ids are kept as given)")
         if self.reused_samples:
             lines.append(f"  resumed: {self.reused_samples} samples reused from part journals")
+        if self.max_parts_in_flight > 1:
+            lines.append(f"  streamed: up to {self.max_parts_in_flight} parts in flight (run.lookahead_parts="
+                         f"{self.lookahead_parts})")
         if self.state != "already_done":
             lines.append(f"  this run: {self.generated_tokens} generated tokens in {self.wall_s:.1f}s (start-up and "
                          f"model load {self.load_s:.1f}s), {self.generated_tokens / gen_s:.1f} generated tok/s after "
@@ -58,8 +63,8 @@ class Summary:
 
 
 class Progress:
-    """tqdm over rows with generated tokens/s, and the _status.json heartbeat: written per part, and while a part
-    is in flight at most every HEARTBEAT_S seconds with the samples journaled so far."""
+    """tqdm over rows with generated tokens/s, and the _status.json heartbeat: written per part opened and
+    committed, and in between at most every HEARTBEAT_S seconds with the samples journaled so far."""
 
     HEARTBEAT_S = 2.0
 
@@ -76,7 +81,7 @@ class Progress:
         self.run_rows = 0
         self.run_tokens = 0
         self.duplicate_ids = 0
-        self.part: Optional[dict[str, int]] = None  # the part in flight: index, samples planned, journaled, reused
+        self.parts: dict[int, dict[str, int]] = {}  # parts in flight: index, samples planned, journaled, reused
         self.written_at = 0.0
         self.engine: Any = None  # once loaded: its counters (OOM backoffs, decode steps) go into the status
         self.bar = tqdm(total=self.total, initial=min(done.rows, self.total or done.rows), unit="row",
@@ -84,21 +89,20 @@ class Progress:
         self.write("running")
 
     def start_part(self, index: int, planned: int, reused: int) -> None:
-        self.part = {"index": index, "samples_planned": planned, "samples_journaled": reused,
-                     "samples_reused": reused}
+        self.parts[index] = {"index": index, "samples_planned": planned, "samples_journaled": reused,
+                             "samples_reused": reused}
         self.write("running")
 
-    def journaled(self, count: int) -> None:
-        assert self.part is not None
-        self.part["samples_journaled"] += count
+    def journaled(self, index: int, count: int) -> None:
+        self.parts[index]["samples_journaled"] += count
         if time.monotonic() - self.written_at >= self.HEARTBEAT_S:
             self.write("running")
 
-    def update(self, stats: PartStats, generated_tokens: int) -> None:
+    def committed(self, index: int, stats: PartStats, generated_tokens: int) -> None:
         self.done.add(stats)
         self.run_rows += stats.rows
         self.run_tokens += generated_tokens
-        self.part = None
+        self.parts.pop(index, None)
         self.bar.update(stats.rows)
         self.bar.set_postfix(tok_s=f"{self.rate():.1f}", errors=self.done.error_rows)
         self.write("running")
@@ -117,7 +121,8 @@ class Progress:
             errors=dict(Counter(self.done.errors)), samples_done=self.done.samples,
             prompt_tokens=self.done.prompt_tokens, generated_tokens=self.done.generated_tokens,
             tokens_per_s=round(self.rate(), 2), eta_s=None if eta is None else round(eta, 1),
-            current_part=None if self.part is None else dict(self.part), duplicate_ids=self.duplicate_ids,
+            current_part=dict(self.parts[min(self.parts)]) if self.parts else None,
+            parts_in_flight=[dict(self.parts[k]) for k in sorted(self.parts)], duplicate_ids=self.duplicate_ids,
             engine=_engine_stats(self.engine), shard=self.cfg.run.shard, num_shards=self.cfg.run.num_shards,
             pid=os.getpid(), host=socket.gethostname(), error=error)
         with self.stop.shielded():

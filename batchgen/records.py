@@ -45,6 +45,17 @@ class Request:
 
 
 @dataclass(slots=True)
+class PlannedPart:
+    """A part turned into engine requests (the planner's output), with what the committer needs to restore it."""
+
+    part: Part
+    requests: list[Request]  # one per sample of every generable row, key row * n + sample_index
+    errors: list[str | None]  # per row: why it is an error row, else None
+    seeds: list[int | None]  # per output row (row * n + sample_index), error rows' included; None for greedy
+    n: int  # samples per row
+
+
+@dataclass(slots=True)
 class Result:
     """What the engine returns for one Request."""
 

@@ -1,5 +1,5 @@
-"""The job loop: reader/planner -> engine -> committer, part by part. The checks before it are preflight's and
-outdir's, what it tells while it runs is progress's. Knows no Hydra.
+"""The job loop: reader/planner -> engine -> committer, with parts streamed through the engine (feed.py). The
+checks before it are preflight's and outdir's, what it tells while it runs is progress's. Knows no Hydra.
 """
 
 from __future__ import annotations
@@ -7,27 +7,29 @@ from __future__ import annotations
 import json
 import logging
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
 from batchgen.committer import SUCCESS, Committer, PartStats, writing
 from batchgen.engines import build_engine
-from batchgen.errors import BatchgenError, ErrorRateExceeded
+from batchgen.engines.base import stream_windows
+from batchgen.errors import ErrorRateExceeded
+from batchgen.feed import Feed, auto_lookahead
 from batchgen.heartbeat import status_name
 from batchgen.job import JobConfig, validate
-from batchgen.journal import Journal, crash_window, journal_key, journal_path
 from batchgen.lock import OutputLock
-from batchgen.manifest import check_engine, config_hash
+from batchgen.manifest import check_engine
 from batchgen.outdir import committed_totals, file_metadata, prepare_output_dir
-from batchgen.planner import Planner, assemble
+from batchgen.planner import Planner
 from batchgen.preflight import check_columns, load_tokenizer
 from batchgen.progress import Progress, Summary
 from batchgen.reader import open_reader
-from batchgen.records import Part, Result
 from batchgen.render import Renderer, RenderRow
 from batchgen.stopping import GracefulStop
 
 log = logging.getLogger(__name__)
+DEFAULT_BATCH_SLOTS = 256  # an engine that does not say how many rows it decodes together (vLLM's max_num_seqs)
 
 
 def run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]] = None, *,
@@ -40,8 +42,9 @@ def run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]] = None, *,
     2. lock output_dir and check or write the manifest (refuse a mismatched resume)
     3. stop here if the job is already complete
     4. write the first status, load the engine
-    5. for each of this shard's uncommitted parts: plan, reuse its journal, generate the rest (journaling each
-       result), assemble, commit, drop the journal, report
+    5. stream this shard's uncommitted parts through the engine, a bounded look-ahead of them in flight: each
+       planned, its journal reused, the rest generated (each result journaled), then assembled, committed and its
+       journal dropped as soon as its last sample is in (feed.Feed)
     6. write _SUCCESS once every part exists, and the summary
     SIGTERM / SIGINT raise StopRequested (exit 143 / 130) once the finished results are journaled.
     """
@@ -98,60 +101,32 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
 
 def _generate_parts(cfg: JobConfig, planner: Planner, engine: Any, committer: Committer, summary: Summary,
                     progress: Progress) -> None:
-    for part in planner.parts(skip=committer.committed()):
-        stats, generated = _generate_part(cfg, planner, part, engine, committer, progress, summary)
+    """Stream this shard's uncommitted parts through the engine (feed.Feed: a bounded look-ahead of parts in
+    flight, each committed as soon as its last sample is in), then write _SUCCESS if every part exists."""
+    def on_committed(stats: PartStats, generated: int) -> None:
         summary.totals.add(stats)
         summary.generated_tokens += generated
-        progress.update(stats, generated)
         _check_error_rate(cfg, summary.totals)
+
+    lookahead = cfg.run.lookahead_parts
+    if lookahead is None:
+        lookahead = auto_lookahead(getattr(engine, "max_batch_size", None) or DEFAULT_BATCH_SLOTS, cfg.rows_per_part,
+                                   cfg.sampling.n)
+    feed = Feed(cfg, planner, committer, progress, summary, max_model_len=engine.max_model_len, lookahead=lookahead,
+                on_committed=on_committed)
+    stream = getattr(engine, "stream", None) or partial(stream_windows, engine.generate)  # an engine of the old API
+    try:
+        stream(feed.source, feed.on_result)
+        feed.finish()
+    finally:
+        feed.close()
+        summary.lookahead_parts, summary.max_parts_in_flight = lookahead, feed.max_in_flight
     summary.duplicate_ids = progress.duplicate_ids = planner.duplicate_ids
     if planner.total_rows == 0 and cfg.run.shard == 0:
         committer.write_empty()
     complete = committer.finish(max(planner.total_parts, 1 if planner.total_rows == 0 else 0))
     summary.state = "done" if complete else "partial"
     progress.close(summary.state, planner.total_rows)
-
-
-def _generate_part(cfg: JobConfig, planner: Planner, part: Part, engine: Any, committer: Committer,
-                   progress: Progress, summary: Summary) -> tuple[PartStats, int]:
-    """Plan the part, reuse what its journal holds, generate the rest while journaling it, then commit the
-    part and drop its journal (in that order: a crash in between leaves a journal that the next run removes).
-    Returns the part's stats and the tokens generated for it by this run."""
-    planned = planner.plan(part, engine.max_model_len)
-    _check_bad_rows(cfg, planned.errors, part.ids)
-    key = journal_key(part=part.index, first_row=part.start, ids=part.ids, config_hash=config_hash(cfg),
-                      n=cfg.sampling.n)
-    path = journal_path(committer.output_dir, part.index)
-    with writing(path):
-        journal, results = Journal.open(path, key, valid_keys={r.key for r in planned.requests})
-    with journal:
-        summary.reused_samples += len(results)
-        reused = {r.key for r in results}
-        todo = [r for r in planned.requests if r.key not in reused]
-        progress.start_part(part.index, len(planned.requests), len(results))
-
-        def on_result(result: Result) -> None:
-            with progress.stop.shielded(), writing(path):
-                journal.append(result)
-            progress.journaled(1)
-
-        new = engine.generate(todo, on_result=on_result) if todo else []
-        rows = assemble(planned, results + new, n=cfg.sampling.n, job_seed=cfg.sampling.seed,
-                        greedy=cfg.sampling.temperature == 0.0)
-        with progress.stop.shielded():
-            stats = committer.commit(part, rows)
-            crash_window("part committed, journal not yet removed")
-            with writing(path):
-                journal.remove()
-    return stats, sum(r.num_generated_tokens for r in new)
-
-
-def _check_bad_rows(cfg: JobConfig, errors: list[Optional[str]], ids: list[str]) -> None:
-    if cfg.run.on_bad_row == "fail":
-        bad = next((i for i, e in enumerate(errors) if e is not None), None)
-        if bad is not None:
-            raise BatchgenError(f"row {ids[bad]}: {errors[bad]} (run.on_bad_row=fail; set run.on_bad_row=record "
-                                "to write error rows and go on)")
 
 
 def _check_error_rate(cfg: JobConfig, totals: PartStats) -> None:

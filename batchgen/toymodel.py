@@ -18,6 +18,7 @@ SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|end|>"]
 SIZES = {  # name: (hidden, layers, heads, kv_heads, intermediate, vocab)
     "tiny": (64, 2, 4, 2, 128, 512),
     "small": (256, 4, 8, 4, 688, 2048),
+    "mid": (512, 6, 8, 4, 1408, 8192),  # about 26M parameters
     "bench": (768, 12, 12, 4, 2048, 8192),  # about 100M parameters
 }
 

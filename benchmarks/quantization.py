@@ -72,19 +72,23 @@ def load_engine(model: Path, config: str):
     from transformers import AutoTokenizer
 
     from batchgen.engines.base import EngineConfig
-    from batchgen.engines.hf import HFEngine
+    from batchgen.engines.hf.engine import HFEngine
+    from batchgen.engines.hf.sampler import Sampler
 
     scheme, dtype = CONFIGS[config]
     tok = AutoTokenizer.from_pretrained(model)
 
-    class RecordingEngine(HFEngine):  # keeps each result's token ids for the greedy comparison
+    class RecordingSampler(Sampler):  # keeps each result's token ids for the greedy comparison
         ids: dict[int, list[int]] = {}
 
         def make_result(self, req, generated, reason):
             self.ids[req.key] = list(generated)
             return super().make_result(req, generated, reason)
 
-    return RecordingEngine(EngineConfig(model=str(model), quantization=scheme, dtype=dtype, device="cpu"), tok)
+    engine = HFEngine(EngineConfig(model=str(model), quantization=scheme, dtype=dtype, device="cpu"), tok)
+    engine.sampler = RecordingSampler(tok, engine.eos_ids, engine.device)
+    engine.ids = engine.sampler.ids
+    return engine
 
 
 def requests(rows: list[list[int]], new_tokens: int):
@@ -106,7 +110,7 @@ def timed_generate(engine, rows: list[list[int]], new_tokens: int, batch: int) -
 def child(args: argparse.Namespace) -> None:
     import torch
 
-    from batchgen.engines import quant
+    from batchgen.engines.hf import quant
 
     plan = QUICK if args.quick else FULL
     engine = load_engine(args.model, args.run)
@@ -237,7 +241,7 @@ def main() -> None:
     table = summarize(args.workdir, samples, params)
     print_table(table, plan, params, len(samples["none"]))
     if args.json:
-        from batchgen.engines.cpu_kernels import describe_cpu
+        from batchgen.engines.hf.cpu.kernels import describe_cpu
 
         args.json.write_text(json.dumps({"rows": table, "samples": samples, "cpu": describe_cpu()}, indent=1))
 
@@ -279,7 +283,7 @@ def print_table(rows: list[dict], plan: dict, params: int, repeats: int) -> None
     def x(v: Optional[float]) -> str:
         return "-" if v is None else f"{v:.2f}x"
 
-    from batchgen.engines.cpu_kernels import describe_cpu
+    from batchgen.engines.hf.cpu.kernels import describe_cpu
 
     base = rows[0]["dtype"]
     batch = rows[0]["working_batch"]

@@ -184,7 +184,7 @@ def run_engine(model: Path, data: Path, dtype: str) -> dict:
     from transformers import AutoTokenizer
 
     from batchgen.engines.base import EngineConfig
-    from batchgen.engines.hf import HFEngine
+    from batchgen.engines.hf.engine import HFEngine
     from batchgen.records import Request
     from batchgen.sampling import SampleParams
 
@@ -302,13 +302,13 @@ def auto_dtype(model: Path) -> str:
     import torch
     from transformers import AutoConfig
 
-    from batchgen.engines.hf import resolve_dtype
+    from batchgen.engines.hf.device import resolve_dtype
 
     return str(resolve_dtype("auto", torch.device("cpu"), AutoConfig.from_pretrained(model))).removeprefix("torch.")
 
 
 def report(args: argparse.Namespace, model: Path, data: Path, size: str) -> None:
-    from batchgen.engines.cpu_kernels import describe_cpu
+    from batchgen.engines.hf.cpu.kernels import describe_cpu
 
     runners = [r for r in args.runners.split(",") if r]
     calib = calibrate(args.dtype)  # E's dtype: the roofline line is E's
@@ -343,7 +343,7 @@ def report(args: argparse.Namespace, model: Path, data: Path, size: str) -> None
 def print_table(args: argparse.Namespace, med: dict, calib: dict, model: Path, size: str) -> None:
     import json as _json
 
-    from batchgen.engines.cpu_kernels import describe_cpu
+    from batchgen.engines.hf.cpu.kernels import describe_cpu
 
     cfg = _json.loads((model / "config.json").read_text())
     params = _count_params(cfg)

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from batchgen.engines import cpu_kernels
+from batchgen.engines.hf.cpu import kernels as cpu_kernels
 
 ISAS = cpu_kernels.supported_isas()
 every_isa = pytest.mark.parametrize("isa", ISAS or ["none"])

@@ -8,9 +8,11 @@ import random
 import pytest
 import torch
 
-from batchgen.engines import cpu_kernels
 from batchgen.engines.base import EngineConfig
-from batchgen.engines.hf import HFEngine, resolve_dtype, sample_token
+from batchgen.engines.hf.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.device import resolve_dtype
+from batchgen.engines.hf.engine import HFEngine
+from batchgen.engines.hf.sampler import sample_token
 from batchgen.records import Request
 from batchgen.runner import run_job
 from batchgen.sampling import SampleParams
@@ -148,7 +150,7 @@ def test_auto_dtype_follows_the_measured_gemm_speed_and_an_explicit_dtype_wins(m
     bf16 is ~200x slower, a native one ~2.7x faster); the figures are cached per CPU kind and logged."""
     import logging
 
-    from batchgen.engines import cpu_dtype
+    from batchgen.engines.hf.cpu import calibration as cpu_dtype
 
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "emulated"))
     emulated = {"cpu": "x", "float32_s": 1e-3, "bfloat16_s": 0.2, "speedup": 0.005}
@@ -169,7 +171,7 @@ def test_auto_dtype_follows_the_measured_gemm_speed_and_an_explicit_dtype_wins(m
 def test_dtype_calibration_times_the_models_shape_capped():
     from types import SimpleNamespace
 
-    from batchgen.engines import cpu_dtype
+    from batchgen.engines.hf.cpu import calibration as cpu_dtype
 
     assert cpu_dtype.model_features(SimpleNamespace(hidden_size=768, intermediate_size=2048)) == (768, 2048)
     assert cpu_dtype.model_features(SimpleNamespace(hidden_size=8192, intermediate_size=28672)) == (4096, 4096)
@@ -179,7 +181,7 @@ def test_dtype_calibration_times_the_models_shape_capped():
 
 def test_dtype_calibration_measures_both_dtypes_here(monkeypatch, tmp_path):
     """The real measurement on this CPU: both dtypes timed, the ratio consistent with the times, cached on disk."""
-    from batchgen.engines import cpu_dtype
+    from batchgen.engines.hf.cpu import calibration as cpu_dtype
 
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
     figures = cpu_dtype.calibration()
@@ -228,7 +230,7 @@ def test_no_decode_step_is_spent_on_a_finished_row(tiny_model, tokenizer):
 
 
 def test_out_of_memory_in_prefill_halves_the_budget_and_retries(engine, tokenizer, monkeypatch):
-    from batchgen.engines.llama_step import LlamaStepper
+    from batchgen.engines.hf.step import LlamaStepper
 
     texts = prompts_with_lengths(tokenizer, [40, 35, 30, 25, 20, 15], seed=11)
     reqs = [Request(key=i, prompt_ids=tokenizer(t).input_ids, params=GREEDY, seed=None) for i, t in enumerate(texts)]
@@ -252,7 +254,7 @@ def test_out_of_memory_in_prefill_halves_the_budget_and_retries(engine, tokenize
 
 
 def test_out_of_memory_allocating_the_cache_or_in_the_generic_path_backs_off(tiny_model, tokenizer, monkeypatch):
-    from batchgen.engines.llama_step import LlamaStepper
+    from batchgen.engines.hf.step import LlamaStepper
 
     eng = HFEngine(EngineConfig(model=tiny_model, dtype="float32", max_batch_size=8), tokenizer)
     reqs = [Request(key=i, prompt_ids=tokenizer("the river " * (i + 1)).input_ids, params=GREEDY, seed=None)
@@ -269,14 +271,16 @@ def test_out_of_memory_allocating_the_cache_or_in_the_generic_path_backs_off(tin
     assert [r.text for r in eng.generate(reqs)] == expected
     assert eng.stats.oom_backoffs == 2 and eng.max_batch_size <= 2  # 6 slots -> 3 -> 1
 
-    real_bucket = HFEngine._generate_bucket
+    from batchgen.engines.hf.generic import GenericGenerator
+
+    real_bucket = GenericGenerator._bucket
 
     def tight_generic(self, bucket):
         if len(bucket) > 1:
             raise torch.OutOfMemoryError("injected: out of memory")
         return real_bucket(self, bucket)
 
-    monkeypatch.setattr(HFEngine, "_generate_bucket", tight_generic)
+    monkeypatch.setattr(GenericGenerator, "_bucket", tight_generic)
     eng.fast, eng.max_batch_size = False, 8
     assert [r.text for r in eng.generate(reqs)] == expected
     assert eng.stats.oom_backoffs > 2
@@ -286,7 +290,7 @@ def test_prepacked_linears_compute_what_nn_linear_computes():
     """Weights with both sides >= MIN_FEATURES are reordered for oneDNN; the forward is nn.Linear's."""
     from torch import nn
 
-    from batchgen.engines import cpu_linear
+    from batchgen.engines.hf.cpu import onednn as cpu_linear
 
     if not cpu_linear.available(torch.float32):
         pytest.skip("this torch build has no oneDNN linear reorder")
@@ -303,8 +307,8 @@ def test_prepacked_linears_compute_what_nn_linear_computes():
 def test_greedy_output_is_the_same_with_prepacked_and_fused_linears(tiny_model, tokenizer, engine, monkeypatch):
     """The tiny model's weights are under MIN_FEATURES; pack (and fuse) them anyway and compare whole generations,
     through the stepper (fused GEMMs) and through the model's own forward (the generic path, on FusedSlices)."""
-    from batchgen.engines import cpu_linear
-    from batchgen.engines.llama_step import FusedSlice
+    from batchgen.engines.hf.cpu import onednn as cpu_linear
+    from batchgen.engines.hf.step import FusedSlice
 
     if not cpu_linear.available(torch.float32):
         pytest.skip("this torch build has no oneDNN linear reorder")
@@ -327,7 +331,7 @@ def test_greedy_output_is_the_same_with_prepacked_and_fused_linears(tiny_model, 
 
 
 def test_attention_plan_splits_off_long_rows_only_when_cheaper():
-    from batchgen.engines.llama_step import AttentionPlan
+    from batchgen.engines.hf.step import AttentionPlan
 
     even = AttentionPlan.for_lengths([100, 101, 99, 100])
     assert even.width == 101 and even.long_rows == ()
@@ -339,7 +343,7 @@ def test_attention_plan_splits_off_long_rows_only_when_cheaper():
 def test_decode_with_long_rows_split_off_equals_one_padded_batch(engine, monkeypatch):
     """The same decode step with the long rows computed apart, and with every row padded to the longest
     (torch's attention; batchgen's native kernel reads each row over its own length anyway)."""
-    from batchgen.engines import llama_step
+    from batchgen.engines.hf import step as llama_step
 
     stepper = llama_step.LlamaStepper(engine.model)
     stepper.native = None
@@ -364,7 +368,7 @@ def test_decode_with_long_rows_split_off_equals_one_padded_batch(engine, monkeyp
 def test_native_decode_attention_equals_torch_attention(engine):
     """batchgen's CPU kernel (each row over its own length) against torch's masked batched attention, on a
     decode step of rows of very different lengths."""
-    from batchgen.engines import llama_step
+    from batchgen.engines.hf import step as llama_step
 
     native = llama_step.LlamaStepper(engine.model)
     if native.native is None:
@@ -388,7 +392,8 @@ def test_native_decode_attention_equals_torch_attention(engine):
 def test_native_decode_step_equals_the_torch_step(tiny_model, tokenizer, monkeypatch):
     """With fused projections, a decode step runs batchgen's kernels between the GEMMs (RMSNorm, rotary embedding,
     cache write and attention, SiLU-and-multiply); its logits and cache equal those of the torch step."""
-    from batchgen.engines import cpu_linear, llama_step
+    from batchgen.engines.hf import step as llama_step
+    from batchgen.engines.hf.cpu import onednn as cpu_linear
 
     monkeypatch.setattr(cpu_linear, "MIN_FEATURES", 1)  # the tiny model's projections fused, as a large model's are
     engine = HFEngine(EngineConfig(model=tiny_model, dtype="float32", max_batch_size=16), tokenizer)
@@ -437,7 +442,7 @@ def test_native_step_greedy_equals_one_row_generate_under_each_variant(isa, tiny
                                                                       monkeypatch):
     """float32 with batchgen's kernels between the GEMMs, forced to each variant this CPU runs: every row of a
     continuous batch equals HF generate on it alone."""
-    from batchgen.engines import cpu_linear
+    from batchgen.engines.hf.cpu import onednn as cpu_linear
 
     monkeypatch.setattr(cpu_linear, "MIN_FEATURES", 1)  # the tiny model's projections fused, as a large model's are
     engine = HFEngine(EngineConfig(model=tiny_model, dtype="float32", max_batch_size=8), tokenizer)
@@ -459,7 +464,8 @@ def test_bf16_gemms_with_float32_kernels_between_track_the_float32_model(isa, ti
     through batchgen's kernels, a bf16 KV cache. The first tokens' logits track the float32 model's (bf16 weights
     round each weight to 8 bits of mantissa), the model's own weights are the only copy, and a job writes every
     row."""
-    from batchgen.engines import cpu_linear, hf
+    from batchgen.engines.hf import engine as hf
+    from batchgen.engines.hf.cpu import onednn as cpu_linear
 
     if not hf.cpu_has_fast_bf16() or not cpu_linear.available(torch.bfloat16):
         pytest.skip("this CPU has no native bf16 (AVX-512 BF16 or AMX): bf16 stays torch's bf16 model")
@@ -499,7 +505,7 @@ def test_mixed_bf16_keeps_small_and_tied_linears_in_bf16(tiny_model):
     the float32 model's."""
     from transformers import AutoModelForCausalLM
 
-    from batchgen.engines import cpu_linear
+    from batchgen.engines.hf.cpu import onednn as cpu_linear
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16).eval()
     model.lm_head.weight = model.model.embed_tokens.weight

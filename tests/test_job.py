@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from batchgen.committer import assemble
 from batchgen.errors import BatchgenError, ConfigError
 from batchgen.job import JobConfig, validate
-from batchgen.planner import PlannedPart, assemble
-from batchgen.records import Part
+from batchgen.records import Part, PlannedPart
 
 
 def test_output_dir_gets_the_name_outside_hydra(tiny_model, tmp_path):
@@ -31,6 +31,6 @@ def test_a_request_the_engine_lost_is_a_clear_error_not_a_key_error():
     import pyarrow as pa
 
     part = Part(index=3, start=0, table=pa.table({"prompt": ["a", "b"]}), ids=["r0", "r1"], read_errors=[None, None])
-    planned = PlannedPart(part=part, requests=[], errors=[None, None], prompt_tokens=[1, 1])
+    planned = PlannedPart(part=part, requests=[], errors=[None, None], seeds=[None, None], n=1)
     with pytest.raises(BatchgenError, match=r"part 3: the engine returned no result for row 'r0' sample 0"):
-        assemble(planned, [], n=1, job_seed=0, greedy=True)
+        assemble(planned, [])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchgen.engines import hf as hf_engine
+from batchgen.engines.hf import engine as hf_engine
 from batchgen.journal import Journal, journal_key, read_journal
 from batchgen.records import Result
 from batchgen.runner import run_job
@@ -88,29 +88,30 @@ class Interrupted(Exception):
 
 def test_an_interrupted_part_resumes_from_its_journal(tiny_model, tmp_path, monkeypatch):
     """The engine dies after 7 results of part 1; the rerun reuses those 7 and generates only the rest,
-    and the result equals an uninterrupted run's."""
+    and the result equals an uninterrupted run's. One part at a time (look-ahead 0), so that the first 10
+    results are part 0's; tests/test_feed.py stops with several parts in flight."""
     data = write_parquet(tmp_path / "in.parquet", [{"prompt": t} for t in corpus(20, seed=2)])
-    extra = ("run.rows_per_part=10", "sampling.max_new_tokens=6", "sampling.ignore_eos=true",
-             "engine.max_batch_size=3")
+    extra = ("run.rows_per_part=10", "run.lookahead_parts=0", "sampling.max_new_tokens=6",
+             "sampling.ignore_eos=true", "engine.max_batch_size=3")
     run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "clean", *extra)))
-    real_generate = hf_engine.HFEngine.generate
+    real_stream = hf_engine.HFEngine.stream
     seen = {"results": 0}
 
-    def dying_generate(self, requests, on_result=None):
+    def dying_stream(self, source, on_result):
         def counted(result):
             on_result(result)
             seen["results"] += 1
             if seen["results"] == 10 + 7:  # part 0 whole, then 7 results of part 1
                 raise Interrupted
 
-        return real_generate(self, requests, on_result=counted)
+        return real_stream(self, source, counted)
 
     out = tmp_path / "out"
     cfg = compose_job(job_overrides(tiny_model, data, out, *extra))
-    monkeypatch.setattr(hf_engine.HFEngine, "generate", dying_generate)
+    monkeypatch.setattr(hf_engine.HFEngine, "stream", dying_stream)
     with pytest.raises(Interrupted):
         run_job(cfg)
-    monkeypatch.setattr(hf_engine.HFEngine, "generate", real_generate)
+    monkeypatch.setattr(hf_engine.HFEngine, "stream", real_stream)
     assert [p.name for p in out.glob("part-*")] == ["part-00000.parquet"]
     key, journaled, torn = read_journal(out / "_part-00001.journal")
     assert len(journaled) == 7 and torn == 0 and key["part"] == 1

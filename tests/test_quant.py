@@ -12,7 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.engines import cpu_kernels, cpu_linear, quant
+from batchgen.engines.hf import quant
+from batchgen.engines.hf.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.cpu import onednn as cpu_linear
+from batchgen.engines.hf.quant import int4, int8
 from batchgen.errors import ConfigError
 from batchgen.job import validate
 from batchgen.runner import run_job
@@ -69,7 +72,7 @@ def bench_model(tmp_path_factory) -> str:
 def test_int8_weights_take_at_most_055x_of_bf16(bench_model):
     model = load(bench_model, torch.float32)
     params = sum(p.numel() for p in model.parameters())
-    assert quant.weight_bytes(quant.int8_cpu(model, torch.device("cpu"))) <= 0.55 * 2 * params
+    assert quant.weight_bytes(int8.int8_cpu(model, torch.device("cpu"))) <= 0.55 * 2 * params
 
 
 def test_int4_weights_take_at_most_035x_of_bf16(bench_model):
@@ -77,9 +80,9 @@ def test_int4_weights_take_at_most_035x_of_bf16(bench_model):
     native_or_skip()
     model = load(bench_model, torch.float32)
     params = sum(p.numel() for p in model.parameters())
-    quantized = quant.int4_cpu(model, torch.device("cpu"))
-    assert sum(isinstance(m, quant.Int4WeightOnlyLinear) for m in quantized.modules()) == 12 * 7
-    assert isinstance(quantized.lm_head, quant.Int8WeightOnlyLinear)
+    quantized = int4.int4_cpu(model, torch.device("cpu"))
+    assert sum(isinstance(m, int4.Int4WeightOnlyLinear) for m in quantized.modules()) == 12 * 7
+    assert isinstance(quantized.lm_head, int8.Int8WeightOnlyLinear)
     assert quant.weight_bytes(quantized) <= 0.35 * 2 * params
 
 
@@ -89,7 +92,7 @@ def test_torchao_int4_weights_take_at_most_035x_of_bf16(bench_model, dtype):
     """torchao's int4, which runs where batchgen's CPU kernels are not built."""
     model = load(bench_model, dtype)
     params = sum(p.numel() for p in model.parameters())
-    quantized = quant.int4_cpu_torchao(model, torch.device("cpu"))
+    quantized = int4.int4_cpu_torchao(model, torch.device("cpu"))
     assert quant.weight_bytes(quantized) <= 0.35 * 2 * params
     if dtype == torch.float32:
         assert sum(isinstance(m, cpu_linear.CastLinear) for m in quantized.modules()) == 12 * 7
@@ -147,10 +150,10 @@ def test_int8_top1_agreement_with_the_unquantized_benchmark_model(bench_model, p
     ids = torch.randint(10, model.config.vocab_size, (8, 128), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         ref = model(input_ids=ids).logits.argmax(-1)  # [8, 128]
-        quant.int8_cpu(model, torch.device("cpu"))
+        int8.int8_cpu(model, torch.device("cpu"))
         force_kernel(model, path, 8 * 128)
         got = model(input_ids=ids).logits.argmax(-1)
-    assert sum(isinstance(m, quant.Int8WeightOnlyLinear) for m in model.modules()) == 12 * 7 + 1  # + the LM head
+    assert sum(isinstance(m, int8.Int8WeightOnlyLinear) for m in model.modules()) == 12 * 7 + 1  # + the LM head
     agreement = (ref == got).float().mean().item()
     assert agreement >= 0.9, f"int8 top-1 agreement {agreement:.1%} ({path})"
 
@@ -164,7 +167,7 @@ def test_int8_weight_only_linear_matches_nn_linear(kernel, rows, bias):
     x = torch.randn(2, rows, 256)  # any leading shape
     with torch.inference_mode():
         ref = linear(x)
-        q = quant.Int8WeightOnlyLinear(linear)
+        q = int8.Int8WeightOnlyLinear(linear)
         force_kernel(q, kernel, 2 * rows)
         got = q(x)
         exact = F.linear(x, q.qweight.float() * q.scale.float()[:, None], linear.bias)  # the int8 weights in fp32
@@ -191,12 +194,12 @@ def test_int8_leaves_linears_the_kernel_cannot_take(monkeypatch):
         want = model()(x)
     if cpu_kernels.load() is not None:
         native = model()
-        assert quant.int8_weight_only_linears(native) == (3, 0)
+        assert int8.int8_weight_only_linears(native) == (3, 0)
         with torch.inference_mode():
             assert (native(x) - want).norm() / want.norm() < 0.03
     monkeypatch.setattr(cpu_kernels, "load", lambda isa=None: None)
     aten = model()
-    assert quant.int8_weight_only_linears(aten) == (2, 1)
+    assert int8.int8_weight_only_linears(aten) == (2, 1)
     assert [type(m).__name__ for m in aten] == ["Int8WeightOnlyLinear", "ReLU", "Int8WeightOnlyLinear", "Linear"]
     with torch.inference_mode():
         assert aten(x).shape == (3, 8)
@@ -251,7 +254,7 @@ def test_cuda_schemes_generate(small_model, scheme):
     from transformers import AutoTokenizer
 
     from batchgen.engines.base import EngineConfig
-    from batchgen.engines.hf import HFEngine
+    from batchgen.engines.hf.engine import HFEngine
     from batchgen.records import Request
     from batchgen.sampling import SampleParams
 
@@ -277,15 +280,15 @@ def test_quantized_projections_fuse_and_generate_what_unfused_ones_do(small_mode
     int4 groups run along the input, so nothing is requantized); greedy generations equal the unfused model's."""
     from transformers import AutoTokenizer
 
-    from batchgen.engines import hf
     from batchgen.engines.base import EngineConfig
-    from batchgen.engines.llama_step import FusedSlice
+    from batchgen.engines.hf import engine as hf
+    from batchgen.engines.hf.step import FusedSlice
     from batchgen.records import Request
     from batchgen.sampling import SampleParams
 
     if scheme == "int4":
         native_or_skip()  # int8 runs aten's kernel where batchgen's is not built
-    kind = {"int8": quant.Int8WeightOnlyLinear, "int4": quant.Int4WeightOnlyLinear}[scheme]
+    kind = {"int8": int8.Int8WeightOnlyLinear, "int4": int4.Int4WeightOnlyLinear}[scheme]
     tokenizer = AutoTokenizer.from_pretrained(small_model)
     # float32: in bf16 a fused GEMM may block its sums differently from the parts and round apart
     config = EngineConfig(model=small_model, quantization=scheme, device="cpu", dtype="float32", max_batch_size=8)
@@ -312,10 +315,10 @@ def test_int4_packing_round_trips_and_quantization_stays_within_half_a_step():
     weight = torch.randn(40, 256) * torch.rand(40, 1)  # channels of different ranges
     weight[0] = 0.99 + torch.rand(256) / 100  # narrow groups far from zero: the min's rounding matters there
     weight[1] = -0.99 - torch.rand(256) / 100
-    q, scale, mins = quant.quantize_int4(weight, 64)
+    q, scale, mins = int4.quantize_int4(weight, 64)
     assert q.dtype == torch.uint8 and int(q.max()) <= 15 and scale.shape == mins.shape == (40, 4)
-    packed = quant.pack_int4(q)
-    assert packed.shape == (40, 128) and torch.equal(quant.unpack_int4(packed), q)
+    packed = int4.pack_int4(q)
+    assert packed.shape == (40, 128) and torch.equal(int4.unpack_int4(packed), q)
     assert torch.equal(packed[2, :4], torch.tensor([q[2, 0] | q[2, 8] << 4, q[2, 16] | q[2, 24] << 4,
                                                     q[2, 32] | q[2, 40] << 4, q[2, 48] | q[2, 56] << 4],
                                                    dtype=torch.uint8))  # lane 0 of block 0: planes 0..7
@@ -333,10 +336,10 @@ def test_int4_weight_only_linear_matches_its_dequantized_weights(rows, path, bia
     x = torch.randn(2, rows, 256)
     with torch.inference_mode():
         ref = linear(x)
-        q = quant.Int4WeightOnlyLinear(linear)
+        q = int4.Int4WeightOnlyLinear(linear)
         quant.route_rows(q, native_rows=2 * rows + 1 if path == "native" else 0)
         got = q(x)
-        weights = quant.unpack_int4(q.qweight).float().view(100, 4, 64) * q.scale.float()[..., None]
+        weights = int4.unpack_int4(q.qweight).float().view(100, 4, 64) * q.scale.float()[..., None]
         exact = F.linear(x, (weights + q.mins.float()[..., None]).view(100, 256), linear.bias)
     assert got.shape == ref.shape == (2, rows, 100) and got.dtype == torch.float32
     assert torch.allclose(got, exact, rtol=1e-4, atol=1e-5)
@@ -360,15 +363,15 @@ def test_native_int4_kernel_matches_a_float_reference(isa):
         x, bias = torch.randn(m, k), torch.randn(n) if biased else None
         weights = (q.float().view(n, -1, group) * scale.float()[..., None] + mins.float()[..., None]).view(n, k)
         want = x @ weights.t() + (0 if bias is None else bias)
-        got = cpu_kernels.int4_gemm(lib, x, quant.pack_int4(q), scale, mins, group, bias)
+        got = cpu_kernels.int4_gemm(lib, x, int4.pack_int4(q), scale, mins, group, bias)
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item()), (m, k, n, group)
-        assert torch.equal(cpu_kernels.int4_dequantize(lib, quant.pack_int4(q), scale, mins, group), weights)
+        assert torch.equal(cpu_kernels.int4_dequantize(lib, int4.pack_int4(q), scale, mins, group), weights)
 
 
 def test_int4_decode_path_agrees_with_its_prefill_path_on_the_benchmark_model(bench_model):
     """The same int4 weights through batchgen's kernel (decode) and dequantized (prefill): the same next tokens."""
     native_or_skip()
-    model = quant.int4_cpu(load(bench_model, torch.float32), torch.device("cpu"))
+    model = int4.int4_cpu(load(bench_model, torch.float32), torch.device("cpu"))
     ids = torch.randint(10, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         quant.route_rows(model, native_rows=0)
@@ -395,14 +398,14 @@ def test_quantized_bf16_runs_its_prefill_gemms_in_bf16_and_float32_around_them(s
     from transformers import AutoTokenizer
 
     from batchgen.engines.base import EngineConfig
-    from batchgen.engines.hf import HFEngine
+    from batchgen.engines.hf.engine import HFEngine
 
     native_or_skip()
     tokenizer = AutoTokenizer.from_pretrained(small_model)
     engines = {dtype: HFEngine(EngineConfig(model=small_model, quantization=scheme, device="cpu", dtype=dtype),
                                tokenizer) for dtype in ("bfloat16", "float32")}
     bf16 = engines["bfloat16"]
-    kind = {"int8": quant.Int8WeightOnlyLinear, "int4": quant.Int4WeightOnlyLinear}[scheme]
+    kind = {"int8": int8.Int8WeightOnlyLinear, "int4": int4.Int4WeightOnlyLinear}[scheme]
     quantized = [m for m in bf16.model.modules() if isinstance(m, kind)]
     assert bf16.fused and quantized and all(m.gemm_dtype == torch.bfloat16 for m in quantized)
     assert bf16.identity()["activations"] == "float32" and bf16.model.model.norm.weight.dtype == torch.float32

@@ -1,4 +1,5 @@
-"""Jobs end to end, in process: identity, layout, bad rows, error rate, resume rules, read-back."""
+"""Jobs end to end, in process: identity, layout, bad rows, error rate, resume rules, read-back. The first test runs
+the real hf engine; the rest run engine=dummy (no model: the pipeline is what they test)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def test_output_reads_back_with_pyarrow_pandas_and_datasets(tiny_model, tmp_path
 
     data = write_jsonl(tmp_path / "in.jsonl", rows_of(12))
     out = tmp_path / "out"
-    run_job(compose_job(job_overrides(tiny_model, data, out, "run.rows_per_part=5", "sampling.max_new_tokens=3")))
+    run_job(compose_job(job_overrides(tiny_model, data, out, "engine=dummy", "run.rows_per_part=5",
+                                      "sampling.max_new_tokens=3")))
     assert read_output(out).num_rows == 12
     assert len(pd.read_parquet(out)) == 12  # the directory as a whole: _files and _logs are skipped
     files = sorted(str(p) for p in out.glob("*.parquet"))
@@ -65,7 +67,7 @@ def test_bad_rows_become_error_rows_and_the_job_finishes(tiny_model, tmp_path):
         {"q": 42, "ctx": "x"}, {"q": "old clock"}, "{broken json", {"q": "the sun", "ctx": "rain"},
     ])
     out = tmp_path / "out"
-    cfg = compose_job(job_overrides(tiny_model, data, out, "dataset.template='Q: {q} C: {ctx}'",
+    cfg = compose_job(job_overrides(tiny_model, data, out, "engine=dummy", "dataset.template='Q: {q} C: {ctx}'",
                                     "sampling.max_new_tokens=3", "run.max_error_rate=1.0"))
     summary = run_job(cfg)
     rows = read_output(out).to_pylist()
@@ -77,7 +79,7 @@ def test_bad_rows_become_error_rows_and_the_job_finishes(tiny_model, tmp_path):
     assert errors[2] is None and errors[4] is None  # a template renders "" and 42 into a non-empty prompt
     assert all(rows[i]["finish_reason"] == "error" and rows[i]["generation"] is None for i in (1, 5, 6))
 
-    plain = compose_job(job_overrides(tiny_model, data, tmp_path / "plain", "dataset.prompt_column=q",
+    plain = compose_job(job_overrides(tiny_model, data, tmp_path / "plain", "engine=dummy", "dataset.prompt_column=q",
                                       "sampling.max_new_tokens=3", "run.max_error_rate=1.0"))
     run_job(plain)
     errors = [r["error"] for r in read_output(tmp_path / "plain").to_pylist()]
@@ -87,10 +89,10 @@ def test_bad_rows_become_error_rows_and_the_job_finishes(tiny_model, tmp_path):
 def test_too_long_policies(tiny_model, tmp_path):
     data = write_parquet(tmp_path / "in.parquet", [{"prompt": "the river " * 200}, {"prompt": "sun"}])
     common = ("engine.max_model_len=64", "sampling.max_new_tokens=8", "run.max_error_rate=1.0")
-    run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "a", *common)))
+    run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "a", "engine=dummy", *common)))
     truncated = read_output(tmp_path / "a").to_pylist()
     assert truncated[0]["error"] is None and truncated[0]["num_prompt_tokens"] == 56
-    run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "b", *common, "run.too_long=skip")))
+    run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "b", "engine=dummy", *common, "run.too_long=skip")))
     skipped = read_output(tmp_path / "b").to_pylist()
     assert skipped[0]["error"].startswith("too_long") and skipped[1]["error"] is None
 
@@ -98,7 +100,8 @@ def test_too_long_policies(tiny_model, tmp_path):
 def test_error_rate_stops_the_job_after_the_current_part(tiny_model, tmp_path):
     data = write_parquet(tmp_path / "in.parquet", [{"prompt": None}] * 30)
     out = tmp_path / "out"
-    cfg = compose_job(job_overrides(tiny_model, data, out, "run.rows_per_part=10", "run.max_error_rate=0.5"))
+    cfg = compose_job(job_overrides(tiny_model, data, out, "engine=dummy", "run.rows_per_part=10",
+                                    "run.max_error_rate=0.5"))
     with pytest.raises(ErrorRateExceeded, match="run.max_error_rate"):
         run_job(cfg)
     assert [p.name for p in out.glob("part-*")] == ["part-00000.parquet"]
@@ -109,14 +112,14 @@ def test_empty_dataset_gives_a_valid_empty_result(tiny_model, tmp_path):
     data = write_jsonl(tmp_path / "in.jsonl", [])
     (tmp_path / "in.jsonl").write_text("")
     out = tmp_path / "out"
-    summary = run_job(compose_job(job_overrides(tiny_model, data, out)))
+    summary = run_job(compose_job(job_overrides(tiny_model, data, out, "engine=dummy")))
     assert summary.state == "done" and read_output(out).num_rows == 0 and (out / "_SUCCESS").exists()
 
 
 def test_rerun_of_a_finished_job_does_nothing_and_a_changed_one_is_refused(tiny_model, tmp_path):
     data = write_parquet(tmp_path / "in.parquet", rows_of(6))
     out = tmp_path / "out"
-    base = job_overrides(tiny_model, data, out, "sampling.max_new_tokens=3")
+    base = job_overrides(tiny_model, data, out, "engine=dummy", "sampling.max_new_tokens=3")
     run_job(compose_job(base))
     before = {p.name: p.stat().st_mtime_ns for p in out.glob("part-*")}
     assert run_job(compose_job(base)).state == "already_done"
@@ -132,8 +135,9 @@ def test_sharded_runs_together_make_the_whole_result(tiny_model, tmp_path):
     data = write_parquet(tmp_path / "in.parquet", rows_of(25))
     out = tmp_path / "out"
     for shard in (1, 0):
-        summary = run_job(compose_job(job_overrides(tiny_model, data, out, "run.rows_per_part=5", "run.num_shards=2",
-                                                    f"run.shard={shard}", "sampling.max_new_tokens=2")))
+        summary = run_job(compose_job(job_overrides(tiny_model, data, out, "engine=dummy", "run.rows_per_part=5",
+                                                    "run.num_shards=2", f"run.shard={shard}",
+                                                    "sampling.max_new_tokens=2")))
     assert summary.state == "done" and (out / "_SUCCESS").exists()
     assert read_output(out).column("id").to_pylist() == [f"in.parquet:{i}" for i in range(25)]
 
@@ -142,7 +146,7 @@ def test_chat_rendering_uses_the_chat_template(tiny_model, tokenizer, tmp_path):
     msgs = [{"role": "user", "content": "the river town"}]
     data = write_parquet(tmp_path / "in.parquet", [{"messages": msgs}, {"messages": []}])
     out = tmp_path / "out"
-    run_job(compose_job(job_overrides(tiny_model, data, out, "dataset.messages_column=messages",
+    run_job(compose_job(job_overrides(tiny_model, data, out, "engine=dummy", "dataset.messages_column=messages",
                                       "dataset.system_prompt='be brief'", "sampling.max_new_tokens=2",
                                       "run.max_error_rate=1.0")))
     rows = read_output(out).to_pylist()

@@ -202,13 +202,13 @@ def test_the_same_model_and_input_under_other_spellings_resume(own_model, tmp_pa
 def test_auto_resolving_to_another_dtype_on_resume_is_refused(own_model, tmp_path, monkeypatch):
     import torch
 
-    from batchgen.engines import hf
+    from batchgen.engines.hf.cpu import calibration
     from batchgen.errors import ResumeMismatchError
 
     data = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"the river {i}"} for i in range(8)])
     out = tmp_path / "out"
     assert shard_run(own_model, data, out, 0, "engine.dtype=auto").state == "partial"
-    monkeypatch.setattr(hf.cpu_dtype, "fastest_dtype", lambda features: torch.bfloat16)  # another CPU kind
+    monkeypatch.setattr(calibration, "fastest_dtype", lambda features: torch.bfloat16)  # another CPU kind
     with pytest.raises(ResumeMismatchError, match=r"engine.dtype: was 'float32', now 'bfloat16'"):
         shard_run(own_model, data, out, 1, "engine.dtype=auto")
     assert json.loads((out / "_manifest.json").read_text())["engine_resolved"]["dtype"] == "float32"

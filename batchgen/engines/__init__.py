@@ -9,7 +9,7 @@ from batchgen.engines.base import Engine, EngineConfig
 
 
 def _load_hf(cfg: EngineConfig, tokenizer: Any) -> Engine:
-    from batchgen.engines.hf import HFEngine
+    from batchgen.engines.hf.engine import HFEngine
 
     return HFEngine(cfg, tokenizer)
 
@@ -32,3 +32,13 @@ ENGINES: dict[str, Callable[[EngineConfig, Any], Engine]] = {"hf": _load_hf, "vl
 
 def build_engine(cfg: EngineConfig, tokenizer: Any) -> Engine:
     return ENGINES[cfg.name](cfg, tokenizer)
+
+
+def quantization_problems(cfg: EngineConfig) -> list[str]:
+    """Config problems of engine.quantization that need the engine's own knowledge (devices, dtypes, optional
+    packages), before any load. Imports torch only when the hf engine is asked for a scheme."""
+    if cfg.name != "hf" or cfg.quantization is None:
+        return []
+    from batchgen.engines.hf import quant
+
+    return quant.check(cfg.quantization, cfg.device, cfg.dtype)

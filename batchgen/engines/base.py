@@ -1,7 +1,11 @@
-"""Engine contract: a window of Requests in, one Result per Request out, in request order.
+"""Engine contract: Requests in, one Result per Request out.
 
-An engine owns batching, length bucketing, the KV cache, quantization and device placement.
-It knows nothing about files, parts, ids or Hydra.
+Two ways in. `generate(window)` returns the window's Results in request order. `stream(source, on_result)`
+is how a job runs: the engine asks `source()` for more requests whenever it has room, so rows of the next
+parts join the batch while the current part's last rows finish (the engine never drains at a part's end),
+and hands each Result to `on_result` the moment it is final, in completion order. Request keys are unique
+among the requests in flight. An engine owns batching, length bucketing, the KV cache, quantization and
+device placement. It knows nothing about files, parts, ids or Hydra.
 """
 
 from __future__ import annotations
@@ -80,6 +84,11 @@ class EngineConfig:
         return out
 
 
+# The engine's supply of work: a non-empty list of new requests; [] when there are none right now (the caller's
+# look-ahead is full: ask again once results have come back); None when there will be no more.
+Source = Callable[[], Optional[list[Request]]]
+
+
 class Engine(Protocol):
     max_model_len: int  # prompt + generation limit in tokens
 
@@ -91,4 +100,43 @@ class Engine(Protocol):
         """One Result per Request, in the same order. `on_result` is called with each Result as soon as it is
         final (in completion order), so that the caller can journal finished work before the window ends."""
 
+    def stream(self, source: Source, on_result: Callable[[Result], None]) -> None:
+        """Generate every request `source` gives, asking it for more whenever there is room, until it has
+        returned None and every request is finished; each Result goes to `on_result` as soon as it is final."""
+
     def close(self) -> None: ...
+
+
+def take(source: Source) -> tuple[list[Request], bool]:
+    """Everything `source` gives now, and whether it is exhausted (then never ask it again)."""
+    new: list[Request] = []
+    while (batch := source()) is not None:
+        if not batch:
+            return new, False
+        new += batch
+    return new, True
+
+
+Generate = Callable[[list[Request], Optional[Callable[[Result], None]]], list[Result]]
+
+
+def stream_windows(generate: Generate, source: Source, on_result: Callable[[Result], None]) -> None:
+    """`stream` for an engine that runs one window at a time: each batch the source gives is one `generate`
+    window (it drains at the window's end: the hf engine's generic path, engine=dummy, an older vLLM). The source
+    returning [] with nothing in flight is the caller's error: it would wait forever."""
+    while (batch := source()) is not None:
+        if not batch:
+            raise RuntimeError("the request source has nothing to give while nothing is in flight")
+        generate(batch, on_result)
+
+
+def drain(requests: list[Request]) -> Source:
+    """A source that gives `requests` once, then None: `generate` written as one `stream`."""
+    given = [False]
+
+    def source() -> Optional[list[Request]]:
+        if given[0] or not requests:
+            return None
+        given[0] = True
+        return list(requests)
+    return source

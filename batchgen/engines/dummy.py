@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Optional
 
-from batchgen.engines.base import EngineConfig
+from batchgen.engines.base import EngineConfig, Source, take
 from batchgen.records import Request, Result
 from batchgen.sampling import find_stop
 
@@ -48,6 +49,21 @@ class DummyEngine:
                 on_result(result)
             results.append(result)
         return results
+
+    def stream(self, source: Source, on_result: Callable[[Result], None]) -> None:
+        """One request at a time, the queue topped up from `source` after each result, as a continuously batching
+        engine does: the next parts' requests are taken while the current part's last ones run."""
+        queue: deque[Request] = deque()
+        exhausted = False
+        while True:
+            if not exhausted:
+                new, exhausted = take(source)
+                queue.extend(new)
+            if not queue:
+                if exhausted:
+                    return
+                raise RuntimeError("the request source has nothing to give while nothing is in flight")
+            on_result(self._one(queue.popleft()))
 
     def _one(self, request: Request) -> Result:
         key = hashlib.blake2b(repr((request.prompt_ids, request.seed)).encode(), digest_size=16).digest()

@@ -18,10 +18,11 @@ import itertools
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from batchgen.engines.base import EngineConfig
+from batchgen.engines.base import EngineConfig, Source, drain, stream_windows, take
 from batchgen.errors import BatchgenError, ConfigError
 from batchgen.records import Request, Result
 from batchgen.sampling import find_stop
@@ -137,6 +138,14 @@ def llm_kwargs(cfg: EngineConfig, cpu: bool = False) -> dict[str, Any]:
     return kwargs | dict(cfg.extra_args)
 
 
+@dataclass(slots=True)
+class StepStats:
+    steps: int = 0  # engine steps batchgen ran
+    # requests unfinished at each step, at most max_num_seqs, summed: what vLLM's batch could hold (the KV cache may
+    # hold fewer); over steps * max_batch_size, the share of its batch the queue kept supplied
+    queued_row_steps: int = 0
+
+
 class VLLMEngine:
     def __init__(self, cfg: EngineConfig, tokenizer: Any):
         self.vllm = import_vllm()
@@ -145,6 +154,8 @@ class VLLMEngine:
         self.llm = self.vllm.LLM(**llm_kwargs(cfg, cpu=is_cpu_build(self.vllm)))
         self.model_config = self.llm.llm_engine.model_config
         self.max_model_len = self.model_config.max_model_len
+        self.max_batch_size = cfg.max_batch_size or VLLM_MAX_NUM_SEQS  # sequences one step may hold (max_num_seqs)
+        self.stats = StepStats()
         self._ids = itertools.count()
         self.top_k_off = self.vllm.SamplingParams().top_k  # "top-k off": 0 in recent vLLM, -1 in older ones
         log.info("vllm engine %s: %s in %s, max_model_len=%d", self.vllm.__version__, cfg.model,
@@ -164,38 +175,54 @@ class VLLMEngine:
     def generate(self, requests: list[Request], on_result: Optional[Callable[[Result], None]] = None
                  ) -> list[Result]:
         """The whole window queued at once; each result is passed to `on_result` the step it finishes."""
-        if not requests:
-            return []
-        engine = self.llm.llm_engine
-        if not all(hasattr(engine, name) for name in ("add_request", "step", "has_unfinished_requests")):
-            return self._generate_at_once(requests, on_result)  # an older vLLM: results at the window's end
-        from vllm.sampling_params import RequestOutputKind
+        by_key: dict[int, Result] = {}
 
-        final_only = RequestOutputKind.FINAL_ONLY  # one output per request, when it finishes
-        index: dict[str, int] = {}
-        try:
-            for i, req in enumerate(requests):
-                params = self.sampling_params(req)
-                params.output_kind = final_only
-                request_id = f"batchgen-{next(self._ids)}"
-                engine.add_request(request_id, {"prompt_token_ids": list(req.prompt_ids)}, params)
-                index[request_id] = i
-            results: list[Optional[Result]] = [None] * len(requests)
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        i = index.pop(out.request_id)
-                        results[i] = self._result(requests[i], out.outputs[0])
-                        if on_result is not None:
-                            on_result(results[i])
-        except BaseException:
-            if index and hasattr(engine, "abort_request"):
-                engine.abort_request(list(index))
-            raise
-        missing = [requests[i].key for i, r in enumerate(results) if r is None]
+        def collect(result: Result) -> None:
+            by_key[result.key] = result
+            if on_result is not None:
+                on_result(result)
+
+        self.stream(drain(requests), collect)
+        missing = [r.key for r in requests if r.key not in by_key]
         if missing:
             raise BatchgenError(f"vLLM returned no output for {len(missing)} requests (first: {missing[0]})")
-        return results  # type: ignore[return-value]
+        return [by_key[r.key] for r in requests]
+
+    def stream(self, source: Source, on_result: Callable[[Result], None]) -> None:
+        """vLLM's request queue topped up from `source` before every engine step, so its scheduler always has the
+        next parts' requests to admit as rows finish; each result goes to `on_result` the step it finishes."""
+        engine = self.llm.llm_engine
+        if not all(hasattr(engine, name) for name in ("add_request", "step", "has_unfinished_requests")):
+            stream_windows(self._generate_at_once, source, on_result)  # an older vLLM: results at each batch's end
+            return
+        from vllm.sampling_params import RequestOutputKind
+
+        pending: dict[str, Request] = {}
+        exhausted = False
+        try:
+            while True:
+                if not exhausted:
+                    new, exhausted = take(source)
+                    for req in new:
+                        params = self.sampling_params(req)
+                        params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, when done
+                        request_id = f"batchgen-{next(self._ids)}"
+                        engine.add_request(request_id, {"prompt_token_ids": list(req.prompt_ids)}, params)
+                        pending[request_id] = req
+                if not pending:
+                    if exhausted:
+                        return
+                    raise RuntimeError("the request source has nothing to give while nothing is in flight")
+                self.stats.steps += 1
+                self.stats.queued_row_steps += min(len(pending), self.max_batch_size)
+                for out in engine.step():
+                    if out.finished:
+                        req = pending.pop(out.request_id)
+                        on_result(self._result(req, out.outputs[0]))
+        except BaseException:
+            if pending and hasattr(engine, "abort_request"):
+                engine.abort_request(list(pending))
+            raise
 
     def _generate_at_once(self, requests: list[Request], on_result: Optional[Callable[[Result], None]]
                           ) -> list[Result]:

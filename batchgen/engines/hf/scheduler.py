@@ -1,10 +1,14 @@
 """Continuous batching for the hf engine.
 
-Requests wait in order of prompt length, longest first (an OOM shows at once). Whenever slots are
-free, the next waiting requests are prefilled together as one bucket under the token budget; every
-step then decodes all live sequences together. A sequence leaves the batch the step it finishes
-(EOS, stop string or its own cap) and its slot goes to a waiting one, so no step is spent on a
-finished row. Results come back in request order. Knows requests and a stepper, not model internals.
+Requests wait in a pool in order of prompt length, longest first (an OOM shows at once). The pool is
+topped up from the request source before every step, as far as the source gives (the job bounds it by
+its look-ahead of parts), so the next parts' rows join the batch while the current part's last rows
+finish, and rows of several parts are bucketed together. Whenever slots are free, the next waiting
+requests are prefilled together as one bucket under the token budget; every step then decodes all
+live sequences together. A sequence leaves the batch the step it finishes (EOS, stop string or its own
+cap) and its slot goes to a waiting one, so no step is spent on a finished row. The KV cache grows (slots
+up to engine.max_batch_size, positions to the longest request seen) as requests arrive. Knows requests, a
+Sampler (token choice, finishing) and a stepper (prefill and decode on the cache), not model internals.
 """
 
 from __future__ import annotations
@@ -17,16 +21,18 @@ from typing import Any, Optional, TypeVar
 
 import torch
 
+from batchgen.engines.base import Source, drain, take
+from batchgen.engines.hf.sampler import Sampler
 from batchgen.records import Request, Result
 
 log = logging.getLogger(__name__)
 PAD_RATIO = 0.75  # a prefill group's shortest prompt is at least this fraction of its longest
+LEN_STEP = 64  # the cache's positions grow in steps of this many: a slightly longer request does not reallocate
 R = TypeVar("R")
 
 
 @dataclass(slots=True)
 class Sequence:
-    index: int  # position of its request in the window
     request: Request
     generator: Optional[torch.Generator]  # the sample's own RNG; None for greedy
     generated: list[int] = field(default_factory=list)
@@ -43,29 +49,43 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, engine: Any, stepper: Any, *, max_batch_tokens: int, max_batch_size: int):
-        self.engine = engine  # picks tokens and decides finishing (sampling, EOS, stop strings)
+    def __init__(self, sampler: Sampler, stepper: Any, *, max_batch_tokens: int, max_batch_size: int):
+        self.sampler = sampler  # picks tokens and decides finishing (sampling, EOS, stop strings)
         self.stepper = stepper  # prefill / decode on a SlotKVCache
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
         self.stats = SchedulerStats()
 
     def run(self, requests: list[Request], on_result: Optional[Callable[[Result], None]]) -> list[Result]:
-        order = sorted(range(len(requests)), key=lambda i: -len(requests[i].prompt_ids))
-        waiting = deque(order)
-        results: list[Optional[Result]] = [None] * len(requests)
-        max_len = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
-        cache = self._allocate(min(self.max_batch_size, len(requests)), max_len)
+        """One window: its Results in request order."""
+        by_key: dict[int, Result] = {}
+
+        def collect(result: Result) -> None:
+            by_key[result.key] = result
+            if on_result is not None:
+                on_result(result)
+
+        self.stream(drain(requests), collect)
+        return [by_key[r.key] for r in requests]
+
+    def stream(self, source: Source, on_result: Callable[[Result], None]) -> None:
+        pool = Pool(source, self.sampler)
         live: list[Sequence] = []
+        cache: Any = None
 
         def finish(seq: Sequence, reason: str) -> None:
-            results[seq.index] = self.engine.make_result(seq.request, seq.generated, reason)
-            if on_result is not None:
-                on_result(results[seq.index])
+            on_result(self.sampler.make_result(seq.request, seq.generated, reason))
 
-        while waiting or live:
-            admitted = self._admit(waiting, requests, len(live), cache.slots)
-            if admitted:
+        while True:
+            pool.top_up()
+            if not pool.waiting and not live:
+                if pool.exhausted:
+                    return
+                raise RuntimeError("the request source has nothing to give while nothing is in flight")
+            if pool.waiting and (cache is None or len(live) < cache.slots):
+                cache = self._fit(cache, len(live), pool)
+            # a row that finishes on its first token frees its slot at once: admit again before decoding
+            while admitted := self._admit(pool.waiting, len(live), cache.slots):
                 logits = self._prefill_groups(cache, len(live), admitted)
                 live += admitted
                 self._advance(logits, live[len(live) - len(admitted):], len(live) - len(admitted), cache, live,
@@ -76,31 +96,44 @@ class Scheduler:
                 self.stats.decode_steps += 1
                 self.stats.decode_row_steps += len(live)
                 self._advance(logits, list(live), 0, cache, live, finish)
-        return results  # type: ignore[return-value]
 
-    def _allocate(self, slots: int, max_len: int) -> Any:
-        """The window's KV cache; if it does not fit, halve the slots (engine.max_batch_size) until it does."""
+    def _fit(self, cache: Any, n_live: int, pool: Pool) -> Any:
+        """The cache, grown where the pool needs more: slots up to max_batch_size (only as many as there are rows
+        once the source is exhausted), positions to the longest request seen (in steps of LEN_STEP). Growing
+        copies the live sequences into the new cache."""
+        want_slots = self.max_batch_size if not pool.exhausted else min(self.max_batch_size,
+                                                                          n_live + len(pool.waiting))
+        want_len = -(-pool.max_len // LEN_STEP) * LEN_STEP
+        if cache is not None and cache.slots >= want_slots and cache.max_len >= pool.max_len:
+            return cache
+        slots = max(want_slots, cache.slots if cache is not None else 1)
+        grown = self._allocate(slots, max(want_len, cache.max_len if cache is not None else 0), n_live)
+        if cache is not None:
+            grown.copy_from(cache, n_live)
+        return grown
+
+    def _allocate(self, slots: int, max_len: int, n_live: int) -> Any:
+        """A KV cache; if it does not fit, halve the slots (engine.max_batch_size) until it does, never below the
+        live sequences it must take over."""
         while True:
             try:
                 return self.stepper.new_cache(slots, max_len)
             except (torch.OutOfMemoryError, RuntimeError) as exc:
-                if slots == 1 or not is_oom(exc):
+                if slots <= max(n_live, 1) or not is_oom(exc):
                     raise
-                slots = self.max_batch_size = max(slots // 2, 1)
+                slots = self.max_batch_size = max(slots // 2, n_live, 1)
                 self.stats.oom_backoffs += 1
                 log.warning("out of memory allocating the KV cache; engine.max_batch_size lowered to %d", slots)
 
-    def _admit(self, waiting: deque, requests: list[Request], n_live: int, slots: int) -> list[Sequence]:
+    def _admit(self, waiting: deque[Sequence], n_live: int, slots: int) -> list[Sequence]:
         """Next waiting requests for the free slots, as long as their padded prefill fits the token budget."""
         admitted: list[Sequence] = []
         width = 0
         while waiting and n_live + len(admitted) < slots:
-            req = requests[waiting[0]]
-            width = max(width, len(req.prompt_ids))
+            width = max(width, len(waiting[0].request.prompt_ids))
             if admitted and (len(admitted) + 1) * width > self.max_batch_tokens:
                 break
-            index = waiting.popleft()
-            admitted.append(Sequence(index, req, self.engine.generator(req)))
+            admitted.append(waiting.popleft())
         return admitted
 
     def _prefill_groups(self, cache: Any, first_slot: int, admitted: list[Sequence]) -> torch.Tensor:
@@ -136,11 +169,11 @@ class Scheduler:
     def _advance(self, logits: torch.Tensor, stepped: list[Sequence], first_slot: int, cache: Any,
                  live: list[Sequence], finish: Callable[[Sequence, str], None]) -> None:
         """Append each stepped sequence's next token; retire the finished ones, compacting the slots."""
-        tokens = self.engine.pick(logits, [s.request for s in stepped], [s.generator for s in stepped])
+        tokens = self.sampler.pick(logits, [s.request for s in stepped], [s.generator for s in stepped])
         done: list[int] = []
         for j, (seq, token) in enumerate(zip(stepped, tokens)):
             seq.generated.append(token)
-            reason = self.engine.finish_reason(seq.request.params, seq.generated)
+            reason = self.sampler.finish_reason(seq.request.params, seq.generated)
             if reason is not None:
                 finish(seq, reason)
                 done.append(first_slot + j)
@@ -150,6 +183,27 @@ class Scheduler:
                 cache.move(last, slot)
                 live[slot] = live[last]
             live.pop()
+
+
+class Pool:
+    """The requests waiting for a slot, longest prompt first (arrival order among equals), topped up from the
+    source; `max_len` is the longest prompt + max_new_tokens seen, what the cache must hold."""
+
+    def __init__(self, source: Source, sampler: Sampler):
+        self.source = source
+        self.sampler = sampler
+        self.waiting: deque[Sequence] = deque()
+        self.exhausted = False
+        self.max_len = 0
+
+    def top_up(self) -> None:
+        if self.exhausted:
+            return
+        new, self.exhausted = take(self.source)
+        if new:
+            self.max_len = max(self.max_len, max(len(r.prompt_ids) + r.params.max_new_tokens for r in new))
+            arrived = [Sequence(r, self.sampler.generator(r)) for r in new]
+            self.waiting = deque(sorted([*self.waiting, *arrived], key=lambda s: -len(s.request.prompt_ids)))
 
 
 def halve_on_oom(count: int, run: Callable[[int, int], R], on_oom: Callable[[int], None], start: int = 0) -> list[R]:

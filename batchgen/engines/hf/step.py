@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from batchgen.engines import cpu_kernels, cpu_linear
-from batchgen.engines.kvcache import SlotKVCache
+from batchgen.engines.hf.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.cpu import onednn
+from batchgen.engines.hf.kvcache import SlotKVCache
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -42,7 +43,7 @@ def supports(model: Any, max_len: int) -> bool:
 
 class LlamaStepper:
     def __init__(self, model: Any, dtype: Optional[torch.dtype] = None, kv_dtype: Optional[torch.dtype] = None):
-        """dtype: the activations' (float32 around bf16 GEMMs, cpu_linear.mixed_bf16); default the model's parameters'.
+        """dtype: the activations' (float32 around bf16 GEMMs, onednn.mixed_bf16); default the model's parameters'.
         kv_dtype: the KV cache's where the native step runs (bf16 around bf16 GEMMs: half the bytes each decode step
         streams); elsewhere the cache is in `dtype`."""
         self.model = model
@@ -62,7 +63,7 @@ class LlamaStepper:
         # a decode step of batchgen's kernels between the GEMMs (see _decode_native) where the model allows it
         self.native_step = (self.native is not None and self.head_dim % 16 == 0
                             and all(map(_native_layer, self.layers)) and type(self.inner.norm).__name__ in RMS_NORMS)
-        # what each GEMM of the native step reads: bf16 for a bf16 PackedLinear (cpu_linear.mixed_bf16), so the
+        # what each GEMM of the native step reads: bf16 for a bf16 PackedLinear (onednn.mixed_bf16), so the
         # kernel before it writes bf16 and no conversion pass runs; float32 otherwise
         self.gemm_inputs = [tuple(_input_dtype(m) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj))
@@ -257,7 +258,7 @@ def _native_layer(layer: Any) -> bool:
 
 def _input_dtype(module: Any) -> torch.dtype:
     """bf16 for a bf16 oneDNN GEMM (it would convert a float32 input itself), else float32."""
-    bf16 = isinstance(module, cpu_linear.PackedLinear) and module.packed.dtype == torch.bfloat16
+    bf16 = isinstance(module, onednn.PackedLinear) and module.packed.dtype == torch.bfloat16
     return torch.bfloat16 if bf16 else torch.float32
 
 

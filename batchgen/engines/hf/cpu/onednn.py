@@ -138,7 +138,7 @@ def mixed_bf16(model: Any, fuse: Optional[Callable[[Any, Callable], int]] = None
     becomes a oneDNN-prepacked bf16 PackedLinear (or a CastLinear where prepacking does not pay or would copy a
     shared weight), the input embeddings stay bf16 and hand float32 on, and every other weight (norms) becomes
     float32. The decode step then runs batchgen's float32 kernels between native bf16 GEMMs (as vLLM's CPU build
-    keeps its own kernels around oneDNN's). `fuse(model, fuse_parts)` merges projections first (llama_step's
+    keeps its own kernels around oneDNN's). `fuse(model, fuse_parts)` merges projections first (step.py's
     fuse_projections). Returns (linears prepacked, projections fused). Nothing is held twice: weights are
     converted one module at a time, and the bf16 weights are the only copy."""
     fused = fuse(model, pack_concatenated) if fuse is not None else 0
@@ -178,6 +178,6 @@ def concatenate(parts: list[nn.Module]) -> Optional[nn.Linear]:
 
 
 def pack_concatenated(parts: list[nn.Module]) -> Optional[PackedLinear]:
-    """`fuse` for llama_step.fuse_projections: the parts' concatenated weights, prepacked; None where not."""
+    """`fuse` for step.fuse_projections: the parts' concatenated weights, prepacked; None where not."""
     linear = concatenate(parts)
     return None if linear is None else pack(linear)

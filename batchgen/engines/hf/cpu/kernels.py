@@ -1,11 +1,11 @@
-"""batchgen's own CPU kernels (`cpu_kernels.c`), compiled on first use, for x86-64 CPUs with AVX2 and FMA
+"""batchgen's own CPU kernels (`kernels.c`), compiled on first use, for x86-64 CPUs with AVX2 and FMA
 (AVX-512 ones included): the decode step between the GEMMs (attention over the slot KV cache, rotary
 embedding and cache write, RMSNorm, SiLU-and-multiply; float32 arithmetic, inputs, outputs and cache in
 float32 or bf16), and int8 and int4 weight-only GEMMs for few rows.
 
 Decode attention: torch's batched matmuls read the cache of a grouped-query head through small GEMMs
 (3 query rows each) and pad every row to a common width; the kernel reads each row's keys and values
-once, over its own length only, with the softmax in between (llama_step.py uses it for float32 models
+once, over its own length only, with the softmax in between (step.py uses it for float32 models
 on CPU). At batch 1 the torch operations between the GEMMs (norms, rotary embedding, cache writes,
 activation) cost a few microseconds each, ~50 per layer; the decode-step kernels take four calls.
 
@@ -44,15 +44,15 @@ from typing import Optional
 
 import torch
 
-from batchgen.engines.cpu_runtime import cpu_flags, cpu_model
+from batchgen.engines.hf.cpu.runtime import cpu_flags, cpu_model
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCE = Path(__file__).with_name("kernels.c")
 # -ffp-contract=off: a * b + c stays two roundings unless a kernel asks for an FMA (rotary embedding matches torch)
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
 # Variants, narrowest first: the /proc/cpuinfo flags each needs, and its compiler flags. One source file: the
-# AVX-512 code is under #ifdef BATCHGEN_AVX512 (cpu_kernels.c).
+# AVX-512 code is under #ifdef BATCHGEN_AVX512 (cpu/kernels.c).
 ISAS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     "avx2": (frozenset({"avx2", "fma"}), ("-mavx2", "-mfma")),
     "avx512": (frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),

@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.engines import cpu_kernels, cpu_linear
-from batchgen.engines.cpu_runtime import cpu_flags, cpu_model
+from batchgen.engines.hf.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.cpu import onednn
+from batchgen.engines.hf.cpu.runtime import cpu_flags, cpu_model
 
 log = logging.getLogger(__name__)
 ROWS = 64  # rows of the timed linear: the CPU working batch
@@ -41,9 +42,9 @@ CALLS = 5  # calls per sample (a 64x1024x1024 call takes ~0.3-1 ms where bf16 or
 def fastest_dtype(features: tuple[int, int] = DEFAULT_FEATURES) -> torch.dtype:
     """torch.bfloat16 or torch.float32 for a CPU engine with engine.dtype=auto whose linears are about `features`
     (in, out) wide (measured once per CPU kind and shape)."""
-    if min(features) < cpu_linear.MIN_FEATURES:  # not prepacked: bf16 would be a cast around each small GEMM
+    if min(features) < onednn.MIN_FEATURES:  # not prepacked: bf16 would be a cast around each small GEMM
         log.info("engine.dtype=auto: float32 (the model's linears, %s, are under %d features: not prepacked for "
-                 "oneDNN, so bf16 cannot pay)", "x".join(map(str, features)), cpu_linear.MIN_FEATURES)
+                 "oneDNN, so bf16 cannot pay)", "x".join(map(str, features)), onednn.MIN_FEATURES)
         return torch.float32
     figures = calibration(features)
     choice = torch.bfloat16 if figures["speedup"] >= BF16_MIN_SPEEDUP else torch.float32
@@ -117,7 +118,7 @@ def _linear(shape: tuple[int, int, int], dtype: torch.dtype):
     with torch.no_grad():
         linear.weight.copy_(torch.randn(n, k, generator=gen) / k**0.5)
     x = torch.randn(rows, k, generator=gen).to(dtype)
-    packed = cpu_linear.pack(linear) if cpu_linear.available(dtype) else None  # as the engine would prepack it
+    packed = onednn.pack(linear) if onednn.available(dtype) else None  # as the engine would prepack it
     return (lambda: packed(x)) if packed is not None else (lambda: F.linear(x, linear.weight))
 
 

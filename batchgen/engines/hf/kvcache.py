@@ -53,6 +53,15 @@ class SlotKVCache:
         """K, V of one slot, positions [0, length): views, [1, kv_heads, length, head_dim]."""
         return (self.k[layer, slot:slot + 1, :, :length], self.v[layer, slot:slot + 1, :, :length])
 
+    def copy_from(self, other: SlotKVCache, n: int) -> None:
+        """Take over sequences [0, n) of `other` (a smaller cache being grown into this one), valid positions only."""
+        if n:
+            length = max(other.host_lengths[:n])
+            self.k[:, :n, :, :length] = other.k[:, :n, :, :length]
+            self.v[:, :n, :, :length] = other.v[:, :n, :, :length]
+        self.lengths[:n] = other.lengths[:n]
+        self.host_lengths[:n] = other.host_lengths[:n]
+
     def move(self, src: int, dst: int) -> None:
         """Copy sequence `src` into slot `dst` (all layers, valid positions only)."""
         length = self.host_lengths[src]

@@ -67,6 +67,6 @@ def cpu_model() -> str:
 
 def has_native_bf16() -> bool:
     """True where the CPU has native bf16 dot products (AVX-512 BF16 or AMX); elsewhere bf16 is emulated, slow.
-    A flag, not a measurement: engine.dtype=auto asks cpu_dtype instead."""
+    A flag, not a measurement: engine.dtype=auto asks cpu/calibration.py instead."""
     flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags

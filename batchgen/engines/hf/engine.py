@@ -1,0 +1,147 @@
+"""The built-in engine: torch + transformers, on CPU or GPU. Load and routing.
+
+Loads the model (cpu/ and quant/ decide how its linears run), then serves each window: the Llama family
+by continuous batching over a slot KV cache (scheduler.py, step.py, kvcache.py), any other architecture
+by static buckets (generic.py). Token choice and finishing live in sampler.py, device and dtype in
+device.py. It sees token ids and sampling params only; it knows nothing about rows, files or parts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+
+from batchgen.engines.base import EngineConfig, Source, stream_windows
+from batchgen.engines.hf import device, quant
+from batchgen.engines.hf.cpu import kernels, onednn, runtime
+from batchgen.engines.hf.generic import GenericGenerator
+from batchgen.engines.hf.sampler import Sampler, eos_ids
+from batchgen.engines.hf.scheduler import Scheduler, SchedulerStats
+from batchgen.engines.hf.step import LlamaStepper, fuse_projections, supports
+from batchgen.records import Request, Result
+
+log = logging.getLogger(__name__)
+cpu_has_fast_bf16 = runtime.has_native_bf16  # the flag; engine.dtype=auto measures instead (cpu/calibration.py)
+
+
+class HFEngine:
+    def __init__(self, cfg: EngineConfig, tokenizer: Any):
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.cfg = cfg
+        self.device = device.resolve_device(cfg.device)
+        self.dtype = quant.compute_dtype(cfg.quantization, self.device,
+                                         device.resolve_dtype(cfg.dtype, self.device, device.model_config(cfg)))
+        self.activation_dtype = self.dtype  # what flows between the GEMMs and sits in the KV cache
+        quantized_bf16 = self.quantized_bf16_gemms(cfg)
+        if quantized_bf16:  # int8/int4 weights, float32 between them: batchgen's kernels take float32
+            self.activation_dtype = torch.float32
+        self.tokenizer = tokenizer
+        self.model = quant.load_model(cfg.model, scheme_name=cfg.quantization, device=self.device,
+                                      dtype=self.activation_dtype,
+                                      trust_remote_code=cfg.trust_remote_code)  # from_pretrained, then quantized
+        self.max_model_len = cfg.max_model_len or device.model_max_len(self.model.config)
+        self.prepacked = self.fused = 0
+        serves_all = supports(self.model, self.max_model_len)  # the stepper serves every window: fused GEMMs pay
+        if self.mixed_bf16_pays(cfg):
+            self.prepacked, self.fused = onednn.mixed_bf16(self.model, fuse_projections if serves_all else None)
+            self.activation_dtype = torch.float32
+        elif self.device.type == "cpu" and cfg.prepack and not cfg.quantization and onednn.available(self.dtype):
+            if serves_all:
+                self.fused = fuse_projections(self.model, onednn.pack_concatenated)
+            self.prepacked = self.fused + onednn.pack_linears(self.model)
+        elif self.device.type == "cpu" and cfg.quantization in ("int8", "int4") and serves_all:
+            self.fused = fuse_projections(self.model, quant.concatenate)
+        if quantized_bf16:  # after fusing: the fused modules are new
+            quant.set_gemm_dtype(self.model, torch.bfloat16)
+        if self.device.type == "cpu":  # after loading: memory freed while loading or quantizing goes back to the OS
+            runtime.keep_freed_memory()
+        self.max_batch_tokens, self.max_batch_size = device.batch_defaults(self.device, cfg.max_batch_tokens,
+                                                                           cfg.max_batch_size)
+        self.eos_ids = eos_ids(self.model, tokenizer)
+        self.sampler = Sampler(tokenizer, self.eos_ids, self.device)
+        self.fast = True  # continuous batching on the pre-allocated cache where the architecture allows
+        self._stepper: Optional[LlamaStepper] = None
+        self.stats = EngineStats()
+        self.pad_id = _first(tokenizer.pad_token_id, *sorted(self.eos_ids), 0)
+        between = "" if self.activation_dtype == self.dtype else f" (activations in {self.activation_dtype})"
+        log.info("hf engine: %s on %s in %s%s, max_batch_tokens=%d, max_batch_size=%d, %d linears prepacked for "
+                 "oneDNN, %d fused q/k/v or gate/up projections", cfg.model, self.device, self.dtype, between,
+                 self.max_batch_tokens, self.max_batch_size, self.prepacked, self.fused)
+
+    def mixed_bf16_pays(self, cfg: EngineConfig) -> bool:
+        """bf16 GEMMs with batchgen's float32 kernels between them (onednn.mixed_bf16): a bf16 model on a CPU
+        with native bf16 (the flag: on an emulating CPU the pure bf16 path stays as it was measured), where the
+        kernels are built and oneDNN can prepack bf16 weights."""
+        return (self.device.type == "cpu" and self.dtype == torch.bfloat16 and cfg.prepack and not cfg.quantization
+                and cpu_has_fast_bf16() and kernels.load() is not None and onednn.available(torch.bfloat16))
+
+    def quantized_bf16_gemms(self, cfg: EngineConfig) -> bool:
+        """int8/int4 in bf16 on CPU through batchgen's kernels: the model computes in float32 (the kernels for few
+        rows take float32), and each quantized linear runs its dequantized GEMM (prefill) in bf16."""
+        return (self.device.type == "cpu" and cfg.quantization in ("int8", "int4") and self.dtype == torch.bfloat16
+                and kernels.load() is not None)
+
+    def identity(self) -> dict[str, Any]:
+        quantization = {"quantization": self.cfg.quantization} if self.cfg.quantization else {}
+        prepacked = {"linear": "onednn-prepacked"} if self.prepacked else {}
+        mixed = {} if self.activation_dtype == self.dtype else {
+            "activations": str(self.activation_dtype).removeprefix("torch.")}
+        return {"engine": "hf", "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                **mixed, **quantization, **prepacked}
+
+    def close(self) -> None:
+        del self.model
+
+    @torch.inference_mode()
+    def generate(self, requests: list[Request], on_result: Optional[Callable[[Result], None]] = None
+                 ) -> list[Result]:
+        if not requests:
+            return []
+        max_len = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
+        if self.fast and supports(self.model, max_len):
+            return self._continuous(lambda scheduler: scheduler.run(requests, on_result))
+        generic = GenericGenerator(self.model, self.sampler, pad_id=self.pad_id, stats=self.stats,
+                                   max_batch_tokens=self.max_batch_tokens, max_batch_size=self.max_batch_size)
+        results = generic.run(requests, on_result)
+        self.max_batch_tokens = generic.max_batch_tokens
+        return results
+
+    @torch.inference_mode()
+    def stream(self, source: Source, on_result: Callable[[Result], None]) -> None:
+        """Continuous batching across windows where the Llama-family step serves every request the model allows;
+        otherwise one window at a time through the generic path."""
+        if self.fast and supports(self.model, self.max_model_len):
+            self._continuous(lambda scheduler: scheduler.stream(source, on_result))
+        else:
+            stream_windows(self.generate, source, on_result)
+
+    def _continuous(self, run: Callable[[Scheduler], Any]) -> Any:
+        if self._stepper is None:
+            # built once per engine; around bf16 GEMMs the cache is bf16, as a bf16 model's would be
+            self._stepper = LlamaStepper(self.model, self.activation_dtype, self.dtype)
+            log.info("hf engine decode step: %s", self._stepper.describe())
+        scheduler = Scheduler(self.sampler, self._stepper, max_batch_tokens=self.max_batch_tokens,
+                              max_batch_size=self.max_batch_size)
+        try:
+            return run(scheduler)
+        finally:
+            self.max_batch_tokens = scheduler.max_batch_tokens  # keep an OOM backoff for the next window
+            self.max_batch_size = scheduler.max_batch_size
+            self.stats.add(scheduler.stats)
+
+
+class EngineStats(SchedulerStats):
+    """Scheduler counters summed over windows."""
+
+    def add(self, other: SchedulerStats) -> None:
+        for name in SchedulerStats.__slots__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+def _first(*values: Optional[int]) -> int:
+    return next(v for v in values if v is not None)
+

@@ -1,0 +1,305 @@
+"""Weight quantization for the hf engine: one handler per `engine.quantization` scheme.
+
+A scheme says which devices and compute dtypes it runs on, what `from_pretrained` needs to load it
+(bitsandbytes quantizes while loading) and how to convert an already loaded model (torch's and
+torchao's kernels convert after loading). The engine calls `check` while validating the config and
+`load_model` instead of `from_pretrained`. Optional libraries (torchao, bitsandbytes) are imported
+only by the scheme that needs them, behind an install hint. Knows modules and tensors; nothing about
+requests, batching or the scheduler. This module is the registry (schemes, checks, loading; bitsandbytes,
+which quantizes while loading, is only load arguments); int8.py and int4.py hold the schemes' modules and
+conversions, common.py the thresholds and hints they share.
+
+What runs where (measured on an AVX2-only CPU without fast bf16; see README "Quantization"):
+- int8, CPU: weight-only, `Int8WeightOnlyLinear`: int8 weights with one symmetric bf16-rounded scale per
+  output channel; activations stay unquantized. Inputs under NATIVE_ROWS rows (decode steps of small
+  batches) run batchgen's own AVX2 kernel (`cpu_kernels`, float32 activations) where it is built; otherwise
+  inputs under DEQUANT_ROWS rows run torch's `aten._weight_int8pack_mm` with bfloat16 activations; larger
+  inputs (prefill, large batches) dequantize the layer's weights for one float32 GEMM. The model (norms,
+  attention) computes in float32. Without batchgen's kernel, linears whose input size aten's kernel cannot
+  take stay float. Without either kernel (older torch) the fallback, with a warning, is
+  `torch.ao.quantization.quantize_dynamic` (activations quantized too: lower fidelity).
+- int8, CUDA: torchao `Int8WeightOnlyConfig`.
+- int4, CPU: weight-only, `Int4WeightOnlyLinear`: group-wise asymmetric int4 (a bf16 scale and min per 64
+  input weights), two weights to a byte in the layout of batchgen's AVX2 kernel (`cpu_kernels`), which runs
+  inputs under INT4_NATIVE_ROWS rows in float32; larger inputs dequantize the layer's weights for a float GEMM.
+  The LM head is stored as int8 (Int8WeightOnlyLinear). Where batchgen's kernels are not built: torchao
+  `PrototypeInt4WeightOnlyConfig` (group 128), its kernel in bfloat16; in a float32 model each quantized linear
+  is then a bf16 island (`cpu/onednn.CastLinear`) and the rest of the model computes in float32.
+- int4, CUDA: torchao `Int4WeightOnlyConfig` with the tinygemm tile-packed layout, bfloat16 compute.
+- bnb-int8, bnb-nf4: bitsandbytes through `BitsAndBytesConfig`, CUDA only.
+With int8, and with batchgen's int4, the input embedding table is stored as int8 rows with one scale per row
+(`Int8Embedding`).
+A scheme measured slower than the unquantized model at the CPU working batch, on the CPU kind it is built on, logs a
+warning when it is built (CPU_WORKING_BATCH_VS_UNQUANTIZED).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from batchgen.engines.hf.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.quant.common import (
+    BNB_HINT,
+    DEQUANT_ROWS,
+    INT4_NATIVE_ROWS,
+    NATIVE_ROWS,
+    TORCHAO_HINT,
+    import_or_hint,
+)
+from batchgen.engines.hf.quant.int4 import Int4WeightOnlyLinear, int4_cpu, int4_cuda
+from batchgen.engines.hf.quant.int8 import Int8WeightOnlyLinear, int8_cpu, int8_cuda
+from batchgen.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+# Output tokens/s at the CPU working batch (64 rows) over the unquantized model's at engine.dtype=auto, per CPU kind
+# (cpu_kind), measured with benchmarks/quantization.py (README "Quantization"): on the AVX2 EPYC against float32, on
+# the Zen 4 EPYC (AVX-512 BF16) against bf16 GEMMs with float32 kernels between them. A scheme under 0.9 on the CPU
+# kind it is built on logs a warning with the figure: the engine does not switch schemes on its own, it says so.
+# A kind without figures (not measured) logs nothing. torchao: the fallback's figure, where batchgen's kernels are
+# not built.
+CPU_WORKING_BATCH_VS_UNQUANTIZED: dict[str, dict[str, float]] = {
+    "avx2": {"int8": 0.90, "int4": 0.81, "int4-torchao": 0.56},  # median of 3 repeats
+    "avx512_bf16": {"int8": 0.70, "int4": 0.65},  # one repeat; torchao's int4 not measured there
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Scheme:
+    """One value of `engine.quantization` for the hf engine."""
+
+    name: str
+    dtypes: dict[str, tuple[str, ...]]  # device type -> compute dtypes it runs in, preferred first
+    requires: str  # the optional package it imports (torchao, bitsandbytes) or "" for none
+    load_kwargs: Optional[Callable[[torch.dtype], dict[str, Any]]] = None  # extra from_pretrained kwargs
+    why_not: dict[str, str] = field(default_factory=dict)  # device type -> why it does not run there
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(self.dtypes)
+
+
+def route_rows(model: nn.Module, native_rows: Optional[int] = None, dequant_rows: Optional[int] = None) -> int:
+    """Set which kernel each int8/int4 weight-only linear of `model` runs, by the number of input rows: under
+    `native_rows`, batchgen's AVX2 kernel (int8: only where it is built); int8 then under `dequant_rows`, aten's
+    kernel; otherwise dequantized weights and a float GEMM. None means the engine's default (NATIVE_ROWS,
+    DEQUANT_ROWS; INT4_NATIVE_ROWS for int4). Tests and the benchmark use it to send every input through one
+    path. Returns how many modules were set."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Int8WeightOnlyLinear):
+            wanted = NATIVE_ROWS if native_rows is None else native_rows
+            module.native_rows = wanted if module.native is not None else 0
+            module.dequant_rows = DEQUANT_ROWS if dequant_rows is None else dequant_rows
+        elif isinstance(module, Int4WeightOnlyLinear):
+            module.native_rows = INT4_NATIVE_ROWS if native_rows is None else native_rows
+        else:
+            continue
+        count += 1
+    return count
+
+
+def set_gemm_dtype(model: nn.Module, dtype: Optional[torch.dtype]) -> int:
+    """The dtype the int8/int4 weight-only linears of `model` run their dequantized GEMMs in (inputs of many rows:
+    prefill). bf16 on a CPU with native bf16 (where its GEMMs ran ~2.7x float32's on the benchmark's shapes); the
+    kernels for few rows and the rest of the model stay float32. None: the input's dtype. Returns how many."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (Int8WeightOnlyLinear, Int4WeightOnlyLinear)):
+            module.gemm_dtype = dtype
+            count += 1
+    return count
+
+
+def concatenate(parts: list[nn.Module]) -> Optional[nn.Module]:
+    """`fuse` for step.fuse_projections: one int8 or int4 module for parts quantized alike; else None."""
+    kind = type(parts[0])
+    if kind in (Int8WeightOnlyLinear, Int4WeightOnlyLinear):
+        return kind.concatenate(parts)
+    return None
+
+
+# -- bitsandbytes (quantized while loading) ---------------------------------------------------------
+
+def bnb_kwargs(kind: str) -> Callable[[torch.dtype], dict[str, Any]]:
+    def kwargs(dtype: torch.dtype) -> dict[str, Any]:
+        import_or_hint("bitsandbytes", BNB_HINT, f"engine.quantization=bnb-{kind}")
+        from transformers import BitsAndBytesConfig
+
+        if kind == "int8":
+            return {"quantization_config": BitsAndBytesConfig(load_in_8bit=True)}
+        return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                          bnb_4bit_compute_dtype=dtype)}
+    return kwargs
+
+
+CUDA_ONLY = "bitsandbytes' kernels need CUDA"
+SCHEMES: dict[str, Scheme] = {
+    "int8": Scheme("int8", {"cpu": ("float32", "bfloat16"), "cuda": ("bfloat16", "float16")}, requires=""),
+    "int4": Scheme("int4", {"cpu": ("bfloat16", "float32"), "cuda": ("bfloat16",)}, requires="torchao"),
+    "bnb-int8": Scheme("bnb-int8", {"cuda": ("bfloat16", "float16", "float32")}, requires="bitsandbytes",
+                       load_kwargs=bnb_kwargs("int8"), why_not={"cpu": CUDA_ONLY}),
+    "bnb-nf4": Scheme("bnb-nf4", {"cuda": ("bfloat16", "float16", "float32")}, requires="bitsandbytes",
+                      load_kwargs=bnb_kwargs("nf4"), why_not={"cpu": CUDA_ONLY}),
+}
+CONVERTERS = {("int8", "cpu"): int8_cpu, ("int8", "cuda"): int8_cuda,
+              ("int4", "cpu"): int4_cpu, ("int4", "cuda"): int4_cuda}
+
+
+# -- what the config and the engine call ------------------------------------------------------------
+
+def check(scheme_name: Optional[str], device: str, dtype: str) -> list[str]:
+    """Config problems of `engine.quantization` with `engine.device` and `engine.dtype`, before any load."""
+    if scheme_name is None:
+        return []
+    scheme = SCHEMES[scheme_name]
+    kind = device_type(device)
+    if kind not in scheme.dtypes:
+        reason = scheme.why_not.get(kind, f"no {scheme_name} kernels for {kind}")
+        where = f"engine.device={device}" + (f" (resolves to {kind}: no CUDA device)" if device == "auto" else "")
+        return [f"engine.quantization={scheme_name} does not run with {where}: {reason}; "
+                f"supported devices: {', '.join(scheme.devices)}"]
+    problems = []
+    allowed = scheme.dtypes[kind]
+    if dtype != "auto" and dtype not in allowed:
+        problems.append(f"engine.quantization={scheme_name} on {kind} computes in {' or '.join(allowed)}; "
+                        f"engine.dtype={dtype} is not supported; choices: auto, {', '.join(allowed)}")
+    package = "torchao" if (scheme_name, kind) == ("int8", "cuda") else scheme.requires
+    if (scheme_name, kind) == ("int4", "cpu") and cpu_kernels.load() is not None:
+        package = ""  # batchgen's own int4 kernel (built here, about 1 s the first time); else torchao (int4_cpu)
+    if package and importlib.util.find_spec(package) is None:
+        hint = BNB_HINT if package == "bitsandbytes" else TORCHAO_HINT
+        problems.append(f"engine.quantization={scheme_name} on {kind} needs {package}, not installed: {hint}")
+    return problems
+
+
+def compute_dtype(scheme_name: Optional[str], device: torch.device, resolved: torch.dtype) -> torch.dtype:
+    """The dtype to load in: the engine's own choice unless the scheme's kernels need another."""
+    if scheme_name is None:
+        return resolved
+    allowed = [getattr(torch, name) for name in SCHEMES[scheme_name].dtypes[device.type]]
+    if resolved in allowed:
+        return resolved
+    log.info("quantization %s on %s computes in %s (engine.dtype=auto would pick %s without it)",
+             scheme_name, device.type, allowed[0], resolved)
+    return allowed[0]
+
+
+def load_model(path: str, *, scheme_name: Optional[str], device: torch.device, dtype: torch.dtype,
+               trust_remote_code: bool) -> nn.Module:
+    """from_pretrained, placement on the device, then the scheme's conversion; eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    scheme = SCHEMES[scheme_name] if scheme_name else None
+    kwargs = scheme.load_kwargs(dtype) if scheme and scheme.load_kwargs else {}
+    if kwargs:
+        kwargs["device_map"] = {"": device}  # bitsandbytes places while loading; .to() is refused afterwards
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
+    except (ImportError, RuntimeError, ValueError) as exc:
+        raise ModelLoadError(explain_load_failure(path, device, exc)) from exc
+    if not kwargs:
+        model = model.to(device)
+    if scheme is not None and scheme.load_kwargs is None:
+        model = CONVERTERS[(scheme.name, device.type)](model, device)
+        log.info("quantized %s to %s on %s: %.1f MB of weights", path, scheme.name, device.type,
+                 weight_bytes(model) / 1e6)
+        if device.type == "cpu":
+            warn_if_slow_at_working_batch(scheme.name, model)
+    return model.eval()
+
+
+def cpu_kind() -> str:
+    """The CPU kind the working-batch figures are kept for: avx512_bf16 (native bf16 dot products), avx512, avx2,
+    or other."""
+    from batchgen.engines.hf.cpu.runtime import cpu_flags, has_native_bf16
+
+    flags = cpu_flags()
+    if has_native_bf16():
+        return "avx512_bf16"
+    if "avx512f" in flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else "other"
+
+
+def warn_if_slow_at_working_batch(scheme_name: str, model: Optional[nn.Module] = None) -> None:
+    """Say so when the scheme decoded large batches slower than the unquantized model on a CPU of this kind."""
+    if scheme_name == "int4" and model is not None and not any(
+            isinstance(m, Int4WeightOnlyLinear) for m in model.modules()):
+        scheme_name = "int4-torchao"  # batchgen's kernels are not built here: torchao's int4 runs
+    kind = cpu_kind()
+    ratio = CPU_WORKING_BATCH_VS_UNQUANTIZED.get(kind, {}).get(scheme_name)
+    if ratio is None or ratio >= 0.9:
+        return
+    if scheme_name == "int8" and model is not None and not any(
+            isinstance(m, Int8WeightOnlyLinear) for m in model.modules()):
+        return  # the dynamic-int8 fallback: the figure is not its own
+    log.warning("%s on this CPU decodes large batches slower than the unquantized model: %.2fx its output tokens/s "
+                "at batch 64 with engine.dtype=auto, measured on a CPU of this kind (%s; README \"Quantization\"); "
+                "use it when the model does not fit in memory unquantized, or for batch-1 jobs, where it measured "
+                "faster", scheme_name, ratio, kind)
+
+
+def explain_load_failure(path: str, device: torch.device, exc: Exception) -> str:
+    """Name a pre-quantized checkpoint's method when loading it fails (GPTQ/AWQ kernels are mostly CUDA-only)."""
+    method = checkpoint_quant_method(path)
+    if method is None:
+        return f"loading {path} failed: {exc}"
+    return (f"loading {path} failed: it is a pre-quantized {method} checkpoint and its kernels could not run on "
+            f"{device.type} (many GPTQ/AWQ kernels need CUDA, and an extra package such as gptqmodel, autoawq "
+            f"or compressed-tensors); leave engine.quantization null for such checkpoints. Cause: {exc}")
+
+
+def checkpoint_quant_method(path: str) -> Optional[str]:
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+    qcfg = getattr(config, "quantization_config", None)
+    if isinstance(qcfg, dict):
+        return qcfg.get("quant_method")
+    return getattr(qcfg, "quant_method", None)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes held by the model's weights as stored: parameters, buffers and quantized packed weights."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            total += tensor_bytes(tensor)
+    for module in model.modules():
+        packed = getattr(module, "_packed_params", None)  # torch.ao dynamic quantized Linear
+        if packed is not None and hasattr(packed, "_weight_bias"):
+            weight, bias = packed._weight_bias()
+            total += tensor_bytes(weight) + (tensor_bytes(bias) if bias is not None else 0)
+    return total
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Storage of a tensor; tensor subclasses (torchao) are counted by their inner tensors."""
+    if hasattr(t, "__tensor_flatten__") and type(t) not in (torch.Tensor, nn.Parameter):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, name)) for name in names)
+    if t.is_quantized:
+        extra = 0
+        if t.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
+            extra = t.q_per_channel_scales().nbytes + t.q_per_channel_zero_points().nbytes
+        return t.numel() * t.element_size() + extra
+    return t.numel() * t.element_size()
+
+
+def device_type(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device).type

@@ -1,0 +1,91 @@
+"""Token choice and finishing for the hf engine: greedy or seeded sampling per row, EOS, stop strings,
+the row's own cap, and the Result a finished sequence becomes.
+
+Both decode paths (the scheduler over the slot cache, and the generic path for any architecture) ask
+the same Sampler, so a row finishes and reads the same whichever path served it. Knows token ids,
+sampling params and the tokenizer; nothing about caches, slots or models.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from batchgen.records import Request, Result
+from batchgen.sampling import SampleParams, find_stop
+
+
+class Sampler:
+    def __init__(self, tokenizer: Any, eos_ids: set[int], device: torch.device):
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.device = device
+
+    def generator(self, req: Request) -> Optional[torch.Generator]:
+        """The sample's own RNG, seeded from the request (None for greedy rows)."""
+        return None if req.params.greedy else torch.Generator(device=self.device).manual_seed(req.seed)
+
+    def pick(self, logits: torch.Tensor, reqs: list[Request], generators: list[Optional[torch.Generator]]
+             ) -> list[int]:
+        return pick_tokens(logits, [r.params for r in reqs], generators)
+
+    def finish_reason(self, params: SampleParams, generated: list[int]) -> Optional[str]:
+        if not params.ignore_eos and generated[-1] in self.eos_ids:
+            return "stop"
+        if params.stop and find_stop(self._tail_text(generated, params.stop), params.stop) >= 0:
+            return "stop"
+        if len(generated) >= params.max_new_tokens:
+            return "length"
+        return None
+
+    def _tail_text(self, generated: list[int], stops: tuple[str, ...]) -> str:
+        """The text of the last tokens only, enough to hold any stop string that ends in the newest token:
+        checking the whole generation every step would cost O(length^2) per row. A character takes at
+        most 4 tokens (byte-level fallback), and the margin keeps a match clear of the window's first
+        token, whose decoding can differ from its decoding in context (a leading space)."""
+        window = 4 * max(len(s) for s in stops) + 8
+        return self.tokenizer.decode(generated[-window:], skip_special_tokens=True)
+
+    def make_result(self, req: Request, generated: list[int], reason: Optional[str]) -> Result:
+        text = self.tokenizer.decode(generated, skip_special_tokens=True)
+        cut = find_stop(text, req.params.stop) if req.params.stop else -1
+        return Result(key=req.key, text=text if cut < 0 else text[:cut], finish_reason=reason or "length",
+                      num_prompt_tokens=len(req.prompt_ids), num_generated_tokens=len(generated))
+
+
+def pick_tokens(logits: torch.Tensor, params: list[SampleParams], generators: list[Optional[torch.Generator]]
+                ) -> list[int]:
+    """Next token per row: argmax for greedy rows, a draw from the row's own generator otherwise."""
+    tokens = logits.argmax(dim=-1).tolist()  # logits: [B, V]
+    for j, (p, gen) in enumerate(zip(params, generators)):
+        if not p.greedy:
+            tokens[j] = sample_token(logits[j], p, gen)
+    return tokens
+
+
+def sample_token(logits: torch.Tensor, p: SampleParams, gen: Optional[torch.Generator]) -> int:
+    """Temperature, then top-k, then top-p (nucleus), then one multinomial draw. logits: [V]."""
+    x = logits.float() / p.temperature
+    if p.top_k and p.top_k < x.numel():
+        kth = torch.topk(x, p.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
+        x = x.scatter(0, order[drop], float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    """Every id that ends a row: the generation config's EOS ids and the tokenizer's."""
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (gen_eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids

@@ -1,0 +1,162 @@
+"""Parts in flight: the job's side of the streaming seam between the planner, the engine and the committer.
+
+A part is the unit of commit, not of scheduling. The engine pulls requests through `Feed.source` whenever it
+has room; a part is opened (planned, its journal reopened and the samples it holds reused) while fewer than
+1 + `lookahead` parts are in flight, and its requests go to the engine under keys unique across parts. Each
+result is routed back to its part and journaled at once; a part is assembled and committed the moment its
+last sample is in, in whatever order parts finish, and its journal then removed. So the engine's batch stays
+full across part boundaries while every part keeps the exactly-once rules of docs/contract.md section 6.
+
+Memory: at most 1 + lookahead parts are held (their input rows, token ids and results), beside the reader's
+one batch. Knows parts, journals and requests; not models, files' formats or Hydra.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from batchgen.committer import Committer, PartStats, assemble, writing
+from batchgen.errors import BatchgenError
+from batchgen.job import JobConfig
+from batchgen.journal import Journal, crash_window, journal_key, journal_path
+from batchgen.manifest import config_hash
+from batchgen.planner import Planner
+from batchgen.progress import Progress, Summary
+from batchgen.records import Part, PlannedPart, Request, Result
+
+MAX_LOOKAHEAD = 64  # parts; an automatic look-ahead never exceeds it
+
+
+def auto_lookahead(batch_slots: int, rows_per_part: int, n: int) -> int:
+    """Parts beyond the oldest in flight that together hold twice the engine's batch: while the oldest part's
+    last rows finish, the others can fill every slot."""
+    return max(1, min(MAX_LOOKAHEAD, math.ceil(2 * batch_slots / (rows_per_part * n))))
+
+
+@dataclass
+class OpenPart:
+    planned: PlannedPart
+    journal: Journal
+    path: Path
+    results: list[Result]  # journaled by an earlier run or by this one, keys local to the part
+    left: int  # samples not yet finished
+    generated_tokens: int = 0  # by this run
+
+
+class Feed:
+    def __init__(self, cfg: JobConfig, planner: Planner, committer: Committer, progress: Progress,
+                 summary: Summary, *, max_model_len: int, lookahead: int,
+                 on_committed: Callable[[PartStats, int], None]):
+        self.cfg = cfg
+        self.planner = planner
+        self.committer = committer
+        self.progress = progress
+        self.summary = summary
+        self.max_model_len = max_model_len
+        self.lookahead = lookahead
+        self.on_committed = on_committed  # (part stats, tokens this run generated for it): totals, error rate
+        self.config_hash = config_hash(cfg)
+        self.parts = planner.parts(skip=committer.committed())
+        self.open: dict[int, OpenPart] = {}  # part index -> in flight
+        self.routes: dict[int, tuple[OpenPart, int]] = {}  # engine key -> (part, key within the part)
+        self.keys = itertools.count()
+        self.exhausted = False
+        self.max_in_flight = 0  # the most parts held at once, for the look-ahead's memory figure
+        self.failure: Optional[Exception] = None  # what stopped the supply early (see source)
+
+    def source(self) -> Optional[list[Request]]:
+        """The engine's supply (engines.base.Source): the next part's requests, [] while the look-ahead is full,
+        None once every part has been given. A part that cannot be planned (run.on_bad_row=fail, run.too_long=fail,
+        an input error) ends the supply: the parts before it still finish and commit, then `finish` raises."""
+        while not self.exhausted:
+            if len(self.open) > self.lookahead:
+                return []
+            try:
+                part = next(self.parts, None)
+                todo = self._open(part) if part is not None else None
+            except Exception as exc:  # noqa: BLE001 - raised again by finish(), once the parts in flight are in
+                self.failure = exc
+                part, todo = None, None
+            if part is None:
+                self.exhausted = True
+                break
+            if todo:
+                return todo
+        return None
+
+    def finish(self) -> None:
+        """After the engine has returned: raise what stopped the supply, if anything did."""
+        if self.failure is not None:
+            raise self.failure
+
+    def on_result(self, result: Result) -> None:
+        """Journal the result in its part; commit the part once its last sample is in."""
+        op, key = self.routes.pop(result.key)
+        result = dataclasses.replace(result, key=key)
+        with self.progress.stop.shielded(), writing(op.path):
+            op.journal.append(result)
+        self.progress.journaled(op.planned.part.index, 1)
+        op.results.append(result)
+        op.generated_tokens += result.num_generated_tokens
+        op.left -= 1
+        if op.left == 0:
+            self._commit(op)
+
+    def close(self) -> None:
+        """Close the journals of parts still in flight (a stop or a failure): they stay on disk for the resume."""
+        for op in self.open.values():
+            op.journal.close()
+        self.open.clear()
+
+    def _open(self, part: Part) -> list[Request]:
+        planned = self.planner.plan(part, self.max_model_len)
+        _check_bad_rows(self.cfg, planned.errors, part.ids)
+        key = journal_key(part=part.index, first_row=part.start, ids=part.ids, config_hash=self.config_hash,
+                          n=self.cfg.sampling.n)
+        path = journal_path(self.committer.output_dir, part.index)
+        with writing(path):
+            journal, results = Journal.open(path, key, valid_keys={r.key for r in planned.requests})
+        self.summary.reused_samples += len(results)
+        reused = {r.key for r in results}
+        todo = [r for r in planned.requests if r.key not in reused]
+        op = OpenPart(planned, journal, path, results, left=len(todo))
+        self.open[part.index] = op
+        self.max_in_flight = max(self.max_in_flight, len(self.open))
+        self.progress.start_part(part.index, len(planned.requests), len(results))
+        if not todo:  # every sample journaled already (or only error rows): commit now
+            self._commit(op)
+            return []
+        given = []
+        for request in todo:
+            engine_key = next(self.keys)
+            self.routes[engine_key] = (op, request.key)
+            given.append(dataclasses.replace(request, key=engine_key))
+        return given
+
+    def _commit(self, op: OpenPart) -> None:
+        """Assemble and commit the part, then drop its journal (in that order: a crash in between leaves a journal
+        that the next run removes)."""
+        part = op.planned.part
+        rows = assemble(op.planned, op.results)
+        with self.progress.stop.shielded():
+            stats = self.committer.commit(part, rows)
+            crash_window("part committed, journal not yet removed")
+            with writing(op.path):
+                op.journal.remove()
+        del self.open[part.index]
+        self.progress.committed(part.index, stats, op.generated_tokens)
+        self.on_committed(stats, op.generated_tokens)
+
+
+def _check_bad_rows(cfg: JobConfig, errors: list[Optional[str]], ids: list[str]) -> None:
+    if cfg.run.on_bad_row == "fail":
+        bad = next((i for i, e in enumerate(errors) if e is not None), None)
+        if bad is not None:
+            raise BatchgenError(f"row {ids[bad]}: {errors[bad]} (run.on_bad_row=fail; set run.on_bad_row=record "
+                                "to write error rows and go on)")

@@ -1,0 +1,71 @@
+"""The dataset's config (`dataset.*`) and the checks on it that need no file opened."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import fsspec
+
+PARQUET_EXTS = (".parquet", ".pq")
+JSONL_EXTS = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".jsonl.bz2", ".jsonl.xz")
+FORMATS = ("auto", "parquet", "jsonl", "hf")
+VERIFY = ("footers", "pages")
+MAX_DEPTH = 32  # nesting of a JSONL value beyond which its row is a too_deep error (Parquet readers choke deeper)
+BOM = b"\xef\xbb\xbf"
+
+
+
+@dataclass
+class DatasetConfig:
+    path: str = "???"  # file, directory, glob or fsspec URL; or a `datasets` dir / hub id for format=hf
+    format: str = "auto"  # auto | parquet | jsonl | hf
+    id_column: Optional[str] = None  # unique row id column; null = `<file>:<row>`
+    prompt_column: str = "prompt"
+    template: Optional[str] = None  # "Summarize:\n{text}", rendered with the row's columns
+    messages_column: Optional[str] = None  # list of {role, content}, rendered with the chat template
+    system_prompt: Optional[str] = None  # system message for chat rendering
+    passthrough_columns: Optional[list[str]] = None  # null = all non-prompt columns
+    limit: Optional[int] = None  # first N rows only
+    max_new_tokens_column: Optional[str] = None  # per-row cap on generated tokens
+    split: Optional[str] = None  # format=hf: split of a DatasetDict or hub dataset
+    batch_rows: int = 2048  # rows per read batch (memory bound of the reader)
+    max_line_bytes: int = 8 * 1024 * 1024  # JSONL: a longer line is a too_large error row, never parsed
+    verify: str = "pages"  # Parquet, before generation: pages (every page read once, checksums) | footers only
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.path in ("???", "", None):
+            out.append("dataset.path is required (a file, directory, glob or URL)")
+        else:
+            out += _path_problems(self.path, self.format)
+        if self.format not in FORMATS:
+            out.append(f"dataset.format must be one of {', '.join(FORMATS)} (got {self.format!r})")
+        if self.limit is not None and self.limit < 0:
+            out.append(f"dataset.limit must be >= 0 or null (got {self.limit})")
+        if self.batch_rows < 1:
+            out.append(f"dataset.batch_rows must be >= 1 (got {self.batch_rows})")
+        if self.verify not in VERIFY:
+            out.append(f"dataset.verify must be one of {', '.join(VERIFY)} (got {self.verify!r})")
+        if self.max_line_bytes < 1:
+            out.append(f"dataset.max_line_bytes must be >= 1 (got {self.max_line_bytes})")
+        if self.template is not None and self.messages_column is not None:
+            out.append("dataset.template and dataset.messages_column are exclusive: set one of them")
+        return out
+
+
+def _path_problems(path: str, fmt: str) -> list[str]:
+    """A URL whose filesystem is not installed, or a local path that does not exist (no glob, not a hub id)."""
+    if "://" in path:
+        protocol = path.split("://", 1)[0]
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ImportError as exc:
+            return [f"dataset.path: {protocol}:// needs a package that is not installed: {exc}"]
+        except ValueError:
+            return [f"dataset.path: unknown URL scheme {protocol}:// (fsspec knows no such filesystem)"]
+        return []
+    if any(ch in path for ch in "*?[") or os.path.exists(path) or fmt == "hf":
+        return []
+    return [f"dataset.path: no such file or directory: {path}"]

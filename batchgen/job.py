@@ -38,7 +38,7 @@ class RunConfig:
     num_shards: int = 1
     progress: bool = True  # tqdm bar on stderr
     # parts in flight beyond the oldest one, so the engine's batch stays full across part boundaries (each part
-    # still commits on its own, as soon as its last sample is in); null: enough for twice the engine's batch
+    # still commits on its own, as soon as its last sample is in); null: 8 engine batches (feed.auto_lookahead)
     lookahead_parts: Optional[int] = None
 
 

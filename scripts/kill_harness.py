@@ -135,6 +135,8 @@ def inspect(out: Path, expected_ids: list[str], rows_per_part: int, n: int) -> l
             seen.append("mid-part with results journaled")
     if list(out.glob(".part-*.tmp-*")):
         seen.append("part under its temp name")
+    if len([p for p in out.glob("_part-*.journal") if int(p.name[6:11]) not in done]) > 1:
+        seen.append("several parts in flight")
     return seen or ["between parts or at start-up"]
 
 

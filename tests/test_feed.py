@@ -153,10 +153,11 @@ def test_a_stop_with_several_parts_in_flight_keeps_every_journal_and_the_resume_
     assert read_output(out).equals(read_output(tmp_path / "clean"))
 
 
-def test_auto_lookahead_holds_twice_the_batch_beyond_the_oldest_part():
-    assert auto_lookahead(64, 256, 1) == 1
-    assert auto_lookahead(64, 32, 1) == 4
-    assert auto_lookahead(64, 32, 4) == 1
+def test_auto_lookahead_holds_eight_batches_beyond_the_oldest_part():
+    assert auto_lookahead(64, 256, 1) == 2
+    assert auto_lookahead(64, 32, 1) == 16
+    assert auto_lookahead(64, 32, 4) == 4
+    assert auto_lookahead(64, 1024, 1) == 1  # at least one
     assert auto_lookahead(256, 1, 1) == 64  # capped
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
+from batchgen.errors import BatchgenError
 from batchgen.records import Request, Result
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -130,8 +131,11 @@ def stream_windows(generate: Generate, source: Source, on_result: Callable[[Resu
         generate(batch, on_result)
 
 
-def drain(requests: list[Request]) -> Source:
-    """A source that gives `requests` once, then None: `generate` written as one `stream`."""
+def generate_by_stream(stream: Callable[[Source, Callable[[Result], None]], None], requests: list[Request],
+                       on_result: Optional[Callable[[Result], None]] = None) -> list[Result]:
+    """`generate` written as one `stream` over the window: its Results in request order, each also passed to
+    `on_result` as it is final. An engine that loses a request is an error, never a silent gap."""
+    by_key: dict[int, Result] = {}
     given = [False]
 
     def source() -> Optional[list[Request]]:
@@ -139,4 +143,14 @@ def drain(requests: list[Request]) -> Source:
             return None
         given[0] = True
         return list(requests)
-    return source
+
+    def collect(result: Result) -> None:
+        by_key[result.key] = result
+        if on_result is not None:
+            on_result(result)
+
+    stream(source, collect)
+    missing = [r.key for r in requests if r.key not in by_key]
+    if missing:
+        raise BatchgenError(f"the engine returned no result for {len(missing)} requests (first key: {missing[0]})")
+    return [by_key[r.key] for r in requests]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from batchgen.engines.base import EngineConfig, Source, drain, stream_windows, take
+from batchgen.engines.base import EngineConfig, Source, generate_by_stream, stream_windows, take
 from batchgen.errors import BatchgenError, ConfigError
 from batchgen.records import Request, Result
 from batchgen.sampling import find_stop
@@ -175,18 +175,7 @@ class VLLMEngine:
     def generate(self, requests: list[Request], on_result: Optional[Callable[[Result], None]] = None
                  ) -> list[Result]:
         """The whole window queued at once; each result is passed to `on_result` the step it finishes."""
-        by_key: dict[int, Result] = {}
-
-        def collect(result: Result) -> None:
-            by_key[result.key] = result
-            if on_result is not None:
-                on_result(result)
-
-        self.stream(drain(requests), collect)
-        missing = [r.key for r in requests if r.key not in by_key]
-        if missing:
-            raise BatchgenError(f"vLLM returned no output for {len(missing)} requests (first: {missing[0]})")
-        return [by_key[r.key] for r in requests]
+        return generate_by_stream(self.stream, requests, on_result)
 
     def stream(self, source: Source, on_result: Callable[[Result], None]) -> None:
         """vLLM's request queue topped up from `source` before every engine step, so its scheduler always has the

@@ -21,7 +21,7 @@ from typing import Any, Optional, TypeVar
 
 import torch
 
-from batchgen.engines.base import Source, drain, take
+from batchgen.engines.base import Source, generate_by_stream, take
 from batchgen.engines.hf.sampler import Sampler
 from batchgen.records import Request, Result
 
@@ -58,15 +58,7 @@ class Scheduler:
 
     def run(self, requests: list[Request], on_result: Optional[Callable[[Result], None]]) -> list[Result]:
         """One window: its Results in request order."""
-        by_key: dict[int, Result] = {}
-
-        def collect(result: Result) -> None:
-            by_key[result.key] = result
-            if on_result is not None:
-                on_result(result)
-
-        self.stream(drain(requests), collect)
-        return [by_key[r.key] for r in requests]
+        return generate_by_stream(self.stream, requests, on_result)
 
     def stream(self, source: Source, on_result: Callable[[Result], None]) -> None:
         pool = Pool(source, self.sampler)

@@ -84,7 +84,7 @@ def validate(cfg: JobConfig) -> JobConfig:
 def _ignored_keys(engine: EngineConfig) -> list[str]:
     """Keys set away from their defaults that the chosen engine would ignore: refused rather than dropped."""
     defaults = EngineConfig()
-    only = {"hf": ("device", "threads", "prepack"),
+    only = {"hf": ("device", "threads", "prepack", "prefix_cache", "prefix_cache_mb"),
             "vllm": ("tensor_parallel_size", "gpu_memory_utilization", "extra_args")}
     out = []
     for owner, keys in only.items():

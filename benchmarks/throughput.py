@@ -24,7 +24,8 @@ from typing import Optional
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 ROOT = Path(__file__).resolve().parent.parent
-RUNNERS = ("B0", "B1", "B2", "B3", "E")
+RUNNERS = ("B0", "B1", "B2", "B3", "E", "Eoff")  # Eoff: E with engine.prefix_cache=off (not run by default)
+DEFAULT_RUNNERS = ("B0", "B1", "B2", "B3", "E")
 WORDS = ("the river town market opened closed with many people after rain sun night lamp bread clock train "
          "harbour music quiet loud green blue small large old new fast slow city field stone road").split()
 
@@ -202,7 +203,7 @@ def run_engine(model: Path, data: Path, dtype: str) -> dict:
             "row_steps": s.decode_row_steps + s.prefill_rows, "prefill_tokens": s.prefill_tokens}
 
 
-def run_e(model: Path, data: Path, dtype: str, out: Path, rows: int) -> dict:
+def run_e(model: Path, data: Path, dtype: str, out: Path, rows: int, *extra: str) -> dict:
     """A real batchgen job: Parquet in, Parquet out, through the CLI."""
     import shutil
 
@@ -211,7 +212,8 @@ def run_e(model: Path, data: Path, dtype: str, out: Path, rows: int) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     args = [sys.executable, "-m", "batchgen", "name=bench", f"output_dir={out}", f"dataset.path={data}",
             "dataset.max_new_tokens_column=max_new_tokens", "sampling.max_new_tokens=256", "sampling.ignore_eos=true",
-            f"engine.model={model}", f"engine.dtype={dtype}", f"run.rows_per_part={rows}", "run.progress=false"]
+            f"engine.model={model}", f"engine.dtype={dtype}", f"run.rows_per_part={rows}", "run.progress=false",
+            *extra]
     t = time.perf_counter()
     proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - t
@@ -229,7 +231,9 @@ def child(args: argparse.Namespace) -> None:
     runner = {"B0": lambda: run_b0(model, data, dtype, args.b0_rows), "B1": lambda: run_b1(model, data, dtype),
               "B2": lambda: run_b2(model, data, dtype), "B3": lambda: run_b3(model, data, dtype),
               "ENG": lambda: run_engine(model, data, dtype),
-              "E": lambda: run_e(model, data, dtype, Path(args.workdir) / "e-out", args.rows)}[args.run]
+              "E": lambda: run_e(model, data, dtype, Path(args.workdir) / "e-out", args.rows),
+              "Eoff": lambda: run_e(model, data, dtype, Path(args.workdir) / "e-out", args.rows,
+                                    "engine.prefix_cache=off")}[args.run]
     print("RESULT " + json.dumps(runner()))
 
 
@@ -237,7 +241,7 @@ def child(args: argparse.Namespace) -> None:
 
 def spawn(name: str, args: argparse.Namespace, model: Path, data: Path, python: str,
           dtype: Optional[str] = None) -> dict:
-    dtype = dtype or (args.dtype if name in ("E", "ENG") else args.baseline_dtype)
+    dtype = dtype or (args.dtype if name in ("E", "Eoff", "ENG") else args.baseline_dtype)
     cmd = [python, __file__, "--run", name, "--model", str(model), "--data", str(data), "--dtype", dtype,
            "--workdir", str(args.workdir), "--rows", str(args.rows), "--b0-rows", str(args.b0_rows)]
     env = os.environ | {"OMP_WAIT_POLICY": "PASSIVE", "VLLM_CPU_KVCACHE_SPACE": "2",
@@ -287,7 +291,7 @@ def main() -> None:
     if args.quick:
         args.rows, args.repeats = min(args.rows, 48), 2
         args.runners = args.runners or "B1,E"
-    args.runners = args.runners or ",".join(RUNNERS)
+    args.runners = args.runners or ",".join(DEFAULT_RUNNERS)
     size = "tiny" if args.quick else "bench"
     args.workdir.mkdir(parents=True, exist_ok=True)
     model, data = build(args.workdir, size=size, rows=args.rows, seed=args.seed)
@@ -317,7 +321,7 @@ def report(args: argparse.Namespace, model: Path, data: Path, size: str) -> None
     # --baseline-dtype best: each baseline in float32 and in bfloat16, interleaved, and the faster median kept
     tried = ("float32", "bfloat16") if args.baseline_dtype == "best" else (args.baseline_dtype,)
     runs = [(name, dtype) for name in runners + extra
-            for dtype in ((args.dtype,) if name in ("E", "ENG") else tried)]
+            for dtype in ((args.dtype,) if name in ("E", "Eoff", "ENG") else tried)]
     samples: dict[tuple[str, str], list[dict]] = {run: [] for run in runs}
     for _ in range(args.repeats):
         for name, dtype in runs:

@@ -20,6 +20,7 @@ from batchgen.errors import BatchgenError
 from batchgen.records import Request, Result
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+PREFIX_CACHE = ("auto", "on", "off")
 DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")  # name or org/name: left to from_pretrained (a hub, if reachable)
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".gguf")
@@ -55,6 +56,8 @@ class EngineConfig:
     max_model_len: Optional[int] = None  # prompt + generation limit; null = the model's own
     threads: Optional[int] = None  # hf on CPU: torch threads; null = all cores
     prepack: bool = True  # hf on CPU: reorder linear weights once into oneDNN's layout (faster small-batch GEMMs)
+    prefix_cache: str = "auto"  # hf: shared prompt prefixes computed once: auto | on (from 32 shared tokens) | off
+    prefix_cache_mb: int = 1024  # hf: the prefix cache's keys and values are kept within this many MiB
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1  # vllm
     # vllm; null: vLLM's 0.9 on GPU, and on CPU a KV cache fit to the memory free at start (engines/vllm.py)
@@ -78,6 +81,10 @@ class EngineConfig:
             value = getattr(self, key)
             if value is not None and value < 1:
                 out.append(f"engine.{key} must be >= 1 or null (got {value})")
+        if self.prefix_cache not in PREFIX_CACHE:
+            out.append(f"engine.prefix_cache must be one of {', '.join(PREFIX_CACHE)} (got {self.prefix_cache!r})")
+        if self.prefix_cache_mb < 1:
+            out.append(f"engine.prefix_cache_mb must be >= 1 (got {self.prefix_cache_mb})")
         if self.tensor_parallel_size < 1:
             out.append(f"engine.tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:

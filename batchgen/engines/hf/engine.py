@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from batchgen.engines.base import EngineConfig, Source, stream_windows
-from batchgen.engines.hf import device, quant
+from batchgen.engines.hf import device, prefix, quant
 from batchgen.engines.hf.cpu import kernels, onednn, runtime
 from batchgen.engines.hf.generic import GenericGenerator
 from batchgen.engines.hf.sampler import Sampler, eos_ids
@@ -66,6 +66,7 @@ class HFEngine:
         self.fast = True  # continuous batching on the pre-allocated cache where the architecture allows
         self._stepper: Optional[LlamaStepper] = None
         self.stats = EngineStats()
+        self.prefixes = prefix.for_config(cfg.prefix_cache, cfg.prefix_cache_mb)  # kept across windows
         self.pad_id = _first(tokenizer.pad_token_id, *sorted(self.eos_ids), 0)
         between = "" if self.activation_dtype == self.dtype else f" (activations in {self.activation_dtype})"
         log.info("hf engine: %s on %s in %s%s, max_batch_tokens=%d, max_batch_size=%d, %d linears prepacked for "
@@ -125,13 +126,15 @@ class HFEngine:
             self._stepper = LlamaStepper(self.model, self.activation_dtype, self.dtype)
             log.info("hf engine decode step: %s", self._stepper.describe())
         scheduler = Scheduler(self.sampler, self._stepper, max_batch_tokens=self.max_batch_tokens,
-                              max_batch_size=self.max_batch_size)
+                              max_batch_size=self.max_batch_size, prefixes=self.prefixes)
         try:
             return run(scheduler)
         finally:
             self.max_batch_tokens = scheduler.max_batch_tokens  # keep an OOM backoff for the next window
             self.max_batch_size = scheduler.max_batch_size
             self.stats.add(scheduler.stats)
+            if self.prefixes is not None:
+                self.stats.prefix_cache_bytes = self.prefixes.stats.prefix_cache_bytes  # held now, not summed
 
 
 class EngineStats(SchedulerStats):

@@ -27,6 +27,24 @@ class SlotKVCache:
         self.k[layer, first_slot:first_slot + n, :, :t] = k
         self.v[layer, first_slot:first_slot + n, :, :t] = v
 
+    def write_after(self, layer: int, first_slot: int, starts: list[int], k: torch.Tensor, v: torch.Tensor,
+                    counts: list[int]) -> None:
+        """k, v: [n, kv_heads, T, head_dim]; row i's first counts[i] positions go to slot first_slot + i at
+        positions [starts[i], starts[i] + counts[i]) (a prefill after a reused prefix)."""
+        for i, (start, count) in enumerate(zip(starts, counts)):
+            self.k[layer, first_slot + i, :, start:start + count] = k[i, :, :count]
+            self.v[layer, first_slot + i, :, start:start + count] = v[i, :, :count]
+
+    def load_prefix(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A cached prefix's keys and values, [layers, kv_heads, P, head_dim], into positions [0, P) of `slot`."""
+        p = k.shape[2]
+        self.k[:, slot, :, :p] = k
+        self.v[:, slot, :, :p] = v
+
+    def prefix_of(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [0, length) of `slot`, every layer: views, [layers, kv_heads, length, head_dim]."""
+        return self.k[:, slot, :, :length], self.v[:, slot, :, :length]
+
     def set_lengths(self, first_slot: int, lengths: list[int]) -> None:
         self.lengths[first_slot:first_slot + len(lengths)] = torch.tensor(lengths, device=self.lengths.device)
         self.host_lengths[first_slot:first_slot + len(lengths)] = lengths

@@ -22,6 +22,7 @@ from typing import Any, Optional, TypeVar
 import torch
 
 from batchgen.engines.base import Source, generate_by_stream, take
+from batchgen.engines.hf.prefix import Entry, PrefixCache
 from batchgen.engines.hf.sampler import Sampler
 from batchgen.records import Request, Result
 
@@ -36,6 +37,13 @@ class Sequence:
     request: Request
     generator: Optional[torch.Generator]  # the sample's own RNG; None for greedy
     generated: list[int] = field(default_factory=list)
+    start: int = 0  # prompt tokens taken from the prefix cache: its prefill starts here
+    prefix: Optional[Entry] = None  # that cached prefix, until it is loaded into the slot
+
+    @property
+    def suffix(self) -> int:
+        """Prompt tokens left to prefill."""
+        return len(self.request.prompt_ids) - self.start
 
 
 @dataclass(slots=True)
@@ -46,12 +54,17 @@ class SchedulerStats:
     prefill_tokens: int = 0  # real prompt tokens prefilled
     prefill_padded_tokens: int = 0  # prompt tokens plus bucket padding
     oom_backoffs: int = 0
+    prefix_tokens_reused: int = 0  # prompt tokens taken from the prefix cache instead of prefilled
+    prefix_tokens_computed: int = 0  # tokens of shared prefixes prefilled once (included in prefill_tokens)
+    prefix_cache_bytes: int = 0  # the prefix cache's keys and values held (engine.prefix_cache_mb bounds it)
 
 
 class Scheduler:
-    def __init__(self, sampler: Sampler, stepper: Any, *, max_batch_tokens: int, max_batch_size: int):
+    def __init__(self, sampler: Sampler, stepper: Any, *, max_batch_tokens: int, max_batch_size: int,
+                 prefixes: Optional[PrefixCache] = None):
         self.sampler = sampler  # picks tokens and decides finishing (sampling, EOS, stop strings)
         self.stepper = stepper  # prefill / decode on a SlotKVCache
+        self.prefixes = prefixes  # shared prompt prefixes computed once (engine.prefix_cache); None: off
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
         self.stats = SchedulerStats()
@@ -129,25 +142,52 @@ class Scheduler:
         return admitted
 
     def _prefill_groups(self, cache: Any, first_slot: int, admitted: list[Sequence]) -> torch.Tensor:
-        """Prefill admitted rows (longest first) in groups of similar length, so padding stays under ~25%."""
+        """Prefill admitted rows (longest first) in groups of similar length, so padding stays under ~25%; with the
+        prefix cache, what is left of each prompt after its cached prefix is what is grouped and prefilled."""
+        if self.prefixes is not None:
+            self._reuse_prefixes(cache, first_slot, admitted)
         logits, start = [], 0
         while start < len(admitted):
-            width = len(admitted[start].request.prompt_ids)
+            width = admitted[start].suffix
             end = start + 1
-            while end < len(admitted) and len(admitted[end].request.prompt_ids) >= PAD_RATIO * width:
+            while end < len(admitted) and admitted[end].suffix >= PAD_RATIO * width:
                 end += 1
             logits.append(self._prefill(cache, first_slot + start, admitted[start:end]))
             start = end
         return torch.cat(logits)
 
+    def _reuse_prefixes(self, cache: Any, first_slot: int, admitted: list[Sequence]) -> None:
+        """Compute once each prefix two or more admitted rows share (slot `first_slot`, free until they are placed,
+        serves as scratch), then give each row the longest cached prefix of its prompt: into its slot, and its
+        prefill starts after it. Reorders `admitted` (their slots) longest remaining prompt first."""
+        assert self.prefixes is not None
+        for ids in self.prefixes.shared([s.request.prompt_ids for s in admitted]):
+            self.stepper.prefill(cache, first_slot, [list(ids)])
+            self.prefixes.add(ids, *cache.prefix_of(first_slot, len(ids)))
+            self.stats.prefix_tokens_computed += len(ids)
+            self.stats.prefill_tokens += len(ids)
+        for seq in admitted:
+            seq.prefix = self.prefixes.lookup(seq.request.prompt_ids)
+            seq.start = len(seq.prefix.ids) if seq.prefix is not None else 0
+        admitted.sort(key=lambda s: -s.suffix)
+        for j, seq in enumerate(admitted):
+            if seq.prefix is not None:
+                cache.load_prefix(first_slot + j, seq.prefix.k, seq.prefix.v)
+                self.stats.prefix_tokens_reused += seq.start
+                seq.prefix = None
+
     def _prefill(self, cache: Any, first_slot: int, admitted: list[Sequence]) -> torch.Tensor:
         """Prefill a bucket; on out-of-memory halve the token budget and prefill it in halves."""
         def run(start: int, stop: int) -> torch.Tensor:
-            prompts = [s.request.prompt_ids for s in admitted[start:stop]]
-            logits = self.stepper.prefill(cache, first_slot + start, prompts)
-            self.stats.prefill_rows += len(prompts)
-            self.stats.prefill_tokens += sum(len(p) for p in prompts)
-            self.stats.prefill_padded_tokens += len(prompts) * max(len(p) for p in prompts)
+            rows = admitted[start:stop]
+            prompts = [s.request.prompt_ids for s in rows]
+            starts = [s.start for s in rows]
+            slot = first_slot + start
+            logits = (self.stepper.prefill(cache, slot, prompts, starts) if any(starts)
+                      else self.stepper.prefill(cache, slot, prompts))
+            self.stats.prefill_rows += len(rows)
+            self.stats.prefill_tokens += sum(s.suffix for s in rows)
+            self.stats.prefill_padded_tokens += len(rows) * max(s.suffix for s in rows)
             return logits
 
         def on_oom(rows: int) -> None:

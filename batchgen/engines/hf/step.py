@@ -85,13 +85,20 @@ class LlamaStepper:
         return SlotKVCache(layers=len(self.layers), slots=slots, kv_heads=self.kv_heads, max_len=max_len,
                            head_dim=self.head_dim, dtype=self.kv_dtype, device=self.device)
 
-    def prefill(self, cache: SlotKVCache, first_slot: int, prompts: list[list[int]]) -> torch.Tensor:
+    def prefill(self, cache: SlotKVCache, first_slot: int, prompts: list[list[int]],
+                starts: Optional[list[int]] = None) -> torch.Tensor:
         """Run prompts into slots [first_slot, first_slot + n); logits of each last token: [n, V].
 
         The GEMMs, norms and MLP run over the prompts' tokens only, packed one after another ([N, hidden]); only
         attention sees them right-padded to the longest ([n, T]): padding cost GEMM work (11% of the benchmark
         workload's prefill tokens) and nothing else needs it. The attention runs in float32 around bf16 GEMMs too
-        (torch's bf16 flash attention on CPU measured slower: 0.89 s against 0.75 s over the benchmark workload)."""
+        (torch's bf16 flash attention on CPU measured slower: 0.89 s against 0.75 s over the benchmark workload).
+        `starts[i]`: positions [0, starts[i]) of row i's slot already hold its prompt's prefix (prefix.py); only the
+        rest is computed, at positions from starts[i], attending over the cached prefix too."""
+        full = [len(p) for p in prompts]
+        starts = starts if starts and any(starts) else None
+        if starts is not None:
+            prompts = [p[s:] for p, s in zip(prompts, starts)]
         lengths = [len(p) for p in prompts]
         n, width = len(prompts), max(lengths)
         ids = torch.tensor([token for p in prompts for token in p], dtype=torch.long, device=self.device)
@@ -107,6 +114,10 @@ class LlamaStepper:
             return padded
 
         positions = torch.arange(width, device=self.device).expand(n, width)
+        attend = None
+        if starts is not None:
+            positions = positions + torch.tensor(starts, device=self.device)[:, None]
+            attend = self._after_prefix(cache, first_slot, starts, lengths, positions)
         cos_sin = self.inner.rotary_emb(x, positions)
         if self.native_step:  # batchgen's RMSNorm (fused with the residual adds) and SiLU, over every prompt token
             x = x.contiguous()
@@ -115,8 +126,11 @@ class LlamaStepper:
             if not self.native_step:
                 h = layer.input_layernorm(x)
             q, k, v = (t.to(self.dtype) for t in self._qkv(layer.self_attn, h, cos_sin, pad))
-            cache.write_prefill(i, first_slot, k, v)  # [n, kv_heads, T, d], rounded to the cache's dtype
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
+            if attend is None:
+                cache.write_prefill(i, first_slot, k, v)  # [n, kv_heads, T, d], rounded to the cache's dtype
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
+            else:
+                out = attend(i, q, k, v)
             out = out.transpose(1, 2).reshape(n, width, -1)  # [n, T, heads * d]
             attended = layer.self_attn.o_proj(out.view(-1, out.shape[-1]) if valid is None else out[valid])
             if self.native_step:
@@ -130,9 +144,28 @@ class LlamaStepper:
             else:
                 x = x + attended
                 x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
-        cache.set_lengths(first_slot, lengths)
+        cache.set_lengths(first_slot, full)
         ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
         return self.model.lm_head(self.inner.norm(x[ends])).float()  # [n, hidden] -> [n, V]
+
+    def _after_prefix(self, cache: SlotKVCache, first_slot: int, starts: list[int], counts: list[int],
+                      positions: torch.Tensor) -> Callable[..., torch.Tensor]:
+        """Prefill attention for rows whose slots hold a prefix: each layer writes the new keys and values after it,
+        then the queries attend over the slot's positions [0, start + t] (their own and the cached prefix's)."""
+        n, width = positions.shape
+        span = max(s + c for s, c in zip(starts, counts))
+        keys = torch.arange(span, device=self.device)
+        real = torch.arange(width, device=self.device)[None, :] < torch.tensor(counts, device=self.device)[:, None]
+        # [n, 1, T, span]: causal over the slot's positions; padded queries see position 0 (their output is dropped)
+        mask = ((keys[None, None, :] <= positions[:, :, None]) & real[:, :, None]) | (keys == 0)[None, None, :]
+        mask = mask[:, None]
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.write_after(layer, first_slot, starts, k, v, counts)
+            keys_, values = (t[layer, first_slot:first_slot + n, :, :span].to(self.dtype) for t in (cache.k, cache.v))
+            return F.scaled_dot_product_attention(q, keys_, values, attn_mask=mask, scale=self.scaling,
+                                                  enable_gqa=True)
+        return attend
 
     def decode(self, cache: SlotKVCache, tokens: torch.Tensor) -> torch.Tensor:
         """One token for each live slot [0, n): tokens [n] -> logits [n, V]."""

@@ -37,6 +37,7 @@ class Summary:
     duplicate_ids: int = 0  # input rows whose id repeats an earlier row's (each still gets its own output row)
     lookahead_parts: int = 0  # parts in flight beyond the oldest, at most (run.lookahead_parts, resolved)
     max_parts_in_flight: int = 0  # the most parts this run held at once
+    prefix_tokens_reused: int = 0  # prompt tokens the engine took from its prefix cache instead of prefilling
 
     def render(self) -> str:
         t = self.totals
@@ -52,6 +53,8 @@ class Summary:
                          f"rows; ids are kept as given)")
         if self.reused_samples:
             lines.append(f"  resumed: {self.reused_samples} samples reused from part journals")
+        if self.prefix_tokens_reused:
+            lines.append(f"  prefix cache: {self.prefix_tokens_reused} prompt tokens reused instead of prefilled")
         if self.max_parts_in_flight > 1:
             lines.append(f"  streamed: up to {self.max_parts_in_flight} parts in flight (run.lookahead_parts="
                          f"{self.lookahead_parts})")

@@ -111,3 +111,26 @@ def test_prefix_cache_values_are_checked(tiny_model, tmp_path):
         compose_job(job_overrides(tiny_model, data, tmp_path / "o", "engine.prefix_cache=sometimes"))
     with pytest.raises(ConfigError, match=r"engine.prefix_cache=.* is a setting of engine=hf"):
         compose_job(job_overrides(tiny_model, data, tmp_path / "o", "engine=vllm", "engine.prefix_cache=off"))
+
+
+def test_a_job_with_a_shared_system_prompt_writes_the_same_with_and_without_the_cache(tiny_model, tokenizer, tmp_path):
+    """Chat rows under one long system prompt (sampling.n=2, seeded): the job's output is the same either way, and
+    the status and the summary count the prompt tokens the cache saved."""
+    import json
+
+    from batchgen.runner import run_job
+    from tests.conftest import compose_job, corpus, job_overrides, read_output, write_parquet
+
+    system = " ".join(corpus(40, seed=9))
+    data = write_parquet(tmp_path / "in.parquet", [{"prompt": t} for t in corpus(10, seed=8)])
+    common = (f"dataset.system_prompt='{system}'", "sampling=sample", "sampling.n=2", "sampling.max_new_tokens=6",
+              "engine.max_batch_size=4", "run.rows_per_part=4")
+    summary = run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "on", *common,
+                                                "engine.prefix_cache=on")))
+    run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "off", *common, "engine.prefix_cache=off")))
+    on, off = read_output(tmp_path / "on"), read_output(tmp_path / "off")
+    assert on.column("generation").to_pylist() == off.column("generation").to_pylist()
+    assert on.column("seed").to_pylist() == off.column("seed").to_pylist()
+    status = json.loads((tmp_path / "on" / "_status.json").read_text())["engine"]
+    assert status["prefix_tokens_reused"] == summary.prefix_tokens_reused > 10 * len(tokenizer(system).input_ids)
+    assert "prompt tokens reused instead of prefilled" in summary.render()

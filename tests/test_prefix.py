@@ -134,3 +134,14 @@ def test_a_job_with_a_shared_system_prompt_writes_the_same_with_and_without_the_
     status = json.loads((tmp_path / "on" / "_status.json").read_text())["engine"]
     assert status["prefix_tokens_reused"] == summary.prefix_tokens_reused > 10 * len(tokenizer(system).input_ids)
     assert "prompt tokens reused instead of prefilled" in summary.render()
+
+
+def test_int8_weights_with_the_prefix_cache(tiny_model, tokenizer):
+    """Quantized weights: the cache is used and the greedy output is what the same int8 model writes without it."""
+    prompts, _ = shared_prompt_rows(tokenizer, 8, seed=3)
+    reqs = [Request(key=i, prompt_ids=p, params=GREEDY, seed=None) for i, p in enumerate(prompts)]
+    off = engine(tiny_model, tokenizer, "off", quantization="int8")
+    on = engine(tiny_model, tokenizer, "on", quantization="int8")
+    expected, got = off.generate(reqs), on.generate(reqs)
+    assert on.stats.prefix_tokens_reused > 0
+    assert [r.text for r in got] == [r.text for r in expected]

@@ -77,20 +77,22 @@ class Feed:
 
     def source(self) -> Optional[list[Request]]:
         """The engine's supply (engines.base.Source): the next part's requests, [] while the look-ahead is full,
-        None once every part has been given. A part that cannot be planned (run.on_bad_row=fail, run.too_long=fail,
-        an input error) ends the supply: the parts before it still finish and commit, then `finish` raises."""
+        None once every part has been given. A part that cannot be read or planned (run.on_bad_row=fail,
+        run.too_long=fail, an input error) ends the supply: the parts before it still finish and commit, then
+        `finish` raises. A failing commit (a full disk, the error rate exceeded) raises at once."""
         while not self.exhausted:
             if len(self.open) > self.lookahead:
                 return []
             try:
                 part = next(self.parts, None)
-                todo = self._open(part) if part is not None else None
+                planned = self._plan(part) if part is not None else None
             except Exception as exc:  # noqa: BLE001 - raised again by finish(), once the parts in flight are in
                 self.failure = exc
-                part, todo = None, None
-            if part is None:
+                part = planned = None
+            if part is None or planned is None:
                 self.exhausted = True
                 break
+            todo = self._open(planned)  # a commit here (nothing left to generate) raises as any commit does
             if todo:
                 return todo
         return None
@@ -119,9 +121,13 @@ class Feed:
             op.journal.close()
         self.open.clear()
 
-    def _open(self, part: Part) -> list[Request]:
+    def _plan(self, part: Part) -> PlannedPart:
         planned = self.planner.plan(part, self.max_model_len)
         _check_bad_rows(self.cfg, planned.errors, part.ids)
+        return planned
+
+    def _open(self, planned: PlannedPart) -> list[Request]:
+        part = planned.part
         key = journal_key(part=part.index, first_row=part.start, ids=part.ids, config_hash=self.config_hash,
                           n=self.cfg.sampling.n)
         path = journal_path(self.committer.output_dir, part.index)

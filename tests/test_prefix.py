@@ -145,3 +145,12 @@ def test_int8_weights_with_the_prefix_cache(tiny_model, tokenizer):
     expected, got = off.generate(reqs), on.generate(reqs)
     assert on.stats.prefix_tokens_reused > 0
     assert [r.text for r in got] == [r.text for r in expected]
+
+
+def test_a_shared_prefix_is_cut_to_what_the_cache_can_hold():
+    """A prefix bigger than engine.prefix_cache_mb is not computed in vain: it is cut to the blocks that fit."""
+    cache = PrefixCache(max_bytes=100 * 32, min_tokens=BLOCK)  # 100 tokens at 32 bytes a token
+    a, b = list(range(300)) + [1], list(range(300)) + [2]
+    assert cache.shared([a, b]) == [tuple(range(288))]  # without a byte figure: the longest shared
+    assert cache.shared([a, b], bytes_per_token=32) == [tuple(range(96))]  # three blocks fit
+    assert cache.shared([a, b], bytes_per_token=10_000) == []  # not one block fits

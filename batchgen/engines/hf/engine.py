@@ -65,7 +65,7 @@ class HFEngine:
         self.sampler = Sampler(tokenizer, self.eos_ids, self.device)
         self.fast = True  # continuous batching on the pre-allocated cache where the architecture allows
         self._stepper: Optional[LlamaStepper] = None
-        self.stats = EngineStats()
+        self.stats = SchedulerStats()  # summed over every window and stream, live
         self.prefixes = prefix.for_config(cfg.prefix_cache, cfg.prefix_cache_mb)  # kept across windows
         self.pad_id = _first(tokenizer.pad_token_id, *sorted(self.eos_ids), 0)
         between = "" if self.activation_dtype == self.dtype else f" (activations in {self.activation_dtype})"
@@ -126,23 +126,13 @@ class HFEngine:
             self._stepper = LlamaStepper(self.model, self.activation_dtype, self.dtype)
             log.info("hf engine decode step: %s", self._stepper.describe())
         scheduler = Scheduler(self.sampler, self._stepper, max_batch_tokens=self.max_batch_tokens,
-                              max_batch_size=self.max_batch_size, prefixes=self.prefixes)
+                              max_batch_size=self.max_batch_size, prefixes=self.prefixes,
+                              stats=self.stats)  # the engine's counters, counted as they happen (the status)
         try:
             return run(scheduler)
         finally:
             self.max_batch_tokens = scheduler.max_batch_tokens  # keep an OOM backoff for the next window
             self.max_batch_size = scheduler.max_batch_size
-            self.stats.add(scheduler.stats)
-            if self.prefixes is not None:
-                self.stats.prefix_cache_bytes = self.prefixes.stats.prefix_cache_bytes  # held now, not summed
-
-
-class EngineStats(SchedulerStats):
-    """Scheduler counters summed over windows."""
-
-    def add(self, other: SchedulerStats) -> None:
-        for name in SchedulerStats.__slots__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 def _first(*values: Optional[int]) -> int:

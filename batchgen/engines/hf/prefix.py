@@ -72,19 +72,23 @@ class PrefixCache:
                 return entry
         return None
 
-    def shared(self, prompts: list[list[int]]) -> list[tuple[int, ...]]:
+    def shared(self, prompts: list[list[int]], bytes_per_token: int = 0) -> list[tuple[int, ...]]:
         """Block-aligned prefixes worth computing once for these prompts: per prompt, the longest that another prompt
-        of the group shares and the cache does not already hold beyond; each listed once."""
+        of the group shares and the cache does not already hold beyond, and that fits the cache's byte bound
+        (`bytes_per_token` of keys and values); each listed once."""
         counts: dict[tuple[int, ...], int] = {}
+        most = (self.max_bytes // bytes_per_token) // BLOCK if bytes_per_token else None  # blocks that fit
         for ids in prompts:
-            for blocks in range(self.min_blocks, (len(ids) - 1) // BLOCK + 1):
+            top = (len(ids) - 1) // BLOCK if most is None else min((len(ids) - 1) // BLOCK, most)
+            for blocks in range(self.min_blocks, top + 1):
                 key = tuple(ids[:blocks * BLOCK])
                 counts[key] = counts.get(key, 0) + 1
         wanted: list[tuple[int, ...]] = []
         for ids in prompts:
             cached = self.lookup(ids)
             best = None
-            for blocks in range((len(ids) - 1) // BLOCK, self.min_blocks - 1, -1):
+            top = (len(ids) - 1) // BLOCK if most is None else min((len(ids) - 1) // BLOCK, most)
+            for blocks in range(top, self.min_blocks - 1, -1):
                 key = tuple(ids[:blocks * BLOCK])
                 if cached is not None and len(key) <= len(cached.ids):
                     break
@@ -99,6 +103,9 @@ class PrefixCache:
         entry = Entry(ids, k.clone(), v.clone())
         if entry.nbytes > self.max_bytes:
             return
+        replaced = self.entries.pop(hash(ids), None)  # the same ids again, or a hash collision: one entry per hash
+        if replaced is not None:
+            self.stats.prefix_cache_bytes -= replaced.nbytes
         self.entries[hash(ids)] = entry
         self.stats.prefix_cache_bytes += entry.nbytes
         while self.stats.prefix_cache_bytes > self.max_bytes:

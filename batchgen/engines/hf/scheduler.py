@@ -61,13 +61,13 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, sampler: Sampler, stepper: Any, *, max_batch_tokens: int, max_batch_size: int,
-                 prefixes: Optional[PrefixCache] = None):
+                 prefixes: Optional[PrefixCache] = None, stats: Optional[SchedulerStats] = None):
         self.sampler = sampler  # picks tokens and decides finishing (sampling, EOS, stop strings)
         self.stepper = stepper  # prefill / decode on a SlotKVCache
         self.prefixes = prefixes  # shared prompt prefixes computed once (engine.prefix_cache); None: off
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
-        self.stats = SchedulerStats()
+        self.stats = stats if stats is not None else SchedulerStats()  # the engine's own: live in the status
 
     def run(self, requests: list[Request], on_result: Optional[Callable[[Result], None]]) -> list[Result]:
         """One window: its Results in request order."""
@@ -112,7 +112,12 @@ class Scheduler:
         if cache is not None and cache.slots >= want_slots and cache.max_len >= pool.max_len:
             return cache
         slots = max(want_slots, cache.slots if cache is not None else 1)
-        grown = self._allocate(slots, max(want_len, cache.max_len if cache is not None else 0), n_live)
+        if cache is not None and cache.max_len < want_len:  # grow by half at least: few reallocations per job
+            want_len = max(want_len, -(-cache.max_len * 3 // 2 // LEN_STEP) * LEN_STEP)
+        length = max(want_len, cache.max_len if cache is not None else 0)
+        if cache is not None and n_live == 0:
+            cache = None  # nothing to carry over: free the old cache before allocating the new one
+        grown = self._allocate(slots, length, n_live)
         if cache is not None:
             grown.copy_from(cache, n_live)
         return grown
@@ -161,11 +166,13 @@ class Scheduler:
         serves as scratch), then give each row the longest cached prefix of its prompt: into its slot, and its
         prefill starts after it. Reorders `admitted` (their slots) longest remaining prompt first."""
         assert self.prefixes is not None
-        for ids in self.prefixes.shared([s.request.prompt_ids for s in admitted]):
+        per_token = cache.k[:, 0, :, 0].numel() * cache.k.element_size() * 2  # keys and values, every layer
+        for ids in self.prefixes.shared([s.request.prompt_ids for s in admitted], per_token):
             self.stepper.prefill(cache, first_slot, [list(ids)])
             self.prefixes.add(ids, *cache.prefix_of(first_slot, len(ids)))
             self.stats.prefix_tokens_computed += len(ids)
             self.stats.prefill_tokens += len(ids)
+            self.stats.prefix_cache_bytes = self.prefixes.stats.prefix_cache_bytes
         for seq in admitted:
             seq.prefix = self.prefixes.lookup(seq.request.prompt_ids)
             seq.start = len(seq.prefix.ids) if seq.prefix is not None else 0

@@ -72,10 +72,16 @@ def run(python: str, engine: str, model: Path, data: Path, out: Path, extra: lis
     load_s = float(line.split("model load ")[1].split("s")[0])
     status = json.loads((out / "_status.json").read_text())
     stats = status.get("engine") or {}
-    computed = stats.get("prefill_tokens", status["prompt_tokens"])
+    computed = stats.get("prefill_tokens")  # None for vLLM: its cache hits are not reported to batchgen
     return {"gen_s": job_s - load_s, "load_s": load_s, "prompt_tokens": status["prompt_tokens"],
             "computed": computed, "reused": stats.get("prefix_tokens_reused"),
             "cache_mb": (stats.get("prefix_cache_bytes") or 0) / 2**20}
+
+
+def shown(result: dict) -> str:
+    if result["computed"] is None:
+        return f"not reported (given {result['prompt_tokens']})"
+    return str(result["computed"])
 
 
 def main() -> None:
@@ -105,7 +111,7 @@ def main() -> None:
             result = run(python, engine, model, data, args.workdir / "prefix-out", extra)
             samples[label].append(result)
             print(f"  repeat {repeat + 1} {label}: generation {result['gen_s']:.1f} s, load {result['load_s']:.1f} s, "
-                  f"prompt tokens computed {result['computed']}", flush=True)
+                  f"prompt tokens computed {shown(result)}", flush=True)
     base = samples["E, no prefix cache"]
     print("\n| run | generation s (median) | E without the cache / run (per repeat) | prompt tokens computed "
           "| of prompt tokens | load s |")
@@ -115,9 +121,10 @@ def main() -> None:
         gen = statistics.median(s["gen_s"] for s in got)
         ratios = ", ".join(f"{b['gen_s'] / s['gen_s']:.2f}" for s, b in zip(got, base))
         computed = got[0]["computed"]
+        share = "" if computed is None else f"{computed / got[0]['prompt_tokens']:.0%}"
         load = statistics.median(s["load_s"] for s in got)
         print(f"| {label} | {gen:.1f} | {statistics.median(b['gen_s'] for b in base) / gen:.2f} ({ratios}) | "
-              f"{computed} | {computed / got[0]['prompt_tokens']:.0%} | {load:.1f} |")
+              f"{shown(got[0])} | {share} | {load:.1f} |")
     cached = samples["E, prefix cache (auto)"][0]
     print(f"\nprefix cache: {cached['reused']} prompt tokens reused, {cached['cache_mb']:.1f} MiB held")
     if not args.no_vllm:

@@ -62,3 +62,19 @@ def build_model(path: str | Path, texts: Iterable[str], *, size: str = "tiny", s
                                                pad_token_id=tok.pad_token_id)
     model.save_pretrained(path)
     return path
+
+
+BENCH_WORDS = ("the river town market opened closed with many people after rain sun night lamp bread clock train "
+               "harbour music quiet loud green blue small large old new fast slow city field stone road").split()
+
+
+def cached_model(workdir: Path, size: str, seed: int = 0) -> Path:
+    """A benchmark's random-weight model of `size`, built once under `workdir` (as model-<size>) and reused."""
+    import random
+
+    model = Path(workdir) / f"model-{size}"
+    if not (model / "config.json").exists():
+        rng = random.Random(seed)
+        build_model(model, [" ".join(rng.choice(BENCH_WORDS) for _ in range(200)) for _ in range(200)], size=size,
+                    max_position_embeddings=2048)
+    return model

@@ -40,13 +40,9 @@ def build(workdir: Path, rows: int, seed: int) -> tuple[Path, Path]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from batchgen.toymodel import build_model
+    from batchgen.toymodel import cached_model
 
-    model = workdir / "model-mid"
-    if not (model / "config.json").exists():
-        rng = random.Random(seed)
-        build_model(model, [" ".join(rng.choice(WORDS) for _ in range(200)) for _ in range(200)], size="mid",
-                    max_position_embeddings=2048)
+    model = cached_model(workdir, "mid", seed)
     data = workdir / f"parts-{rows}-{seed}.parquet"
     if not data.exists():
         rng = random.Random(seed)

@@ -33,13 +33,9 @@ def build(workdir: Path, rows: int, prefix_tokens: int, seed: int) -> tuple[Path
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    from batchgen.toymodel import build_model
+    from batchgen.toymodel import cached_model
 
-    model = workdir / "model-bench"
-    if not (model / "config.json").exists():
-        rng = random.Random(seed)
-        build_model(model, [" ".join(rng.choice(WORDS) for _ in range(200)) for _ in range(200)], size="bench",
-                    max_position_embeddings=2048)
+    model = cached_model(workdir, "bench", seed)
     data = workdir / f"prefix-{rows}-{prefix_tokens}-{seed}.parquet"
     if not data.exists():
         tok = AutoTokenizer.from_pretrained(model)

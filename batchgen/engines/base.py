@@ -134,8 +134,13 @@ def stream_windows(generate: Generate, source: Source, on_result: Callable[[Resu
     returning [] with nothing in flight is the caller's error: it would wait forever."""
     while (batch := source()) is not None:
         if not batch:
-            raise RuntimeError("the request source has nothing to give while nothing is in flight")
+            raise starved()
         generate(batch, on_result)
+
+
+def starved() -> RuntimeError:
+    """The error of a source that gives [] while the engine has nothing in flight: waiting would never end."""
+    return RuntimeError("the request source has nothing to give while nothing is in flight")
 
 
 def generate_by_stream(stream: Callable[[Source, Callable[[Result], None]], None], requests: list[Request],

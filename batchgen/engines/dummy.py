@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Optional
 
-from batchgen.engines.base import EngineConfig, Source, take
+from batchgen.engines.base import EngineConfig, Source, starved, take
 from batchgen.records import Request, Result
 from batchgen.sampling import find_stop
 
@@ -62,7 +62,7 @@ class DummyEngine:
             if not queue:
                 if exhausted:
                     return
-                raise RuntimeError("the request source has nothing to give while nothing is in flight")
+                raise starved()
             on_result(self._one(queue.popleft()))
 
     def _one(self, request: Request) -> Result:

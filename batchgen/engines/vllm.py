@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from batchgen.engines.base import EngineConfig, Source, generate_by_stream, stream_windows, take
+from batchgen.engines.base import EngineConfig, Source, generate_by_stream, starved, stream_windows, take
 from batchgen.errors import BatchgenError, ConfigError
 from batchgen.records import Request, Result
 from batchgen.sampling import find_stop
@@ -201,7 +201,7 @@ class VLLMEngine:
                 if not pending:
                     if exhausted:
                         return
-                    raise RuntimeError("the request source has nothing to give while nothing is in flight")
+                    raise starved()
                 self.stats.steps += 1
                 self.stats.queued_row_steps += min(len(pending), self.max_batch_size)
                 for out in engine.step():

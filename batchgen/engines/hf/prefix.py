@@ -40,9 +40,7 @@ class Entry:
 
 
 @dataclass(slots=True)
-class PrefixStats:
-    prefix_tokens_reused: int = 0  # prompt tokens rows took from the cache instead of prefilling
-    prefix_tokens_computed: int = 0  # tokens of shared prefixes prefilled once to fill the cache
+class PrefixStats:  # the reuse counters are the scheduler's (SchedulerStats)
     prefix_cache_bytes: int = 0  # held now
     prefix_evictions: int = 0
 

@@ -21,7 +21,7 @@ from typing import Any, Optional, TypeVar
 
 import torch
 
-from batchgen.engines.base import Source, generate_by_stream, take
+from batchgen.engines.base import Source, generate_by_stream, starved, take
 from batchgen.engines.hf.prefix import Entry, PrefixCache
 from batchgen.engines.hf.sampler import Sampler
 from batchgen.records import Request, Result
@@ -86,7 +86,7 @@ class Scheduler:
             if not pool.waiting and not live:
                 if pool.exhausted:
                     return
-                raise RuntimeError("the request source has nothing to give while nothing is in flight")
+                raise starved()
             if pool.waiting and (cache is None or len(live) < cache.slots):
                 cache = self._fit(cache, len(live), pool)
             # a row that finishes on its first token frees its slot at once: admit again before decoding

@@ -21,6 +21,7 @@ from typing import Any, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchgen.constraints import INVALID, KINDS, Constraint, check
 from batchgen.errors import BatchgenError
 from batchgen.fsutil import fsync_dir, replace_durably
 from batchgen.journal import JOURNAL_RE, crash_window
@@ -39,6 +40,12 @@ OUTPUT_FIELDS = [
     pa.field("error", pa.string()),
 ]
 OUTPUT_COLUMNS = tuple(f.name for f in OUTPUT_FIELDS)
+CHOICE_SCORE = pa.struct([pa.field("choice", pa.string()), pa.field("score", pa.float64())])
+# written only where the job asks for them (Committer.optional): a constraint adds `parsed`, choice_scores its own
+OPTIONAL_FIELDS = {
+    "parsed": pa.field("parsed", pa.string()),
+    "choice_scores": pa.field("choice_scores", pa.list_(CHOICE_SCORE)),
+}
 PART_RE = re.compile(r"^part-(\d{5,})\.parquet$")
 TMP_PART_RE = re.compile(r"^\.part-(\d{5,})\.parquet\.tmp-\d+$")
 TMP_JOURNAL_RE = re.compile(r"^\._part-(\d{5,})\.journal\.tmp-\d+$")  # a journal header being written
@@ -76,6 +83,7 @@ class PartStats:
     errors: dict[str, int] = field(default_factory=dict)  # error rows by kind (`too_long`, `empty_prompt`, ...)
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    invalid_outputs: int = 0  # constrained samples whose text did not parse or validate (not input errors)
 
     @property
     def error_rows(self) -> int:
@@ -87,13 +95,16 @@ class PartStats:
         self.errors = dict(Counter(self.errors) + Counter(other.errors))
         self.prompt_tokens += other.prompt_tokens
         self.generated_tokens += other.generated_tokens
+        self.invalid_outputs += other.invalid_outputs
 
 
 def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
     """A part's output rows in input order, the samples of a row consecutive, from the engine's results in any
     order (journaled ones from an earlier run included); an error row gets one row per sample. Every seed is the
-    planner's (planned.seeds), so a row reads the same whichever run generated it."""
+    planner's (planned.seeds), so a row reads the same whichever run generated it. A constrained sample's text is
+    checked here, whichever engine made it (constraints.check): `parsed` when it validates, else `invalid_output`."""
     by_key = {r.key: r for r in results}
+    constraints = {r.key: r.params.constraint for r in planned.requests if r.params.constraint is not None}
     part, n = planned.part, planned.n
     rows: list[OutputRow] = []
     for row in range(part.num_rows):
@@ -109,13 +120,28 @@ def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
             if res is None:
                 raise BatchgenError(f"part {part.index}: the engine returned no result for row {part.ids[row]!r} "
                                     f"sample {s}; nothing of this part was committed, rerun to resume")
+            constraint = constraints.get(row * n + s)
+            parsed, invalid = check(constraint, res.text, res.finish_reason) if constraint else (None, None)
             rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=res.text,
                                   finish_reason=res.finish_reason, num_prompt_tokens=res.num_prompt_tokens,
-                                  num_generated_tokens=res.num_generated_tokens, seed=seed, error=None))
+                                  num_generated_tokens=res.num_generated_tokens, seed=seed, error=invalid,
+                                  parsed=parsed, choice_scores=_labelled(constraint, res.choice_scores)))
     if by_key:
         raise BatchgenError(f"part {part.index}: the engine returned results for unknown requests "
                             f"{sorted(by_key)[:5]}; nothing of this part was committed, rerun to resume")
     return rows
+
+
+def optional_columns(sampling: Any) -> tuple[str, ...]:
+    """The OPTIONAL_FIELDS a job with these sampling.* settings writes."""
+    constrained = any(getattr(sampling, kind, None) not in (None, "", []) for kind in KINDS)
+    return ("parsed",) * constrained + ("choice_scores",) * bool(getattr(sampling, "choice_scores", False))
+
+
+def _labelled(constraint: Optional[Constraint], scores: Optional[list[float]]) -> Optional[list[dict[str, Any]]]:
+    if constraint is None or scores is None:
+        return None
+    return [{"choice": c, "score": p} for c, p in zip(constraint.choices, scores, strict=True)]
 
 
 def error_kind(error: str) -> str:
@@ -123,16 +149,22 @@ def error_kind(error: str) -> str:
 
 
 def stats_of(part: Part, rows: list[OutputRow]) -> PartStats:
-    errors = Counter(error_kind(r.error) for r in rows if r.error is not None and r.sample_index == 0)
+    """Input errors count once per row (every sample of an error row has the error); invalid outputs per sample,
+    apart: they are what the model wrote, not a bad row, and run.max_error_rate does not count them."""
+    kinds = [error_kind(r.error) if r.error is not None else None for r in rows]
+    errors = Counter(k for r, k in zip(rows, kinds) if k is not None and k != INVALID and r.sample_index == 0)
     return PartStats(rows=part.num_rows, samples=len(rows), errors=dict(errors),
                      prompt_tokens=sum(r.num_prompt_tokens for r in rows if r.sample_index == 0),
-                     generated_tokens=sum(r.num_generated_tokens for r in rows))
+                     generated_tokens=sum(r.num_generated_tokens for r in rows),
+                     invalid_outputs=sum(k == INVALID for k in kinds))
 
 
 class Committer:
-    def __init__(self, output_dir: Path, *, passthrough: list[str], metadata: dict[str, str]):
+    def __init__(self, output_dir: Path, *, passthrough: list[str], metadata: dict[str, str],
+                 optional: tuple[str, ...] = ()):
         self.output_dir = output_dir
         self.passthrough = passthrough
+        self.optional = optional  # names of OPTIONAL_FIELDS this job writes, after the contract's columns
         self.metadata = metadata  # file key-value metadata: config hash, model identity
 
     def part_path(self, index: int) -> Path:
@@ -191,6 +223,11 @@ class Committer:
             "error": pa.array([r.error for r in rows], pa.string()),
         }
         fields = list(OUTPUT_FIELDS)
+        if "parsed" in self.optional:
+            columns["parsed"] = pa.array([r.parsed for r in rows], pa.string())
+        if "choice_scores" in self.optional:
+            columns["choice_scores"] = pa.array([r.choice_scores for r in rows], OPTIONAL_FIELDS["choice_scores"].type)
+        fields += [OPTIONAL_FIELDS[name] for name in self.optional]
         if self.passthrough:
             taken = part.table.select(self.passthrough).take(pa.array([r.row for r in rows], pa.int64()))
             for name in self.passthrough:
@@ -203,7 +240,8 @@ class Committer:
     def write_empty(self, schema_fields: Optional[list[pa.Field]] = None) -> None:
         """An empty dataset still yields a readable result: one part with the schema and no rows. It has no row
         group at all (an empty row group makes `datasets.load_dataset("parquet")` fail on a batch size of 0)."""
-        schema = pa.schema(OUTPUT_FIELDS + (schema_fields or []), metadata=self.metadata)
+        optional = [OPTIONAL_FIELDS[name] for name in self.optional]
+        schema = pa.schema(OUTPUT_FIELDS + optional + (schema_fields or []), metadata=self.metadata)
         path = self.part_path(0)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
@@ -229,4 +267,5 @@ class Committer:
 
 def _asdict(stats: PartStats) -> dict[str, Any]:
     return {"rows": stats.rows, "samples": stats.samples, "errors": stats.errors,
-            "prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens}
+            "prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens,
+            "invalid_outputs": stats.invalid_outputs}

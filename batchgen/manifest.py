@@ -31,11 +31,29 @@ def output_config(cfg: JobConfig) -> dict[str, Any]:
     engine = cfg.engine
     return {
         "dataset": dataclasses.asdict(cfg.dataset) | {"batch_rows": None, "path": _input(cfg.dataset.path)},
-        "sampling": dataclasses.asdict(cfg.sampling),
+        "sampling": _sampling(cfg),
         "engine": {"name": engine.name, "model": _local(engine.model), "tokenizer": _local(engine.tokenizer),
                    "quantization": engine.quantization, "max_model_len": engine.max_model_len},
         "run": {"rows_per_part": cfg.rows_per_part, "too_long": cfg.run.too_long},
     }
+
+
+# sampling keys added after the first release: left out of the hash at their defaults, so that an output written
+# before they existed resumes under the same hash
+LATER_SAMPLING_KEYS = ("json_schema", "regex", "choice", "grammar", "choice_scores")
+
+
+def _sampling(cfg: JobConfig) -> dict[str, Any]:
+    """sampling.* as compared: a constraint by its content (a schema file's JSON, not its path)."""
+    out = dataclasses.asdict(cfg.sampling)
+    defaults = dataclasses.asdict(type(cfg.sampling)())
+    for key in LATER_SAMPLING_KEYS:
+        if out[key] == defaults[key]:
+            del out[key]
+    constraint = cfg.sampling.constraint()
+    if constraint is not None:
+        out[constraint.kind] = constraint.spec
+    return out
 
 
 def _local(path: Optional[str]) -> Optional[str]:

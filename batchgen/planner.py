@@ -34,6 +34,7 @@ class Planner:
         self.total_rows = 0  # rows seen so far; the input's size once parts() is exhausted
         self.duplicate_ids = 0  # rows whose dataset.id_column value repeats an earlier row's (all parts, all shards)
         self._seen_ids: set[int] = set()  # hashes of the first DUPLICATE_CHECK_ROWS ids
+        self.constraint = cfg.sampling.constraint()  # structured output every sample is generated under, or None
 
     # -- cutting the stream into parts ------------------------------------------------------------
 
@@ -169,4 +170,4 @@ class Planner:
     def _params(self, cap: int) -> SampleParams:
         s = self.cfg.sampling
         return SampleParams(max_new_tokens=cap, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                            stop=tuple(s.stop), ignore_eos=s.ignore_eos)
+                            stop=tuple(s.stop), ignore_eos=s.ignore_eos, constraint=self.constraint)

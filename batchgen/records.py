@@ -64,6 +64,7 @@ class Result:
     finish_reason: str  # "stop" (EOS or stop string) or "length"
     num_prompt_tokens: int
     num_generated_tokens: int
+    choice_scores: list[float] | None = None  # sampling.choice_scores: each choice's probability, in choice order
 
 
 @dataclass(slots=True)
@@ -78,4 +79,6 @@ class OutputRow:
     num_prompt_tokens: int
     num_generated_tokens: int
     seed: int | None
-    error: str | None
+    error: str | None  # an input error (generation null) or, for a constrained sample, `invalid_output: ...`
+    parsed: str | None = None  # a constrained sample: the JSON text of its validated value
+    choice_scores: list[dict] | None = None  # [{"choice": label, "score": probability}, ...] in choice order

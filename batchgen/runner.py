@@ -11,7 +11,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
-from batchgen.committer import SUCCESS, Committer, PartStats, writing
+from batchgen.committer import SUCCESS, Committer, PartStats, optional_columns, writing
 from batchgen.engines import build_engine
 from batchgen.engines.base import stream_windows
 from batchgen.errors import ErrorRateExceeded
@@ -69,7 +69,8 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
     with lock:
         with lock.layout():
             prepare_output_dir(cfg, output_dir, reader, resolved or {})
-        committer = Committer(output_dir, passthrough=passthrough, metadata=file_metadata(cfg))
+        committer = Committer(output_dir, passthrough=passthrough, metadata=file_metadata(cfg),
+                              optional=optional_columns(cfg.sampling))
         mine = (status_name(cfg.run.shard, cfg.run.num_shards),)  # the shard's own status file's temp copies
         committer.clean_stale(lambda k: k % cfg.run.num_shards == cfg.run.shard, mine)
         if (output_dir / SUCCESS).exists():

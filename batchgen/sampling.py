@@ -1,9 +1,13 @@
-"""Sampling settings and per-sample seeds; knows nothing about torch or engines."""
+"""Sampling settings (structured-output constraints among them) and per-sample seeds; knows nothing about torch
+or engines."""
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from batchgen.constraints import Constraint, from_sampling
 
 
 @dataclass
@@ -16,6 +20,12 @@ class SamplingConfig:
     seed: int = 0  # job seed; each sample's seed derives from (seed, row id, sample index)
     stop: list[str] = field(default_factory=list)  # stop strings; the generation is cut before the first match
     ignore_eos: bool = False  # keep generating past EOS up to the cap
+    # structured outputs, one at a time (constraints.py): checked before the model loads, every output validated
+    json_schema: Optional[Any] = None  # a JSON schema: an inline mapping, or the path of a .json file
+    regex: Optional[str] = None  # the whole generation matches this regular expression
+    choice: Optional[list[str]] = None  # the generation is exactly one of these strings
+    grammar: Optional[str] = None  # an EBNF grammar (xgrammar's dialect, as vLLM takes), inline or a .ebnf file
+    choice_scores: bool = False  # with sampling.choice: a choice_scores column, each choice's probability
 
     @property
     def greedy(self) -> bool:
@@ -35,7 +45,18 @@ class SamplingConfig:
             out.append(f"sampling.n must be >= 1 (got {self.n})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             out.append("sampling.stop must be a list of non-empty strings")
+        constraint, problems = from_sampling(self)
+        out += problems
+        if constraint is not None and self.ignore_eos:
+            out.append(f"sampling.ignore_eos=true cannot go with sampling.{constraint.kind}: a constrained sample "
+                       f"ends when its constraint is complete")
+        if self.choice_scores and not self.choice:
+            out.append("sampling.choice_scores=true needs sampling.choice (the labels to score)")
         return out
+
+    def constraint(self) -> Optional[Constraint]:
+        """The constraint, built (a schema file read); call after problems() found none."""
+        return from_sampling(self)[0]
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,6 +69,7 @@ class SampleParams:
     top_k: int
     stop: tuple[str, ...]
     ignore_eos: bool
+    constraint: Optional[Constraint] = None  # structured output: what the text must be (constraints.py)
 
     @property
     def greedy(self) -> bool:

@@ -62,7 +62,8 @@ class HFEngine:
         self.max_batch_tokens, self.max_batch_size = device.batch_defaults(self.device, cfg.max_batch_tokens,
                                                                            cfg.max_batch_size)
         self.eos_ids = eos_ids(self.model, tokenizer)
-        self.sampler = Sampler(tokenizer, self.eos_ids, self.device)
+        vocab = getattr(self.model.config, "vocab_size", None)
+        self.sampler = Sampler(tokenizer, self.eos_ids, self.device, vocab_size=vocab)
         self.fast = True  # continuous batching on the pre-allocated cache where the architecture allows
         self._stepper: Optional[LlamaStepper] = None
         self.stats = SchedulerStats()  # summed over every window and stream, live

@@ -75,17 +75,17 @@ class GenericGenerator:
         ids, mask, positions = self._left_pad(reqs)  # [B, T] each
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(ids, mask, positions, cache)  # [B, V]
-        generators = [self.sampler.generator(r) for r in reqs]
+        draws = [self.sampler.start(r) for r in reqs]
         generated: list[list[int]] = [[] for _ in reqs]
         reasons: list[Optional[str]] = [None] * len(reqs)
         active = list(range(len(reqs)))  # rows of `reqs` still in the batch
         next_pos = positions[:, -1] + 1  # [B]
         while True:
-            tokens = self.sampler.pick(logits, [reqs[a] for a in active], [generators[a] for a in active])
+            tokens = self.sampler.pick(logits, [reqs[a] for a in active], [draws[a] for a in active])
             keep = []
             for j, a in enumerate(active):
                 generated[a].append(tokens[j])
-                reasons[a] = self.sampler.finish_reason(reqs[a].params, generated[a])
+                reasons[a] = self.sampler.finish_reason(reqs[a].params, generated[a], draws[a])
                 if reasons[a] is None:
                     keep.append(j)
             if not keep:

@@ -1,5 +1,6 @@
 """Token choice and finishing for the hf engine: greedy or seeded sampling per row, EOS, stop strings,
-the row's own cap, and the Result a finished sequence becomes.
+the row's own cap, structured-output constraints (grammar.py: a matcher per constrained sample masks its
+logits), and the Result a finished sequence becomes.
 
 Both decode paths (the scheduler over the slot cache, and the generic path for any architecture) ask
 the same Sampler, so a row finishes and reads the same whichever path served it. Knows token ids,
@@ -8,6 +9,7 @@ sampling params and the tokenizer; nothing about caches, slots or models.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -16,23 +18,54 @@ from batchgen.records import Request, Result
 from batchgen.sampling import SampleParams, find_stop
 
 
+@dataclass(slots=True)
+class Draw:
+    """A sample's own token-choice state, made when it arrives and kept until it finishes."""
+
+    generator: Optional[torch.Generator]  # its RNG, seeded from the request; None for greedy
+    matcher: Any = None  # its xgrammar GrammarMatcher, for a constrained sample
+
+
 class Sampler:
-    def __init__(self, tokenizer: Any, eos_ids: set[int], device: torch.device):
+    def __init__(self, tokenizer: Any, eos_ids: set[int], device: torch.device, vocab_size: Optional[int] = None):
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.device = device
+        self.vocab_size = vocab_size  # the model's logits width (None: the tokenizer's length)
+        self._grammars: Any = None  # grammar.Grammars, made at the first constrained request
 
-    def generator(self, req: Request) -> Optional[torch.Generator]:
-        """The sample's own RNG, seeded from the request (None for greedy rows)."""
-        return None if req.params.greedy else torch.Generator(device=self.device).manual_seed(req.seed)
+    def start(self, req: Request) -> Draw:
+        """A new sample's Draw: its RNG (None for greedy), its grammar matcher where it is constrained."""
+        gen = None if req.params.greedy else torch.Generator(device=self.device).manual_seed(req.seed)
+        constraint = req.params.constraint
+        return Draw(gen, self.grammars().matcher(constraint) if constraint is not None else None)
 
-    def pick(self, logits: torch.Tensor, reqs: list[Request], generators: list[Optional[torch.Generator]]
-             ) -> list[int]:
-        return pick_tokens(logits, [r.params for r in reqs], generators)
+    def grammars(self) -> Any:
+        if self._grammars is None:
+            from batchgen.engines.hf.grammar import Grammars
 
-    def finish_reason(self, params: SampleParams, generated: list[int]) -> Optional[str]:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size or len(self.tokenizer), self.eos_ids)
+        return self._grammars
+
+    def pick(self, logits: torch.Tensor, reqs: list[Request], draws: list[Draw]) -> list[int]:
+        """Next token per row; a constrained row picks among the tokens its grammar allows, and its matcher
+        takes the token."""
+        constrained = self._grammars is not None and any(d.matcher is not None for d in draws)
+        if constrained:
+            logits = self._grammars.mask(logits, [d.matcher for d in draws])
+        tokens = pick_tokens(logits, [r.params for r in reqs], [d.generator for d in draws])
+        if constrained:
+            for token, d in zip(tokens, draws):
+                if d.matcher is not None and not d.matcher.is_terminated():
+                    d.matcher.accept_token(token)
+        return tokens
+
+    def finish_reason(self, params: SampleParams, generated: list[int], draw: Optional[Draw] = None
+                      ) -> Optional[str]:
         if not params.ignore_eos and generated[-1] in self.eos_ids:
             return "stop"
+        if draw is not None and draw.matcher is not None and draw.matcher.is_terminated():
+            return "stop"  # the grammar is complete and took its stop token
         if params.stop and find_stop(self._tail_text(generated, params.stop), params.stop) >= 0:
             return "stop"
         if len(generated) >= params.max_new_tokens:

@@ -23,7 +23,7 @@ import torch
 
 from batchgen.engines.base import Source, generate_by_stream, starved, take
 from batchgen.engines.hf.prefix import Entry, PrefixCache
-from batchgen.engines.hf.sampler import Sampler
+from batchgen.engines.hf.sampler import Draw, Sampler
 from batchgen.records import Request, Result
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ R = TypeVar("R")
 @dataclass(slots=True)
 class Sequence:
     request: Request
-    generator: Optional[torch.Generator]  # the sample's own RNG; None for greedy
+    draw: Draw  # the sample's own RNG and grammar matcher
     generated: list[int] = field(default_factory=list)
     start: int = 0  # prompt tokens taken from the prefix cache: its prefill starts here
     prefix: Optional[Entry] = None  # that cached prefix, until it is loaded into the slot
@@ -208,11 +208,11 @@ class Scheduler:
     def _advance(self, logits: torch.Tensor, stepped: list[Sequence], first_slot: int, cache: Any,
                  live: list[Sequence], finish: Callable[[Sequence, str], None]) -> None:
         """Append each stepped sequence's next token; retire the finished ones, compacting the slots."""
-        tokens = self.sampler.pick(logits, [s.request for s in stepped], [s.generator for s in stepped])
+        tokens = self.sampler.pick(logits, [s.request for s in stepped], [s.draw for s in stepped])
         done: list[int] = []
         for j, (seq, token) in enumerate(zip(stepped, tokens)):
             seq.generated.append(token)
-            reason = self.sampler.finish_reason(seq.request.params, seq.generated)
+            reason = self.sampler.finish_reason(seq.request.params, seq.generated, seq.draw)
             if reason is not None:
                 finish(seq, reason)
                 done.append(first_slot + j)
@@ -241,7 +241,7 @@ class Pool:
         new, self.exhausted = take(self.source)
         if new:
             self.max_len = max(self.max_len, max(len(r.prompt_ids) + r.params.max_new_tokens for r in new))
-            arrived = [Sequence(r, self.sampler.generator(r)) for r in new]
+            arrived = [Sequence(r, self.sampler.start(r)) for r in new]
             self.waiting = deque(sorted([*self.waiting, *arrived], key=lambda s: -len(s.request.prompt_ids)))
 
 

@@ -1,0 +1,177 @@
+"""Structured outputs: the constraint a sample is generated under (sampling.json_schema, regex, choice, grammar),
+checked before any model loads, and every constrained output checked after generation.
+
+A Constraint is plain data (its kind and a canonical text), so that it rides on a request's SampleParams, goes
+into the manifest, and is compiled by whichever engine runs it (the hf engine through xgrammar, vLLM through its
+structured-output parameters). The check after generation is the engine's independent judge: a row whose text
+does not parse or validate gets `invalid_output: ...` and keeps its text (docs/contract.md sections 4 and 7).
+Knows JSON Schema, regexes and grammars; nothing about torch or engines.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Optional
+
+KINDS = ("json_schema", "regex", "choice", "grammar")
+INVALID = "invalid_output"
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a constrained sample's text must be. `spec`: the schema as canonical JSON (keys sorted), the regex,
+    the choices as a JSON list, or the EBNF grammar text (xgrammar's dialect, the one vLLM takes)."""
+
+    kind: str
+    spec: str
+
+    @property
+    def choices(self) -> list[str]:
+        return json.loads(self.spec) if self.kind == "choice" else []
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        return json.loads(self.spec) if self.kind == "json_schema" else {}
+
+    def ebnf_choice(self) -> str:
+        """The choices as an EBNF grammar: one alternative per choice, each a JSON-escaped string literal."""
+        return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choices)
+
+
+def from_sampling(sampling: Any) -> tuple[Optional[Constraint], list[str]]:
+    """The constraint sampling.* asks for (None without one), and every problem with it, naming the key:
+    more than one constraint set, a schema file that is missing or not JSON, a schema, regex or grammar that
+    does not compile."""
+    given = [k for k in KINDS if getattr(sampling, k, None) not in (None, "", [])]
+    if not given:
+        return None, []
+    if len(given) > 1:
+        return None, [f"sampling: set one constraint at a time, not {' and '.join('sampling.' + k for k in given)}"]
+    kind = given[0]
+    value = getattr(sampling, kind)
+    try:
+        constraint = _build(kind, value)
+    except ValueError as exc:
+        return None, [f"sampling.{kind}: {exc}"]
+    problem = compile_problem(constraint)
+    return (None, [f"sampling.{kind}: {problem}"]) if problem else (constraint, [])
+
+
+def _build(kind: str, value: Any) -> Constraint:
+    if kind == "json_schema":
+        if isinstance(value, str):
+            value = _read_json(value)
+        if not isinstance(value, dict):
+            raise ValueError(f"a JSON schema is a mapping or the path of a .json file holding one (got {value!r})")
+        _check_schema(value)
+        return Constraint(kind, json.dumps(value, sort_keys=True, ensure_ascii=False))
+    if kind == "choice":
+        if not isinstance(value, (list, tuple)) or not value or any(not isinstance(c, str) or not c for c in value):
+            raise ValueError(f"a list of one or more non-empty strings (got {value!r})")
+        if len(set(value)) != len(value):
+            raise ValueError(f"the choices repeat one another: {list(value)!r}")
+        return Constraint(kind, json.dumps(list(value), ensure_ascii=False))
+    if not isinstance(value, str):
+        raise ValueError(f"a string (got {value!r})")
+    if kind == "grammar" and value.endswith((".ebnf", ".gbnf")) and "::=" not in value:
+        try:
+            value = Path(value).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"cannot read the grammar file {value}: {exc.strerror or exc}") from exc
+    return Constraint(kind, value)
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as exc:
+        raise ValueError(f"cannot read the schema file {path}: {exc.strerror or exc}") from exc
+    except ValueError as exc:
+        raise ValueError(f"{path} is not JSON: {exc}") from exc
+
+
+def _check_schema(schema: dict[str, Any]) -> None:
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path) or "the top level"
+        raise ValueError(f"not a valid JSON schema at {where}: {exc.message}") from exc
+
+
+def compile_problem(constraint: Constraint) -> Optional[str]:
+    """Why the grammar library cannot compile the constraint (no tokenizer needed), or None."""
+    try:
+        grammar(constraint)
+    except ImportError as exc:
+        return f"constrained decoding needs xgrammar: pip install xgrammar ({exc})"
+    except RuntimeError as exc:  # xgrammar reports a bad schema, regex or grammar as a RuntimeError
+        return f"does not compile: {str(exc).strip().splitlines()[-1]}"
+    return None
+
+
+@lru_cache(maxsize=64)
+def grammar(constraint: Constraint) -> Any:
+    """The constraint as an xgrammar Grammar. JSON allows no free whitespace (a model that keeps emitting spaces
+    the grammar permits would loop to its token cap): compact separators, one space after `:` and `,`."""
+    import xgrammar as xgr
+
+    if constraint.kind == "json_schema":
+        return xgr.Grammar.from_json_schema(constraint.spec, any_whitespace=False, strict_mode=True)
+    if constraint.kind == "regex":
+        return xgr.Grammar.from_regex(constraint.spec)
+    if constraint.kind == "choice":
+        return xgr.Grammar.from_ebnf(constraint.ebnf_choice())
+    return xgr.Grammar.from_ebnf(constraint.spec)
+
+
+def check(constraint: Constraint, text: str, finish_reason: str) -> tuple[Optional[str], Optional[str]]:
+    """(parsed, error) for a constrained sample's text: parsed is the JSON text of the validated value (the object,
+    the choice, the matched string), error is `invalid_output: ...` (truncated, not JSON, not valid) or None."""
+    if finish_reason == "length":
+        return None, f"{INVALID}: truncated: the sample reached its max_new_tokens before the constraint was complete"
+    if constraint.kind == "json_schema":
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            return None, f"{INVALID}: not JSON: {exc}"
+        problem = schema_problem(constraint.spec, value)
+        if problem:
+            return None, f"{INVALID}: {problem}"
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":")), None
+    if constraint.kind == "choice":
+        if text not in constraint.choices:
+            return None, f"{INVALID}: {text[:80]!r} is none of the choices"
+        return json.dumps(text, ensure_ascii=False), None
+    if not accepts(constraint, text):
+        return None, f"{INVALID}: {text[:80]!r} does not match sampling.{constraint.kind}"
+    return json.dumps(text, ensure_ascii=False), None
+
+
+def accepts(constraint: Constraint, text: str) -> bool:
+    """Whether the whole of `text` is in the regex's or grammar's language, judged by the same library (and so the
+    same regex dialect) that constrained the decoding, character by character, without a tokenizer."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    return bool(_is_grammar_accept_string(grammar(constraint), text))
+
+
+def schema_problem(spec: str, value: Any) -> Optional[str]:
+    error = next(iter(_validator(spec).iter_errors(value)), None)
+    if error is None:
+        return None
+    where = "/".join(str(p) for p in error.absolute_path) or "the top level"
+    return f"schema: at {where}: {error.message}"[:300]
+
+
+@lru_cache(maxsize=64)
+def _validator(spec: str) -> Any:
+    import jsonschema
+
+    schema = json.loads(spec)
+    return jsonschema.validators.validator_for(schema)(schema)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from batchgen.engines import ENGINES, quantization_problems
+from batchgen.engines import ENGINES, quantization_problems, structured_output_problems
 from batchgen.engines.base import EngineConfig
 from batchgen.errors import ConfigError
 from batchgen.reader import DatasetConfig
@@ -73,7 +73,12 @@ def validate(cfg: JobConfig) -> JobConfig:
                             f"engine={cfg.engine.name}; choices: {choices}")
         else:
             problems += quantization_problems(cfg.engine)
-    problems += cfg.engine.problems() + cfg.dataset.problems() + cfg.sampling.problems() + _run_problems(cfg.run)
+    sampling_problems = cfg.sampling.problems()
+    if not sampling_problems and cfg.engine.name in ENGINES:
+        constraint = cfg.sampling.constraint()
+        sampling_problems = structured_output_problems(cfg.engine, constraint and constraint.kind,
+                                                       cfg.sampling.choice_scores)
+    problems += cfg.engine.problems() + cfg.dataset.problems() + sampling_problems + _run_problems(cfg.run)
     problems += _ignored_keys(cfg.engine)
     problems += output_dir_problems(cfg.output_dir)
     if problems:

@@ -69,8 +69,9 @@ def build_inputs(work: Path, rows: int, model: str | None) -> tuple[str, Path]:
     return model, data
 
 
-def overrides(model: str, data: Path, out: Path, rows_per_part: int, max_new_tokens: int) -> list[str]:
-    return ["name=kill-harness", f"output_dir={out}", f"dataset.path={data}", "dataset.id_column=uid",
+def overrides(model: str, data: Path, out: Path, rows_per_part: int, max_new_tokens: int,
+              extra: tuple[str, ...] = ()) -> list[str]:
+    return [*extra, "name=kill-harness", f"output_dir={out}", f"dataset.path={data}", "dataset.id_column=uid",
             f"engine.model={model}", "engine.dtype=float32", "engine.max_batch_size=2", "engine.threads=1",
             "sampling.n=2", f"sampling.max_new_tokens={max_new_tokens}", f"run.rows_per_part={rows_per_part}",
             "run.progress=false"]
@@ -160,20 +161,24 @@ def check_final(out: Path, reference: pa.Table, expected_ids: list[str], n: int)
 
 
 def run_harness(kills: int, *, work: Path, model: str | None = None, rows: int = 40, rows_per_part: int = 6,
-                max_new_tokens: int = 12, window_s: float = 0.02, seed: int = 0, log=print) -> Report:
+                max_new_tokens: int = 12, window_s: float = 0.02, seed: int = 0, log=print,
+                extra: tuple[str, ...] = ()) -> Report:
+    """`kills` SIGKILLs survived, every output checked against an uninterrupted run; `extra`: more overrides for
+    every run (a constrained job's sampling.json_schema, say)."""
     rng = random.Random(seed)
     report = Report()
     t0 = time.time()
     model, data = build_inputs(work, rows, model)
     expected_ids = [f"r{i:04d}" for i in range(rows)]
-    reference, gen_s = reference_run(overrides(model, data, work / "reference", rows_per_part, max_new_tokens))
+    reference, gen_s = reference_run(overrides(model, data, work / "reference", rows_per_part, max_new_tokens,
+                                                   extra))
     parts = -(-rows // rows_per_part)
     gen_est = gen_s + window_s * (2 * rows + 20 * parts)  # generation with the crash windows (see crash_window)
     out = work / "run-1"
     base_delay = max_delay = 2.0 * gen_est / kills
     progress = progress_of(out)
     while True:
-        args = overrides(model, data, out, rows_per_part, max_new_tokens)
+        args = overrides(model, data, out, rows_per_part, max_new_tokens, extra)
         proc = start(args, window_s)
         if report.kills < kills:
             if rng.random() < 0.15:

@@ -78,6 +78,6 @@ def read_output(out: Path) -> pa.Table:
 
 
 def run_cli(args: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
-    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    env = os.environ | {"PYTHONUNBUFFERED": "1"} | kwargs.pop("env", {})
     return subprocess.run([sys.executable, "-m", "batchgen", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=kwargs.pop("cwd", REPO), env=env, **kwargs)

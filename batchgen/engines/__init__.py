@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 from batchgen.engines.base import Engine, EngineConfig
 
@@ -42,3 +42,20 @@ def quantization_problems(cfg: EngineConfig) -> list[str]:
     from batchgen.engines.hf import quant
 
     return quant.check(cfg.quantization, cfg.device, cfg.dtype)
+
+
+def structured_output_problems(cfg: EngineConfig, kind: Optional[str], choice_scores: bool) -> list[str]:
+    """Whether the engine can apply a sampling.<kind> constraint (and score choices), before any load: a vLLM without
+    the structured-output API must refuse the job, never run it unconstrained."""
+    out = []
+    if kind is not None and cfg.name == "dummy":
+        out.append(f"sampling.{kind}: engine=dummy does not constrain its output; use engine=hf or engine=vllm")
+    if kind is not None and cfg.name == "vllm":
+        from batchgen.engines.vllm import structured_outputs_problem
+
+        problem = structured_outputs_problem()
+        if problem:
+            out.append(f"sampling.{kind}: {problem}")
+    if choice_scores and cfg.name != "hf":
+        out.append(f"sampling.choice_scores=true is computed by engine=hf only (got engine={cfg.name})")
+    return out

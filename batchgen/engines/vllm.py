@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from batchgen.constraints import Constraint
 from batchgen.engines.base import EngineConfig, Source, generate_by_stream, starved, stream_windows, take
 from batchgen.errors import BatchgenError, ConfigError
 from batchgen.records import Request, Result
@@ -39,6 +40,20 @@ def import_vllm() -> Any:
     except ImportError as exc:
         raise ConfigError([f"{INSTALL_HINT} ({exc})"]) from exc
     return vllm
+
+
+def structured_outputs_problem() -> Optional[str]:
+    """Why the installed vLLM cannot apply a structured-output constraint (None when it can): it needs
+    `StructuredOutputsParams` (vLLM 0.10.2 and later; 0.12 removed the GuidedDecodingParams before it)."""
+    vllm = import_vllm()
+    if getattr(getattr(vllm, "sampling_params", None), "StructuredOutputsParams", None) is None:
+        try:
+            from vllm.sampling_params import StructuredOutputsParams  # noqa: F401
+        except ImportError:
+            return (f"engine=vllm {getattr(vllm, '__version__', '?')} has no structured-output API "
+                    f"(vllm.sampling_params.StructuredOutputsParams, vLLM 0.10.2 or later); upgrade vLLM, or use "
+                    f"engine=hf")
+    return None
 
 
 GiB = 1 << 30
@@ -226,11 +241,23 @@ class VLLMEngine:
     def sampling_params(self, req: Request) -> Any:
         """One SamplingParams per sample: n=1 with the sample's own seed (None for greedy)."""
         p = req.params
+        extra = {} if p.constraint is None else {"structured_outputs": self.structured_outputs(p.constraint)}
         return self.vllm.SamplingParams(
             n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else self.top_k_off,
             max_tokens=p.max_new_tokens, stop=list(p.stop) or None, ignore_eos=p.ignore_eos, seed=req.seed,
-            skip_special_tokens=True,
+            skip_special_tokens=True, **extra,
         )
+
+    def structured_outputs(self, constraint: Constraint) -> Any:
+        """batchgen's constraint as vLLM's StructuredOutputsParams: the same JSON without free whitespace as the hf
+        engine (xgrammar's any_whitespace=False), the same regex, choices and EBNF grammar."""
+        from vllm.sampling_params import StructuredOutputsParams
+
+        if constraint.kind == "json_schema":
+            return StructuredOutputsParams(json=constraint.schema, disable_any_whitespace=True)
+        if constraint.kind == "choice":
+            return StructuredOutputsParams(choice=constraint.choices)
+        return StructuredOutputsParams(**{constraint.kind: constraint.spec})
 
     def _result(self, req: Request, completion: Any) -> Result:
         """Decode the ids ourselves, in one piece, so that text equals the hf engine's for the same ids."""

@@ -118,11 +118,13 @@ def compile_problem(constraint: Constraint) -> Optional[str]:
 @lru_cache(maxsize=64)
 def grammar(constraint: Constraint) -> Any:
     """The constraint as an xgrammar Grammar. JSON allows no free whitespace (a model that keeps emitting spaces
-    the grammar permits would loop to its token cap): compact separators, one space after `:` and `,`."""
+    the grammar permits would loop to its token cap): compact separators `,` and `:`, as vLLM writes it with
+    disable_any_whitespace."""
     import xgrammar as xgr
 
     if constraint.kind == "json_schema":
-        return xgr.Grammar.from_json_schema(constraint.spec, any_whitespace=False, strict_mode=True)
+        return xgr.Grammar.from_json_schema(constraint.spec, any_whitespace=False, separators=(",", ":"),
+                                         strict_mode=True)
     if constraint.kind == "regex":
         return xgr.Grammar.from_regex(constraint.spec)
     if constraint.kind == "choice":

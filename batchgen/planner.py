@@ -170,4 +170,5 @@ class Planner:
     def _params(self, cap: int) -> SampleParams:
         s = self.cfg.sampling
         return SampleParams(max_new_tokens=cap, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                            stop=tuple(s.stop), ignore_eos=s.ignore_eos, constraint=self.constraint)
+                            stop=tuple(s.stop), ignore_eos=s.ignore_eos, constraint=self.constraint,
+                            choice_scores=s.choice_scores)

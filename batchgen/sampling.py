@@ -70,6 +70,7 @@ class SampleParams:
     stop: tuple[str, ...]
     ignore_eos: bool
     constraint: Optional[Constraint] = None  # structured output: what the text must be (constraints.py)
+    choice_scores: bool = False  # also score every choice of a `choice` constraint (sampling.choice_scores)
 
     @property
     def greedy(self) -> bool:

@@ -123,10 +123,11 @@ def is_cpu_build(vllm: Any) -> bool:
     return getattr(current_platform, "device_type", "") == "cpu" or "cpu" in getattr(vllm, "__version__", "")
 
 
-def llm_kwargs(cfg: EngineConfig, cpu: bool = False) -> dict[str, Any]:
+def llm_kwargs(cfg: EngineConfig, cpu: bool = False, structured: bool = True) -> dict[str, Any]:
     """`vllm.LLM(...)` keyword arguments from the engine.* keys; engine.extra_args are added last and win. On CPU
     (`cpu`), with no KV cache size given (engine.gpu_memory_utilization, extra_args.kv_cache_memory_bytes or
-    VLLM_CPU_KVCACHE_SPACE), the KV cache is sized to the memory free now (cpu_kv_cache_bytes), and logged."""
+    VLLM_CPU_KVCACHE_SPACE), the KV cache is sized to the memory free now (cpu_kv_cache_bytes), and logged.
+    `structured`: the installed vLLM has the structured-output API (its engine-wide settings are passed)."""
     kwargs: dict[str, Any] = {
         "model": cfg.model,
         "tokenizer": cfg.tokenizer or cfg.model,
@@ -137,6 +138,8 @@ def llm_kwargs(cfg: EngineConfig, cpu: bool = False) -> dict[str, Any]:
         "enable_prefix_caching": cfg.enable_prefix_caching,
         "trust_remote_code": cfg.trust_remote_code,
     }
+    if structured:  # constrained JSON without free whitespace, through xgrammar as on the hf engine (engine-wide)
+        kwargs["structured_outputs_config"] = {"backend": "xgrammar", "disable_any_whitespace": True}
     if cfg.gpu_memory_utilization is not None:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
     elif cpu and "kv_cache_memory_bytes" not in cfg.extra_args and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
@@ -166,7 +169,8 @@ class VLLMEngine:
         self.vllm = import_vllm()
         self.cfg = cfg
         self.tokenizer = tokenizer  # batchgen's own: decodes the token ids vLLM returns, like the hf engine
-        self.llm = self.vllm.LLM(**llm_kwargs(cfg, cpu=is_cpu_build(self.vllm)))
+        structured = structured_outputs_problem() is None
+        self.llm = self.vllm.LLM(**llm_kwargs(cfg, cpu=is_cpu_build(self.vllm), structured=structured))
         self.model_config = self.llm.llm_engine.model_config
         self.max_model_len = self.model_config.max_model_len
         self.max_batch_size = cfg.max_batch_size or VLLM_MAX_NUM_SEQS  # sequences one step may hold (max_num_seqs)
@@ -249,8 +253,8 @@ class VLLMEngine:
         )
 
     def structured_outputs(self, constraint: Constraint) -> Any:
-        """batchgen's constraint as vLLM's StructuredOutputsParams: the same JSON without free whitespace as the hf
-        engine (xgrammar's any_whitespace=False), the same regex, choices and EBNF grammar."""
+        """batchgen's constraint as vLLM's StructuredOutputsParams: the same schema (compact JSON, no free whitespace,
+        as on the hf engine: llm_kwargs' structured_outputs_config), the same regex, choices and EBNF grammar."""
         from vllm.sampling_params import StructuredOutputsParams
 
         if constraint.kind == "json_schema":

@@ -218,3 +218,39 @@ def test_sigkill_inside_a_part_keeps_what_vllm_had_finished(vllm_model, sampled_
     assert all(rows[r.key]["generation"] == r.text for r in kept)  # reused as vLLM first wrote them
     print(f"killed with {len(kept)} of {2 * ROWS} samples journaled inside the only part; the resume reused all "
           f"of them and completed the part")
+
+
+def test_constrained_rows_on_vllm_all_parse_and_validate(vllm_model, tmp_path):
+    """One vLLM start-up, the three constraints side by side in one window (StructuredOutputsParams per request): every
+    row stops and passes batchgen's own check, with the bounded schema, the regex and the choices."""
+    import jsonschema
+    from transformers import AutoTokenizer
+
+    from batchgen.constraints import Constraint, check
+    from batchgen.engines import build_engine
+    from batchgen.records import Request
+    from batchgen.sampling import SampleParams
+
+    ticket = {"type": "object", "properties": {"label": {"enum": ["billing", "bug", "other"]},
+                                               "urgent": {"type": "boolean"}},
+              "required": ["label", "urgent"], "additionalProperties": False}
+    kinds = [Constraint("json_schema", json.dumps(ticket, sort_keys=True)),
+             Constraint("regex", r"[a-z]{2,6}-[0-9]{2}"), Constraint("choice", json.dumps(["yes", "no", "not sure"]))]
+    data = write_parquet(tmp_path / "in.parquet", [{"prompt": "x"}])
+    cfg = compose_job(job_overrides(vllm_model, data, tmp_path / "out", "engine=vllm", EAGER))
+    tok = AutoTokenizer.from_pretrained(vllm_model)
+    engine = build_engine(cfg.engine, tok)
+    try:
+        prompts = [tok(p)["input_ids"] for p in corpus(12, seed=21)]
+        reqs = [Request(key=k, prompt_ids=ids, seed=None, params=SampleParams(
+            max_new_tokens=48, temperature=0.0, top_p=1.0, top_k=0, stop=(), ignore_eos=False,
+            constraint=kinds[k % 3])) for k, ids in enumerate(prompts)]
+        results = engine.generate(reqs)
+    finally:
+        engine.close()
+    for req, res in zip(reqs, results):
+        parsed, error = check(req.params.constraint, res.text, res.finish_reason)
+        assert res.finish_reason == "stop" and error is None, (req.params.constraint.kind, res.text, error)
+        if req.params.constraint.kind == "json_schema":
+            jsonschema.validate(json.loads(parsed), ticket)
+            assert "\n" not in res.text

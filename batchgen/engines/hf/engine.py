@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -20,6 +21,7 @@ from batchgen.engines.hf.cpu import kernels, onednn, runtime
 from batchgen.engines.hf.generic import GenericGenerator
 from batchgen.engines.hf.sampler import Sampler, eos_ids
 from batchgen.engines.hf.scheduler import Scheduler, SchedulerStats
+from batchgen.engines.hf.score import ChoiceScorer, with_choice_scores
 from batchgen.engines.hf.step import LlamaStepper, fuse_projections, supports
 from batchgen.records import Request, Result
 
@@ -69,6 +71,7 @@ class HFEngine:
         self.stats = SchedulerStats()  # summed over every window and stream, live
         self.prefixes = prefix.for_config(cfg.prefix_cache, cfg.prefix_cache_mb)  # kept across windows
         self.pad_id = _first(tokenizer.pad_token_id, *sorted(self.eos_ids), 0)
+        self._scorer: Optional[ChoiceScorer] = None
         between = "" if self.activation_dtype == self.dtype else f" (activations in {self.activation_dtype})"
         log.info("hf engine: %s on %s in %s%s, max_batch_tokens=%d, max_batch_size=%d, %d linears prepacked for "
                  "oneDNN, %d fused q/k/v or gate/up projections", cfg.model, self.device, self.dtype, between,
@@ -103,6 +106,11 @@ class HFEngine:
                  ) -> list[Result]:
         if not requests:
             return []
+        if any(self.scorer.wants(r) for r in requests):
+            scores = self.scorer.scores(requests)
+            results = self.generate([replace(r, params=replace(r.params, choice_scores=False)) for r in requests],
+                                    on_result and (lambda res: on_result(_scored(res, scores))))
+            return [_scored(res, scores) for res in results]
         max_len = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
         if self.fast and supports(self.model, max_len):
             return self._continuous(lambda scheduler: scheduler.run(requests, on_result))
@@ -115,11 +123,21 @@ class HFEngine:
     @torch.inference_mode()
     def stream(self, source: Source, on_result: Callable[[Result], None]) -> None:
         """Continuous batching across windows where the Llama-family step serves every request the model allows;
-        otherwise one window at a time through the generic path."""
+        otherwise one window at a time through the generic path. Rows that want choice scores are scored as they
+        arrive (score.py)."""
+        source, on_result = with_choice_scores(self.scorer, source, on_result)
         if self.fast and supports(self.model, self.max_model_len):
             self._continuous(lambda scheduler: scheduler.stream(source, on_result))
         else:
             stream_windows(self.generate, source, on_result)
+
+    @property
+    def scorer(self) -> ChoiceScorer:
+        if self._scorer is None:
+            eos = _first(self.tokenizer.eos_token_id, *sorted(self.eos_ids), self.pad_id)
+            self._scorer = ChoiceScorer(self.model, self.tokenizer, eos_id=eos, pad_id=self.pad_id, device=self.device,
+                                        max_batch_tokens=self.max_batch_tokens)
+        return self._scorer
 
     def _continuous(self, run: Callable[[Scheduler], Any]) -> Any:
         if self._stepper is None:
@@ -134,6 +152,12 @@ class HFEngine:
         finally:
             self.max_batch_tokens = scheduler.max_batch_tokens  # keep an OOM backoff for the next window
             self.max_batch_size = scheduler.max_batch_size
+
+
+def _scored(result: Result, scores: dict[int, list[float]]) -> Result:
+    if result.key in scores:
+        result.choice_scores = scores[result.key]
+    return result
 
 
 def _first(*values: Optional[int]) -> int:

@@ -1,0 +1,109 @@
+"""Label scores for the hf engine (sampling.choice_scores): the probability of each of a row's choices given its
+prompt, from one forward pass over every (row, choice) sequence of a batch, with no sampling.
+
+A choice's score is the model's probability of its whole token sequence followed by the end of the sample (EOS),
+so that a choice that is a prefix of another ("bug", "bugfix") is not credited with the longer one's mass; the
+scores of a row are then normalised over its choices, and sum to 1. Sequences are left-padded, so that every
+choice's tokens sit at the end and only the last few positions' logits are computed. Knows the model's forward and
+token ids; which rows want scores is the request's (SampleParams.choice_scores).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+
+from batchgen.engines.base import Source
+from batchgen.records import Request, Result
+
+
+class ChoiceScorer:
+    def __init__(self, model: Any, tokenizer: Any, *, eos_id: int, pad_id: int, device: torch.device,
+                 max_batch_tokens: int):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+        self.device = device
+        self.max_batch_tokens = max_batch_tokens
+        self._choice_ids: dict[str, list[int]] = {}
+        self.sequences = 0  # (row, choice) sequences scored
+        self.forward_passes = 0
+
+    def wants(self, req: Request) -> bool:
+        c = req.params.constraint
+        return req.params.choice_scores and c is not None and c.kind == "choice"
+
+    def scores(self, requests: list[Request]) -> dict[int, list[float]]:
+        """Request key -> its choices' probabilities (in choice order) for every request that wants them."""
+        seqs: list[tuple[int, list[int], int]] = []  # (request index, prompt + choice + EOS, scored tokens)
+        wanted = [r for r in requests if self.wants(r)]
+        for i, req in enumerate(wanted):
+            for choice in req.params.constraint.choices:  # type: ignore[union-attr]
+                tail = self._ids(choice) + [self.eos_id]
+                seqs.append((i, list(req.prompt_ids) + tail, len(tail)))
+        logprob = [0.0] * len(seqs)
+        order = sorted(range(len(seqs)), key=lambda j: -len(seqs[j][1]))
+        start = 0
+        while start < len(order):  # batches under the token budget, longest first
+            width, end = len(seqs[order[start]][1]), start + 1
+            while end < len(order) and (end - start + 1) * width <= self.max_batch_tokens:
+                end += 1
+            batch = order[start:end]
+            for j, value in zip(batch, self._logprobs([seqs[j][1] for j in batch], [seqs[j][2] for j in batch])):
+                logprob[j] = value
+            start = end
+        out: dict[int, list[float]] = {}
+        at = 0
+        for req in wanted:
+            n = len(req.params.constraint.choices)  # type: ignore[union-attr]
+            probs = torch.softmax(torch.tensor(logprob[at:at + n], dtype=torch.float64), dim=0)
+            out[req.key] = probs.tolist()
+            at += n
+        return out
+
+    def _ids(self, choice: str) -> list[int]:
+        if choice not in self._choice_ids:
+            self._choice_ids[choice] = self.tokenizer(choice, add_special_tokens=False)["input_ids"]
+        return self._choice_ids[choice]
+
+    def _logprobs(self, seqs: list[list[int]], scored: list[int]) -> list[float]:
+        """Sum of log p(token | everything before it) over each sequence's last `scored` tokens."""
+        width, keep = max(len(s) for s in seqs), max(scored) + 1
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for b, s in enumerate(seqs):
+            ids[b, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            mask[b, width - len(s):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, positions = ids.to(self.device), mask.to(self.device), positions.to(self.device)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                            logits_to_keep=keep).logits.float()  # [B, keep, V]: positions width-keep .. width-1
+        self.forward_passes += 1
+        self.sequences += len(seqs)
+        logp = torch.log_softmax(logits[:, :-1], dim=-1)  # predicts tokens width-keep+1 .. width-1
+        targets = ids[:, width - keep + 1:]
+        picked = logp.gather(-1, targets[..., None])[..., 0]  # [B, keep - 1]
+        return [float(picked[b, keep - 1 - n:].sum()) for b, n in enumerate(scored)]
+
+
+def with_choice_scores(scorer: ChoiceScorer, source: Source, on_result: Callable[[Result], None]
+                       ) -> tuple[Source, Callable[[Result], None]]:
+    """`source` and `on_result` wrapped: the requests that want scores are scored as they arrive (a batch at a
+    time), and each one's scores ride on its Result."""
+    pending: dict[int, list[float]] = {}
+
+    def scored_source() -> Optional[list[Request]]:
+        batch = source()
+        if batch:
+            pending.update(scorer.scores(batch))
+        return batch
+
+    def scored_result(result: Result) -> None:
+        if result.key in pending:
+            result.choice_scores = pending.pop(result.key)
+        on_result(result)
+
+    return scored_source, scored_result

@@ -41,14 +41,15 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int, path: Path):
 
 
 def build_model(path: str | Path, texts: Iterable[str], *, size: str = "tiny", seed: int = 0,
-                max_position_embeddings: int = 2048) -> Path:
-    """Write a random-weight Llama checkpoint with its tokenizer to `path` and return it."""
+                max_position_embeddings: int = 2048, vocab: int | None = None) -> Path:
+    """Write a random-weight Llama checkpoint with its tokenizer to `path` and return it. The vocabulary is at most
+    the size's (or `vocab`); BPE stops earlier where the texts offer no more merges."""
     import torch
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     path = Path(path)
-    hidden, layers, heads, kv_heads, inter, vocab = SIZES[size]
-    build_tokenizer(texts, vocab, path)
+    hidden, layers, heads, kv_heads, inter, size_vocab = SIZES[size]
+    build_tokenizer(texts, vocab or size_vocab, path)
     tok = AutoTokenizer.from_pretrained(path)
     config = LlamaConfig(
         vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
@@ -68,13 +69,19 @@ BENCH_WORDS = ("the river town market opened closed with many people after rain 
                "harbour music quiet loud green blue small large old new fast slow city field stone road").split()
 
 
-def cached_model(workdir: Path, size: str, seed: int = 0) -> Path:
-    """A benchmark's random-weight model of `size`, built once under `workdir` (as model-<size>) and reused."""
+def cached_model(workdir: Path, size: str, seed: int = 0, vocab: int | None = None) -> Path:
+    """A benchmark's random-weight model of `size`, built once under `workdir` (as model-<size>) and reused. With
+    `vocab`, a tokenizer of about that many tokens (a real model's order: 32k-150k), trained on pseudo-words as
+    well as the benchmark words (which alone offer about 400 tokens)."""
     import random
 
-    model = Path(workdir) / f"model-{size}"
+    model = Path(workdir) / (f"model-{size}" if vocab is None else f"model-{size}-v{vocab}")
     if not (model / "config.json").exists():
         rng = random.Random(seed)
-        build_model(model, [" ".join(rng.choice(BENCH_WORDS) for _ in range(200)) for _ in range(200)], size=size,
-                    max_position_embeddings=2048)
+        texts = [" ".join(rng.choice(BENCH_WORDS) for _ in range(200)) for _ in range(200)]
+        if vocab is not None:
+            letters = "abcdefghijklmnopqrstuvwxyz"
+            texts += [" ".join("".join(rng.choice(letters) for _ in range(rng.randint(2, 9))) for _ in range(200))
+                      for _ in range(vocab // 4)]
+        build_model(model, texts, size=size, max_position_embeddings=2048, vocab=vocab)
     return model

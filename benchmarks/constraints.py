@@ -3,7 +3,8 @@
     python benchmarks/constraints.py                  # 32 rows at batch 32, 64 new tokens, the benchmark model
     python benchmarks/constraints.py --backends       # also: xgrammar vs llguidance mask time (where installed)
 
-Workload (seeded): 32 prompts of about 50 tokens, decoded together (engine.max_batch_size=32). "free": no
+Workload (seeded): the benchmark model's shape with a 32k-token vocabulary (125M parameters; the mask's cost grows
+with the vocabulary), 32 prompts of about 50 tokens, decoded together (engine.max_batch_size=32). "free": no
 constraint, EOS ignored, 64 new tokens. "schema": a JSON schema whose one string field has minLength 400, so that
 every row is still inside the string after 64 tokens and both runs generate exactly the same number of tokens
 (every token masked by the grammar, the cost this measures). One engine is loaded once; the two runs alternate
@@ -102,6 +103,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--size", default="bench", help="toymodel size [bench: the benchmark model]")
+    parser.add_argument("--vocab", type=int, default=32000, help="tokenizer size [32000, a real model's order; "
+                        "the benchmark words alone give about 400]")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--backends", action="store_true", help="also time xgrammar vs llguidance mask filling")
     parser.add_argument("--workdir", type=Path, default=ROOT / "data" / "bench")
@@ -115,7 +118,7 @@ def main() -> None:
     from batchgen.toymodel import cached_model
 
     args.workdir.mkdir(parents=True, exist_ok=True)
-    model = cached_model(args.workdir, args.size)
+    model = cached_model(args.workdir, args.size, vocab=args.vocab)
     tok = AutoTokenizer.from_pretrained(model)
     engine = build_engine(EngineConfig(name="hf", model=str(model), dtype=args.dtype, max_batch_size=args.rows), tok)
     schema = Constraint("json_schema", json.dumps(SCHEMA, sort_keys=True))

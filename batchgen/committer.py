@@ -41,10 +41,14 @@ OUTPUT_FIELDS = [
 ]
 OUTPUT_COLUMNS = tuple(f.name for f in OUTPUT_FIELDS)
 CHOICE_SCORE = pa.struct([pa.field("choice", pa.string()), pa.field("score", pa.float64())])
+TOP_LOGPROB = pa.struct([pa.field("token", pa.string()), pa.field("token_id", pa.int32()),
+                         pa.field("logprob", pa.float32())])
 # written only where the job asks for them (Committer.optional): a constraint adds `parsed`, choice_scores its own
 OPTIONAL_FIELDS = {
     "parsed": pa.field("parsed", pa.string()),
     "choice_scores": pa.field("choice_scores", pa.list_(CHOICE_SCORE)),
+    "token_logprobs": pa.field("token_logprobs", pa.list_(pa.float32())),
+    "top_logprobs": pa.field("top_logprobs", pa.list_(pa.list_(TOP_LOGPROB))),
 }
 PART_RE = re.compile(r"^part-(\d{5,})\.parquet$")
 TMP_PART_RE = re.compile(r"^\.part-(\d{5,})\.parquet\.tmp-\d+$")
@@ -125,7 +129,8 @@ def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
             rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=res.text,
                                   finish_reason=res.finish_reason, num_prompt_tokens=res.num_prompt_tokens,
                                   num_generated_tokens=res.num_generated_tokens, seed=seed, error=invalid,
-                                  parsed=parsed, choice_scores=_labelled(constraint, res.choice_scores)))
+                                  parsed=parsed, choice_scores=_labelled(constraint, res.choice_scores),
+                                  token_logprobs=res.token_logprobs, top_logprobs=_top(res.top_logprobs)))
     if by_key:
         raise BatchgenError(f"part {part.index}: the engine returned results for unknown requests "
                             f"{sorted(by_key)[:5]}; nothing of this part was committed, rerun to resume")
@@ -135,7 +140,15 @@ def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
 def optional_columns(sampling: Any) -> tuple[str, ...]:
     """The OPTIONAL_FIELDS a job with these sampling.* settings writes."""
     constrained = any(getattr(sampling, kind, None) not in (None, "", []) for kind in KINDS)
-    return ("parsed",) * constrained + ("choice_scores",) * bool(getattr(sampling, "choice_scores", False))
+    logprobs = getattr(sampling, "logprobs", None) is not None
+    return (("parsed",) * constrained + ("choice_scores",) * bool(getattr(sampling, "choice_scores", False))
+            + ("token_logprobs", "top_logprobs") * logprobs)
+
+
+def _top(top: Optional[list[list[list]]]) -> Optional[list[list[dict[str, Any]]]]:
+    if top is None:
+        return None
+    return [[{"token": t, "token_id": i, "logprob": lp} for i, t, lp in position] for position in top]
 
 
 def _labelled(constraint: Optional[Constraint], scores: Optional[list[float]]) -> Optional[list[dict[str, Any]]]:
@@ -225,8 +238,9 @@ class Committer:
         fields = list(OUTPUT_FIELDS)
         if "parsed" in self.optional:
             columns["parsed"] = pa.array([r.parsed for r in rows], pa.string())
-        if "choice_scores" in self.optional:
-            columns["choice_scores"] = pa.array([r.choice_scores for r in rows], OPTIONAL_FIELDS["choice_scores"].type)
+        for name in ("choice_scores", "token_logprobs", "top_logprobs"):
+            if name in self.optional:
+                columns[name] = pa.array([getattr(r, name) for r in rows], OPTIONAL_FIELDS[name].type)
         fields += [OPTIONAL_FIELDS[name] for name in self.optional]
         if self.passthrough:
             taken = part.table.select(self.passthrough).take(pa.array([r.row for r in rows], pa.int64()))

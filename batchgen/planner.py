@@ -171,4 +171,4 @@ class Planner:
         s = self.cfg.sampling
         return SampleParams(max_new_tokens=cap, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                             stop=tuple(s.stop), ignore_eos=s.ignore_eos, constraint=self.constraint,
-                            choice_scores=s.choice_scores)
+                            choice_scores=s.choice_scores, logprobs=s.logprobs)

@@ -65,6 +65,8 @@ class Result:
     num_prompt_tokens: int
     num_generated_tokens: int
     choice_scores: list[float] | None = None  # sampling.choice_scores: each choice's probability, in choice order
+    token_logprobs: list[float] | None = None  # sampling.logprobs: each generated token's log-probability
+    top_logprobs: list[list[list]] | None = None  # per generated token: the top k, [token_id, token, logprob]
 
 
 @dataclass(slots=True)
@@ -82,3 +84,5 @@ class OutputRow:
     error: str | None  # an input error (generation null) or, for a constrained sample, `invalid_output: ...`
     parsed: str | None = None  # a constrained sample: the JSON text of its validated value
     choice_scores: list[dict] | None = None  # [{"choice": label, "score": probability}, ...] in choice order
+    token_logprobs: list[float] | None = None
+    top_logprobs: list[list[dict]] | None = None  # per generated token: [{"token", "token_id", "logprob"}, ...]

@@ -26,6 +26,7 @@ class SamplingConfig:
     choice: Optional[list[str]] = None  # the generation is exactly one of these strings
     grammar: Optional[str] = None  # an EBNF grammar (xgrammar's dialect, as vLLM takes), inline or a .ebnf file
     choice_scores: bool = False  # with sampling.choice: a choice_scores column, each choice's probability
+    logprobs: Optional[int] = None  # k: token_logprobs (each generated token's) and top_logprobs (the k likeliest)
 
     @property
     def greedy(self) -> bool:
@@ -50,6 +51,8 @@ class SamplingConfig:
         if constraint is not None and self.ignore_eos:
             out.append(f"sampling.ignore_eos=true cannot go with sampling.{constraint.kind}: a constrained sample "
                        f"ends when its constraint is complete")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            out.append(f"sampling.logprobs must be null or 0..20 (top tokens kept per position; got {self.logprobs})")
         if self.choice_scores and not self.choice:
             out.append("sampling.choice_scores=true needs sampling.choice (the labels to score)")
         return out
@@ -71,6 +74,7 @@ class SampleParams:
     ignore_eos: bool
     constraint: Optional[Constraint] = None  # structured output: what the text must be (constraints.py)
     choice_scores: bool = False  # also score every choice of a `choice` constraint (sampling.choice_scores)
+    logprobs: Optional[int] = None  # return each generated token's log-probability and the top k (sampling.logprobs)
 
     @property
     def greedy(self) -> bool:

@@ -143,6 +143,14 @@ def starved() -> RuntimeError:
     return RuntimeError("the request source has nothing to give while nothing is in flight")
 
 
+def with_tokens(tokenizer: Any, top: list[list[list]]) -> list[list[list]]:
+    """Top-logprob pairs [token_id, logprob] per position as triples [token_id, token text, logprob]: each token
+    decoded alone (special tokens included), so that a reader sees " the", not an id."""
+    ids = sorted({pair[0] for position in top for pair in position})
+    texts = dict(zip(ids, tokenizer.batch_decode([[i] for i in ids]))) if ids else {}
+    return [[[i, texts[i], lp] for i, lp in position] for position in top]
+
+
 def generate_by_stream(stream: Callable[[Source, Callable[[Result], None]], None], requests: list[Request],
                        on_result: Optional[Callable[[Result], None]] = None) -> list[Result]:
     """`generate` written as one `stream` over the window: its Results in request order, each also passed to

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchgen.constraints import Constraint
-from batchgen.engines.base import EngineConfig, Source, generate_by_stream, starved, stream_windows, take
+from batchgen.engines.base import EngineConfig, Source, generate_by_stream, starved, stream_windows, take, with_tokens
 from batchgen.errors import BatchgenError, ConfigError
 from batchgen.records import Request, Result
 from batchgen.sampling import find_stop
@@ -246,6 +246,8 @@ class VLLMEngine:
         """One SamplingParams per sample: n=1 with the sample's own seed (None for greedy)."""
         p = req.params
         extra = {} if p.constraint is None else {"structured_outputs": self.structured_outputs(p.constraint)}
+        if p.logprobs is not None:
+            extra["logprobs"] = p.logprobs
         return self.vllm.SamplingParams(
             n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else self.top_k_off,
             max_tokens=p.max_new_tokens, stop=list(p.stop) or None, ignore_eos=p.ignore_eos, seed=req.seed,
@@ -271,7 +273,22 @@ class VLLMEngine:
         reason = completion.finish_reason
         if reason not in ("stop", "length"):
             raise BatchgenError(f"vLLM finished request {req.key} with finish_reason={reason!r}")
-        return Result(key=req.key, text=text if cut < 0 else text[:cut], finish_reason=reason,
-                      num_prompt_tokens=len(req.prompt_ids), num_generated_tokens=len(ids))
+        result = Result(key=req.key, text=text if cut < 0 else text[:cut], finish_reason=reason,
+                        num_prompt_tokens=len(req.prompt_ids), num_generated_tokens=len(ids))
+        if req.params.logprobs is not None:
+            picked, top = logprobs_of(ids, completion.logprobs or [], req.params.logprobs)
+            result.token_logprobs, result.top_logprobs = picked, with_tokens(self.tokenizer, top)
+        return result
 
 
+
+
+def logprobs_of(ids: list[int], positions: list[dict[int, Any]], k: int) -> tuple[list[float], list[list[list]]]:
+    """vLLM's per-position {token_id: Logprob} (the sampled token and the top k) as batchgen's token_logprobs and
+    top_logprobs ([token_id, logprob] pairs, likeliest first)."""
+    picked, top = [], []
+    for token, entries in zip(ids, positions, strict=True):
+        picked.append(float(entries[token].logprob))
+        ranked = sorted(entries.items(), key=lambda item: -item[1].logprob)[:k]
+        top.append([[int(i), float(e.logprob)] for i, e in ranked])
+    return picked, top

@@ -245,7 +245,11 @@ def test_constrained_rows_on_vllm_all_parse_and_validate(vllm_model, tmp_path):
         reqs = [Request(key=k, prompt_ids=ids, seed=None, params=SampleParams(
             max_new_tokens=48, temperature=0.0, top_p=1.0, top_k=0, stop=(), ignore_eos=False,
             constraint=kinds[k % 3])) for k, ids in enumerate(prompts)]
-        results = engine.generate(reqs)
+        free = [Request(key=100 + k, prompt_ids=ids, seed=None, params=SampleParams(
+            max_new_tokens=8, temperature=0.0, top_p=1.0, top_k=0, stop=(), ignore_eos=True, logprobs=2))
+            for k, ids in enumerate(prompts[:4])]  # sampling.logprobs on vLLM: the same columns as the hf engine
+        results = engine.generate(reqs + free)
+        results, logged = results[:len(reqs)], results[len(reqs):]
     finally:
         engine.close()
     for req, res in zip(reqs, results):
@@ -254,3 +258,8 @@ def test_constrained_rows_on_vllm_all_parse_and_validate(vllm_model, tmp_path):
         if req.params.constraint.kind == "json_schema":
             jsonschema.validate(json.loads(parsed), ticket)
             assert "\n" not in res.text
+    for res in logged:
+        assert len(res.token_logprobs) == len(res.top_logprobs) == res.num_generated_tokens == 8
+        for picked, top in zip(res.token_logprobs, res.top_logprobs):
+            assert len(top) == 2 and top[0][2] >= top[1][2] and picked == pytest.approx(top[0][2], abs=1e-5)
+            assert top[0][1] == tok.decode([top[0][0]])

@@ -102,7 +102,7 @@ class GenericGenerator:
             next_pos = next_pos + 1
             self.stats.decode_steps += 1
             self.stats.decode_row_steps += len(active)
-        return [self.sampler.make_result(r, g, reason) for r, g, reason in zip(reqs, generated, reasons)]
+        return [self.sampler.make_result(r, g, reason, d) for r, g, reason, d in zip(reqs, generated, reasons, draws)]
 
     def _left_pad(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         width = max(len(r.prompt_ids) for r in reqs)

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from batchgen.engines.base import with_tokens
 from batchgen.records import Request, Result
 from batchgen.sampling import SampleParams, find_stop
 
@@ -24,6 +25,8 @@ class Draw:
 
     generator: Optional[torch.Generator]  # its RNG, seeded from the request; None for greedy
     matcher: Any = None  # its xgrammar GrammarMatcher, for a constrained sample
+    token_logprobs: Optional[list[float]] = None  # sampling.logprobs: each picked token's log-probability
+    top_logprobs: Optional[list[list[list]]] = None  # and the top k per position, [token_id, logprob] pairs
 
 
 class Sampler:
@@ -38,7 +41,10 @@ class Sampler:
         """A new sample's Draw: its RNG (None for greedy), its grammar matcher where it is constrained."""
         gen = None if req.params.greedy else torch.Generator(device=self.device).manual_seed(req.seed)
         constraint = req.params.constraint
-        return Draw(gen, self.grammars().matcher(constraint) if constraint is not None else None)
+        draw = Draw(gen, self.grammars().matcher(constraint) if constraint is not None else None)
+        if req.params.logprobs is not None:
+            draw.token_logprobs, draw.top_logprobs = [], []
+        return draw
 
     def grammars(self) -> Any:
         if self._grammars is None:
@@ -50,10 +56,15 @@ class Sampler:
     def pick(self, logits: torch.Tensor, reqs: list[Request], draws: list[Draw]) -> list[int]:
         """Next token per row; a constrained row picks among the tokens its grammar allows, and its matcher
         takes the token."""
+        logged = [j for j, d in enumerate(draws) if d.token_logprobs is not None]
+        logp = torch.log_softmax(logits[logged].float(), dim=-1) if logged else None  # the model's own, unmasked
         constrained = self._grammars is not None and any(d.matcher is not None for d in draws)
         if constrained:
             logits = self._grammars.mask(logits, [d.matcher for d in draws])
         tokens = pick_tokens(logits, [r.params for r in reqs], [d.generator for d in draws])
+        if logp is not None:
+            record_logprobs(logp, [draws[j] for j in logged], [tokens[j] for j in logged],
+                            [reqs[j].params.logprobs or 0 for j in logged])
         if constrained:
             for token, d in zip(tokens, draws):
                 if d.matcher is not None and not d.matcher.is_terminated():
@@ -80,11 +91,27 @@ class Sampler:
         window = 4 * max(len(s) for s in stops) + 8
         return self.tokenizer.decode(generated[-window:], skip_special_tokens=True)
 
-    def make_result(self, req: Request, generated: list[int], reason: Optional[str]) -> Result:
+    def make_result(self, req: Request, generated: list[int], reason: Optional[str], draw: Optional[Draw] = None
+                    ) -> Result:
         text = self.tokenizer.decode(generated, skip_special_tokens=True)
         cut = find_stop(text, req.params.stop) if req.params.stop else -1
         return Result(key=req.key, text=text if cut < 0 else text[:cut], finish_reason=reason or "length",
-                      num_prompt_tokens=len(req.prompt_ids), num_generated_tokens=len(generated))
+                      num_prompt_tokens=len(req.prompt_ids), num_generated_tokens=len(generated),
+                      token_logprobs=draw and draw.token_logprobs,
+                      top_logprobs=draw and draw.top_logprobs and with_tokens(self.tokenizer, draw.top_logprobs))
+
+
+def record_logprobs(logp: torch.Tensor, draws: list[Draw], tokens: list[int], ks: list[int]) -> None:
+    """Append each row's picked token's log-probability and its top k ([token_id, logprob], likeliest first) to its
+    Draw. logp: [rows, V], log-softmax of the model's logits before any constraint, temperature or top-k/p (what
+    vLLM returns by default, its raw_logprobs)."""
+    picked = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    most = max(ks)
+    top = torch.topk(logp, most, dim=-1) if most else None
+    for j, (draw, k) in enumerate(zip(draws, ks)):
+        draw.token_logprobs.append(picked[j])  # type: ignore[union-attr]
+        pairs = [] if top is None else list(map(list, zip(top.indices[j, :k].tolist(), top.values[j, :k].tolist())))
+        draw.top_logprobs.append(pairs)  # type: ignore[union-attr]
 
 
 def pick_tokens(logits: torch.Tensor, params: list[SampleParams], generators: list[Optional[torch.Generator]]

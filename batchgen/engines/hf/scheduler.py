@@ -79,7 +79,7 @@ class Scheduler:
         cache: Any = None
 
         def finish(seq: Sequence, reason: str) -> None:
-            on_result(self.sampler.make_result(seq.request, seq.generated, reason))
+            on_result(self.sampler.make_result(seq.request, seq.generated, reason, seq.draw))
 
         while True:
             pool.top_up()

@@ -49,6 +49,7 @@ OPTIONAL_FIELDS = {
     "choice_scores": pa.field("choice_scores", pa.list_(CHOICE_SCORE)),
     "token_logprobs": pa.field("token_logprobs", pa.list_(pa.float32())),
     "top_logprobs": pa.field("top_logprobs", pa.list_(pa.list_(TOP_LOGPROB))),
+    "reasoning": pa.field("reasoning", pa.string()),
 }
 PART_RE = re.compile(r"^part-(\d{5,})\.parquet$")
 TMP_PART_RE = re.compile(r"^\.part-(\d{5,})\.parquet\.tmp-\d+$")
@@ -130,7 +131,8 @@ def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
                                   finish_reason=res.finish_reason, num_prompt_tokens=res.num_prompt_tokens,
                                   num_generated_tokens=res.num_generated_tokens, seed=seed, error=invalid,
                                   parsed=parsed, choice_scores=_labelled(constraint, res.choice_scores),
-                                  token_logprobs=res.token_logprobs, top_logprobs=_top(res.top_logprobs)))
+                                  token_logprobs=res.token_logprobs, top_logprobs=_top(res.top_logprobs),
+                                  reasoning=res.reasoning))
     if by_key:
         raise BatchgenError(f"part {part.index}: the engine returned results for unknown requests "
                             f"{sorted(by_key)[:5]}; nothing of this part was committed, rerun to resume")
@@ -142,7 +144,8 @@ def optional_columns(sampling: Any) -> tuple[str, ...]:
     constrained = any(getattr(sampling, kind, None) not in (None, "", []) for kind in KINDS)
     logprobs = getattr(sampling, "logprobs", None) is not None
     return (("parsed",) * constrained + ("choice_scores",) * bool(getattr(sampling, "choice_scores", False))
-            + ("token_logprobs", "top_logprobs") * logprobs)
+            + ("token_logprobs", "top_logprobs") * logprobs
+            + ("reasoning",) * (getattr(sampling, "reasoning", "off") != "off"))
 
 
 def _top(top: Optional[list[list[list]]]) -> Optional[list[list[dict[str, Any]]]]:
@@ -238,7 +241,7 @@ class Committer:
         fields = list(OUTPUT_FIELDS)
         if "parsed" in self.optional:
             columns["parsed"] = pa.array([r.parsed for r in rows], pa.string())
-        for name in ("choice_scores", "token_logprobs", "top_logprobs"):
+        for name in ("choice_scores", "token_logprobs", "top_logprobs", "reasoning"):
             if name in self.optional:
                 columns[name] = pa.array([getattr(r, name) for r in rows], OPTIONAL_FIELDS[name].type)
         fields += [OPTIONAL_FIELDS[name] for name in self.optional]

@@ -77,7 +77,8 @@ def validate(cfg: JobConfig) -> JobConfig:
     if not sampling_problems and cfg.engine.name in ENGINES:
         constraint = cfg.sampling.constraint()
         sampling_problems = structured_output_problems(cfg.engine, constraint and constraint.kind,
-                                                       cfg.sampling.choice_scores)
+                                                       cfg.sampling.choice_scores, cfg.sampling.reasoning,
+                                                       cfg.sampling.max_reasoning_tokens)
     problems += cfg.engine.problems() + cfg.dataset.problems() + sampling_problems + _run_problems(cfg.run)
     problems += _ignored_keys(cfg.engine)
     problems += output_dir_problems(cfg.output_dir)

@@ -40,7 +40,8 @@ def output_config(cfg: JobConfig) -> dict[str, Any]:
 
 # sampling keys added after the first release: left out of the hash at their defaults, so that an output written
 # before they existed resumes under the same hash
-LATER_SAMPLING_KEYS = ("json_schema", "regex", "choice", "grammar", "choice_scores", "logprobs")
+LATER_SAMPLING_KEYS = ("json_schema", "regex", "choice", "grammar", "choice_scores", "logprobs", "reasoning",
+                       "reasoning_start", "reasoning_end", "max_reasoning_tokens")
 
 
 def _sampling(cfg: JobConfig) -> dict[str, Any]:

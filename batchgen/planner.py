@@ -18,7 +18,7 @@ from batchgen.job import JobConfig
 from batchgen.reader import Reader, column_values
 from batchgen.records import InputBatch, Part, PlannedPart, Request
 from batchgen.render import Renderer
-from batchgen.sampling import SampleParams, derive_seed
+from batchgen.sampling import Reasoning, SampleParams, derive_seed
 
 log = logging.getLogger(__name__)
 DUPLICATE_CHECK_ROWS = 2_000_000  # ids remembered for the duplicate-id count (about 100 bytes each)
@@ -35,6 +35,10 @@ class Planner:
         self.duplicate_ids = 0  # rows whose dataset.id_column value repeats an earlier row's (all parts, all shards)
         self._seen_ids: set[int] = set()  # hashes of the first DUPLICATE_CHECK_ROWS ids
         self.constraint = cfg.sampling.constraint()  # structured output every sample is generated under, or None
+        s = cfg.sampling
+        self.reasoning = None if s.reasoning == "off" else Reasoning(
+            end_ids=tuple(tokenizer(s.reasoning_end, add_special_tokens=False)["input_ids"]), start=s.reasoning_start,
+            max_tokens=s.max_reasoning_tokens)
 
     # -- cutting the stream into parts ------------------------------------------------------------
 
@@ -118,7 +122,7 @@ class Planner:
             fitted, errors[row] = self._fit(ids[row], caps[row], max_model_len, part.ids[row])
             if errors[row] is not None:
                 continue
-            params = self._params(caps[row])
+            params = self._params(caps[row], self._thinks(rendered.texts[row]))
             requests += [Request(key=row * n + s, prompt_ids=fitted, params=params, seed=seeds[row * n + s])
                          for s in range(n)]
         return PlannedPart(part=part, requests=requests, errors=errors, seeds=seeds, n=n)
@@ -167,8 +171,17 @@ class Planner:
         head = ids[:1] if bos is not None and ids and ids[0] == bos else []
         return head + ids[len(ids) - (room - len(head)):], None
 
-    def _params(self, cap: int) -> SampleParams:
+    def _thinks(self, prompt: str) -> Optional[Reasoning]:
+        """The row's Reasoning: every row's with sampling.reasoning=split; with auto, where the rendered prompt ends
+        inside an open reasoning block (its chat template opened it)."""
+        s = self.cfg.sampling
+        if self.reasoning is None or s.reasoning == "auto" and prompt.rfind(s.reasoning_start) <= prompt.rfind(
+                s.reasoning_end):
+            return None
+        return self.reasoning
+
+    def _params(self, cap: int, reasoning: Optional[Reasoning] = None) -> SampleParams:
         s = self.cfg.sampling
         return SampleParams(max_new_tokens=cap, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                             stop=tuple(s.stop), ignore_eos=s.ignore_eos, constraint=self.constraint,
-                            choice_scores=s.choice_scores, logprobs=s.logprobs)
+                            choice_scores=s.choice_scores, logprobs=s.logprobs, reasoning=reasoning)

@@ -67,6 +67,7 @@ class Result:
     choice_scores: list[float] | None = None  # sampling.choice_scores: each choice's probability, in choice order
     token_logprobs: list[float] | None = None  # sampling.logprobs: each generated token's log-probability
     top_logprobs: list[list[list]] | None = None  # per generated token: the top k, [token_id, token, logprob]
+    reasoning: str | None = None  # a thinking sample's reasoning (text is then its answer only)
 
 
 @dataclass(slots=True)
@@ -86,3 +87,4 @@ class OutputRow:
     choice_scores: list[dict] | None = None  # [{"choice": label, "score": probability}, ...] in choice order
     token_logprobs: list[float] | None = None
     top_logprobs: list[list[dict]] | None = None  # per generated token: [{"token", "token_id", "logprob"}, ...]
+    reasoning: str | None = None

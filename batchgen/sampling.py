@@ -27,6 +27,13 @@ class SamplingConfig:
     grammar: Optional[str] = None  # an EBNF grammar (xgrammar's dialect, as vLLM takes), inline or a .ebnf file
     choice_scores: bool = False  # with sampling.choice: a choice_scores column, each choice's probability
     logprobs: Optional[int] = None  # k: token_logprobs (each generated token's) and top_logprobs (the k likeliest)
+    # reasoning models: off | split (every sample thinks first: the text up to reasoning_end goes to a `reasoning`
+    # column, a constraint applies after it) | auto (split where the prompt opens a reasoning block, as the chat
+    # templates of reasoning models do; off elsewhere)
+    reasoning: str = "off"
+    reasoning_start: str = "<think>"
+    reasoning_end: str = "</think>"
+    max_reasoning_tokens: Optional[int] = None  # past this many thinking tokens, reasoning_end is forced
 
     @property
     def greedy(self) -> bool:
@@ -46,13 +53,23 @@ class SamplingConfig:
             out.append(f"sampling.n must be >= 1 (got {self.n})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             out.append("sampling.stop must be a list of non-empty strings")
-        constraint, problems = from_sampling(self)
-        out += problems
+        return out + self._annotation_problems()
+
+    def _annotation_problems(self) -> list[str]:
+        """Structured outputs, label scores, logprobs and reasoning."""
+        constraint, out = from_sampling(self)
         if constraint is not None and self.ignore_eos:
             out.append(f"sampling.ignore_eos=true cannot go with sampling.{constraint.kind}: a constrained sample "
                        f"ends when its constraint is complete")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             out.append(f"sampling.logprobs must be null or 0..20 (top tokens kept per position; got {self.logprobs})")
+        if self.reasoning not in REASONING:
+            out.append(f"sampling.reasoning must be one of {', '.join(REASONING)} (got {self.reasoning!r})")
+        elif self.reasoning != "off" and (not self.reasoning_start or not self.reasoning_end):
+            out.append("sampling.reasoning_start and sampling.reasoning_end must be non-empty markers")
+        if self.max_reasoning_tokens is not None and (self.max_reasoning_tokens < 1 or self.reasoning == "off"):
+            out.append(f"sampling.max_reasoning_tokens must be >= 1 and needs sampling.reasoning=split or auto "
+                       f"(got {self.max_reasoning_tokens}, reasoning={self.reasoning})")
         if self.choice_scores and not self.choice:
             out.append("sampling.choice_scores=true needs sampling.choice (the labels to score)")
         return out
@@ -60,6 +77,19 @@ class SamplingConfig:
     def constraint(self) -> Optional[Constraint]:
         """The constraint, built (a schema file read); call after problems() found none."""
         return from_sampling(self)[0]
+
+
+REASONING = ("off", "split", "auto")
+
+
+@dataclass(slots=True, frozen=True)
+class Reasoning:
+    """A sample that thinks first: its reasoning ends with `end_ids` (sampling.reasoning_end as tokens); the text
+    before them is its reasoning, the text after them its answer, and a constraint applies to the answer only."""
+
+    end_ids: tuple[int, ...]
+    start: str  # sampling.reasoning_start: dropped from the reasoning text
+    max_tokens: Optional[int] = None  # past this many tokens still thinking, end_ids are forced
 
 
 @dataclass(slots=True, frozen=True)
@@ -75,6 +105,7 @@ class SampleParams:
     constraint: Optional[Constraint] = None  # structured output: what the text must be (constraints.py)
     choice_scores: bool = False  # also score every choice of a `choice` constraint (sampling.choice_scores)
     logprobs: Optional[int] = None  # return each generated token's log-probability and the top k (sampling.logprobs)
+    reasoning: Optional[Reasoning] = None  # this sample thinks first (sampling.reasoning)
 
     @property
     def greedy(self) -> bool:
@@ -91,3 +122,13 @@ def find_stop(text: str, stops: tuple[str, ...]) -> int:
     """Index of the earliest match of any stop string in `text`, or -1; the generation is cut there."""
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(hits) if hits else -1
+
+
+def split_reasoning(ids: list[int], reasoning: Reasoning) -> Optional[int]:
+    """Where the answer starts in a thinking sample's generated ids: just after the first complete end marker; None
+    while (or when) it never ends its reasoning."""
+    end, n = reasoning.end_ids, len(reasoning.end_ids)
+    for i in range(len(ids) - n + 1):
+        if tuple(ids[i:i + n]) == end:
+            return i + n
+    return None

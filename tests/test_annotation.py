@@ -44,3 +44,77 @@ def test_without_logprobs_the_output_has_no_logprob_columns(tiny_model, prompts,
     run_job(compose_job(job_overrides(tiny_model, prompts, tmp_path / "out", "sampling.max_new_tokens=4")))
     names = read_output(tmp_path / "out").schema.names
     assert "token_logprobs" not in names and "top_logprobs" not in names and "parsed" not in names
+
+
+THINKING_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n<think>\n{% endif %}"  # a reasoning model's: it opens the block
+)
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory):
+    """A tiny random Llama whose chat template opens a <think> block, with <think> and </think> as tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from batchgen.toymodel import build_model
+
+    path = tmp_path_factory.mktemp("models") / "thinking-llama"
+    build_model(path, corpus(), size="tiny")
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_tokens(["<think>", "</think>"])
+    tok.chat_template = THINKING_TEMPLATE
+    tok.save_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    model.resize_token_embeddings(len(tok))
+    model.save_pretrained(path)
+    return str(path)
+
+
+def chats(tmp_path, n=10):
+    rows = [{"messages": [{"role": "user", "content": t}]} for t in corpus(n, seed=8)]
+    return write_parquet(tmp_path / "chats.parquet", rows)
+
+
+def test_reasoning_split_with_a_constraint_after_the_block(thinking_model, tmp_path):
+    """reasoning=auto: the template opens the block, so every row thinks first, free; past max_reasoning_tokens
+    </think> is forced; from there the schema holds. `reasoning` holds the thinking, `generation` the JSON."""
+    import json
+
+    import jsonschema
+    from transformers import AutoTokenizer
+
+    from tests.test_constraints import TICKET
+
+    schema = tmp_path / "ticket.json"
+    schema.write_text(json.dumps(TICKET))
+    out = tmp_path / "out"
+    run_job(compose_job(job_overrides(thinking_model, chats(tmp_path), out, "dataset.messages_column=messages",
+                                      "sampling.reasoning=auto", "sampling.max_reasoning_tokens=6",
+                                      f"sampling.json_schema={schema}", "sampling.max_new_tokens=60")))
+    tok = AutoTokenizer.from_pretrained(thinking_model)
+    end = tok.convert_tokens_to_ids("</think>")
+    rows = read_output(out).to_pylist()
+    assert len(rows) == 10
+    for row in rows:
+        assert row["error"] is None and row["finish_reason"] == "stop", row
+        jsonschema.validate(json.loads(row["parsed"]), TICKET)
+        assert row["generation"] == row["parsed"]
+        assert row["reasoning"] and "</think>" not in row["reasoning"] and "<think>" not in row["reasoning"]
+        assert not row["reasoning"].startswith("{")  # the thinking was free: random text, not the schema's JSON
+        answer = tok(row["generation"], add_special_tokens=False)["input_ids"]
+        assert end not in answer and row["num_generated_tokens"] > 6 + 1  # thinking, </think>, the answer
+
+
+def test_reasoning_split_without_a_constraint_and_off_by_default(thinking_model, tmp_path):
+    out = tmp_path / "split"
+    run_job(compose_job(job_overrides(thinking_model, chats(tmp_path, 6), out, "dataset.messages_column=messages",
+                                      "sampling.reasoning=split", "sampling.max_reasoning_tokens=4",
+                                      "sampling.max_new_tokens=12", "sampling.ignore_eos=true")))
+    for row in read_output(out).to_pylist():
+        assert row["reasoning"] is not None and "</think>" not in row["generation"]
+        assert row["num_generated_tokens"] == 12
+    off = tmp_path / "off"
+    run_job(compose_job(job_overrides(thinking_model, chats(tmp_path, 6), off, "dataset.messages_column=messages",
+                                      "sampling.max_new_tokens=4")))
+    assert "reasoning" not in read_output(off).schema.names

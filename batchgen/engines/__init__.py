@@ -44,10 +44,15 @@ def quantization_problems(cfg: EngineConfig) -> list[str]:
     return quant.check(cfg.quantization, cfg.device, cfg.dtype)
 
 
-def structured_output_problems(cfg: EngineConfig, kind: Optional[str], choice_scores: bool) -> list[str]:
-    """Whether the engine can apply a sampling.<kind> constraint (and score choices), before any load: a vLLM without
-    the structured-output API must refuse the job, never run it unconstrained."""
+def structured_output_problems(cfg: EngineConfig, kind: Optional[str], choice_scores: bool,
+                               reasoning: str = "off", max_reasoning_tokens: Optional[int] = None) -> list[str]:
+    """Whether the engine can apply a sampling.<kind> constraint (and score choices, and think first), before any
+    load: a vLLM without the structured-output API must refuse the job, never run it unconstrained."""
     out = []
+    if cfg.name == "vllm" and reasoning != "off" and (kind is not None or max_reasoning_tokens is not None):
+        out.append(f"sampling.reasoning={reasoning} with {'sampling.' + kind if kind else 'max_reasoning_tokens'}: "
+                   f"engine=vllm would constrain (or cap) the reasoning too; use engine=hf, or split the reasoning "
+                   f"without a constraint")
     if kind is not None and cfg.name == "dummy":
         out.append(f"sampling.{kind}: engine=dummy does not constrain its output; use engine=hf or engine=vllm")
     if kind is not None and cfg.name == "vllm":

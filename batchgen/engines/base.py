@@ -18,6 +18,7 @@ from typing import Any, Optional, Protocol
 
 from batchgen.errors import BatchgenError
 from batchgen.records import Request, Result
+from batchgen.sampling import SampleParams, split_reasoning
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 PREFIX_CACHE = ("auto", "on", "off")
@@ -141,6 +142,22 @@ def stream_windows(generate: Generate, source: Source, on_result: Callable[[Resu
 def starved() -> RuntimeError:
     """The error of a source that gives [] while the engine has nothing in flight: waiting would never end."""
     return RuntimeError("the request source has nothing to give while nothing is in flight")
+
+
+def split_answer(tokenizer: Any, ids: list[int], params: SampleParams) -> tuple[list[int], Optional[str]]:
+    """A thinking sample's (SampleParams.reasoning) generated ids as its answer's ids and its reasoning text (the
+    start marker and surrounding whitespace dropped; all of it while the block never ended, the answer then empty);
+    other samples' ids as they are, with no reasoning. The answer's leading whitespace after the marker is dropped."""
+    r = params.reasoning
+    if r is None:
+        return ids, None
+    k = split_reasoning(ids, r)
+    thought = ids if k is None else ids[:k - len(r.end_ids)]
+    text = tokenizer.decode(thought, skip_special_tokens=True).strip().removeprefix(r.start).strip()
+    answer = [] if k is None else ids[k:]
+    while answer and not tokenizer.decode(answer[:1], skip_special_tokens=True).strip():
+        answer = answer[1:]  # whitespace tokens between the marker and the answer
+    return answer, text
 
 
 def with_tokens(tokenizer: Any, top: list[list[list]]) -> list[list[list]]:

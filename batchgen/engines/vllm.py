@@ -23,7 +23,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchgen.constraints import Constraint
-from batchgen.engines.base import EngineConfig, Source, generate_by_stream, starved, stream_windows, take, with_tokens
+from batchgen.engines.base import (
+    EngineConfig,
+    Source,
+    generate_by_stream,
+    split_answer,
+    starved,
+    stream_windows,
+    take,
+    with_tokens,
+)
 from batchgen.errors import BatchgenError, ConfigError
 from batchgen.records import Request, Result
 from batchgen.sampling import find_stop
@@ -268,13 +277,14 @@ class VLLMEngine:
     def _result(self, req: Request, completion: Any) -> Result:
         """Decode the ids ourselves, in one piece, so that text equals the hf engine's for the same ids."""
         ids = list(completion.token_ids)  # the EOS token included when generation stopped on it
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        answer, reasoning = split_answer(self.tokenizer, ids, req.params)
+        text = self.tokenizer.decode(answer, skip_special_tokens=True)
         cut = find_stop(text, req.params.stop) if req.params.stop else -1
         reason = completion.finish_reason
         if reason not in ("stop", "length"):
             raise BatchgenError(f"vLLM finished request {req.key} with finish_reason={reason!r}")
         result = Result(key=req.key, text=text if cut < 0 else text[:cut], finish_reason=reason,
-                        num_prompt_tokens=len(req.prompt_ids), num_generated_tokens=len(ids))
+                        num_prompt_tokens=len(req.prompt_ids), num_generated_tokens=len(ids), reasoning=reasoning)
         if req.params.logprobs is not None:
             picked, top = logprobs_of(ids, completion.logprobs or [], req.params.logprobs)
             result.token_logprobs, result.top_logprobs = picked, with_tokens(self.tokenizer, top)

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from batchgen.engines.base import with_tokens
+from batchgen.engines.base import split_answer, with_tokens
 from batchgen.records import Request, Result
 from batchgen.sampling import SampleParams, find_stop
 
@@ -27,6 +27,10 @@ class Draw:
     matcher: Any = None  # its xgrammar GrammarMatcher, for a constrained sample
     token_logprobs: Optional[list[float]] = None  # sampling.logprobs: each picked token's log-probability
     top_logprobs: Optional[list[list[list]]] = None  # and the top k per position, [token_id, logprob] pairs
+    thinking: bool = False  # inside its reasoning block (SampleParams.reasoning): unconstrained until it ends
+    thought: int = 0  # tokens generated while thinking
+    tail: tuple[int, ...] = ()  # the last tokens, to see the end marker complete
+    forced: Optional[list[int]] = None  # the end marker's tokens still to force (max_reasoning_tokens reached)
 
 
 class Sampler:
@@ -44,6 +48,7 @@ class Sampler:
         draw = Draw(gen, self.grammars().matcher(constraint) if constraint is not None else None)
         if req.params.logprobs is not None:
             draw.token_logprobs, draw.top_logprobs = [], []
+        draw.thinking = req.params.reasoning is not None
         return draw
 
     def grammars(self) -> Any:
@@ -58,24 +63,41 @@ class Sampler:
         takes the token."""
         logged = [j for j, d in enumerate(draws) if d.token_logprobs is not None]
         logp = torch.log_softmax(logits[logged].float(), dim=-1) if logged else None  # the model's own, unmasked
-        constrained = self._grammars is not None and any(d.matcher is not None for d in draws)
+        matchers = [None if d.thinking else d.matcher for d in draws]  # a thinking row is free until its block ends
+        constrained = self._grammars is not None and any(m is not None for m in matchers)
         if constrained:
-            logits = self._grammars.mask(logits, [d.matcher for d in draws])
+            logits = self._grammars.mask(logits, matchers)
         tokens = pick_tokens(logits, [r.params for r in reqs], [d.generator for d in draws])
+        for j, d in enumerate(draws):
+            if d.forced:
+                tokens[j] = d.forced.pop(0)
         if logp is not None:
             record_logprobs(logp, [draws[j] for j in logged], [tokens[j] for j in logged],
                             [reqs[j].params.logprobs or 0 for j in logged])
-        if constrained:
-            for token, d in zip(tokens, draws):
-                if d.matcher is not None and not d.matcher.is_terminated():
-                    d.matcher.accept_token(token)
+        for token, req, d, m in zip(tokens, reqs, draws, matchers):
+            if d.thinking:
+                self._think(req, d, token)
+            elif m is not None and not m.is_terminated():
+                m.accept_token(token)
         return tokens
+
+    def _think(self, req: Request, d: Draw, token: int) -> None:
+        """A thinking row took `token`: its block ends when the end marker is complete (the constraint applies from
+        the next token); past max_reasoning_tokens the marker is forced, one token a step."""
+        reasoning = req.params.reasoning
+        assert reasoning is not None
+        d.thought += 1
+        d.tail = (*d.tail, token)[-len(reasoning.end_ids):]
+        if d.tail == reasoning.end_ids:
+            d.thinking, d.forced = False, None
+        elif reasoning.max_tokens is not None and d.thought >= reasoning.max_tokens and d.forced is None:
+            d.forced = list(reasoning.end_ids)
 
     def finish_reason(self, params: SampleParams, generated: list[int], draw: Optional[Draw] = None
                       ) -> Optional[str]:
         if not params.ignore_eos and generated[-1] in self.eos_ids:
             return "stop"
-        if draw is not None and draw.matcher is not None and draw.matcher.is_terminated():
+        if draw is not None and draw.matcher is not None and not draw.thinking and draw.matcher.is_terminated():
             return "stop"  # the grammar is complete and took its stop token
         if params.stop and find_stop(self._tail_text(generated, params.stop), params.stop) >= 0:
             return "stop"
@@ -93,10 +115,11 @@ class Sampler:
 
     def make_result(self, req: Request, generated: list[int], reason: Optional[str], draw: Optional[Draw] = None
                     ) -> Result:
-        text = self.tokenizer.decode(generated, skip_special_tokens=True)
+        answer, reasoning = split_answer(self.tokenizer, generated, req.params)
+        text = self.tokenizer.decode(answer, skip_special_tokens=True)
         cut = find_stop(text, req.params.stop) if req.params.stop else -1
         return Result(key=req.key, text=text if cut < 0 else text[:cut], finish_reason=reason or "length",
-                      num_prompt_tokens=len(req.prompt_ids), num_generated_tokens=len(generated),
+                      num_prompt_tokens=len(req.prompt_ids), num_generated_tokens=len(generated), reasoning=reasoning,
                       token_logprobs=draw and draw.token_logprobs,
                       top_logprobs=draw and draw.top_logprobs and with_tokens(self.tokenizer, draw.top_logprobs))
 

@@ -139,9 +139,10 @@ def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
     return rows
 
 
-def optional_columns(sampling: Any) -> tuple[str, ...]:
-    """The OPTIONAL_FIELDS a job with these sampling.* settings writes."""
-    constrained = any(getattr(sampling, kind, None) not in (None, "", []) for kind in KINDS)
+def optional_columns(sampling: Any, dataset: Any = None) -> tuple[str, ...]:
+    """The OPTIONAL_FIELDS a job with these sampling.* (and dataset.* per-row constraint) settings writes."""
+    constrained = any(getattr(sampling, kind, None) not in (None, "", []) for kind in KINDS) or any(
+        getattr(dataset, key, None) for key in ("choice_column", "schema_column"))
     logprobs = getattr(sampling, "logprobs", None) is not None
     return (("parsed",) * constrained + ("choice_scores",) * bool(getattr(sampling, "choice_scores", False))
             + ("token_logprobs", "top_logprobs") * logprobs

@@ -80,11 +80,28 @@ def validate(cfg: JobConfig) -> JobConfig:
                                                        cfg.sampling.choice_scores, cfg.sampling.reasoning,
                                                        cfg.sampling.max_reasoning_tokens)
     problems += cfg.engine.problems() + cfg.dataset.problems() + sampling_problems + _run_problems(cfg.run)
+    problems += _per_row_problems(cfg)
     problems += _ignored_keys(cfg.engine)
     problems += output_dir_problems(cfg.output_dir)
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def _per_row_problems(cfg: JobConfig) -> list[str]:
+    """The per-row constraint columns against the job's sampling.* (the values themselves are checked per row)."""
+    ds, s, out = cfg.dataset, cfg.sampling, []
+    if ds.schema_column and not s.schemas:
+        out.append("dataset.schema_column needs sampling.schemas: the named schemas its values choose from")
+    if s.schemas and not ds.schema_column:
+        out.append("sampling.schemas is used through dataset.schema_column (set it, or use sampling.json_schema)")
+    if s.choice_scores and not s.choice and not ds.choice_column:
+        out.append("sampling.choice_scores=true needs sampling.choice or dataset.choice_column (the labels to score)")
+    if (ds.choice_column or ds.schema_column) and (s.regex or s.grammar):
+        out.append("dataset.choice_column / dataset.schema_column cannot go with sampling.regex or sampling.grammar")
+    if (ds.choice_column or ds.schema_column) and cfg.engine.name == "dummy":
+        out.append("dataset.choice_column / dataset.schema_column: engine=dummy does not constrain its output")
+    return out
 
 
 def _ignored_keys(engine: EngineConfig) -> list[str]:

@@ -30,7 +30,7 @@ def output_config(cfg: JobConfig) -> dict[str, Any]:
     directory is the same run."""
     engine = cfg.engine
     return {
-        "dataset": dataclasses.asdict(cfg.dataset) | {"batch_rows": None, "path": _input(cfg.dataset.path)},
+        "dataset": _dataset(cfg),
         "sampling": _sampling(cfg),
         "engine": {"name": engine.name, "model": _local(engine.model), "tokenizer": _local(engine.tokenizer),
                    "quantization": engine.quantization, "max_model_len": engine.max_model_len},
@@ -40,8 +40,9 @@ def output_config(cfg: JobConfig) -> dict[str, Any]:
 
 # sampling keys added after the first release: left out of the hash at their defaults, so that an output written
 # before they existed resumes under the same hash
-LATER_SAMPLING_KEYS = ("json_schema", "regex", "choice", "grammar", "choice_scores", "logprobs", "reasoning",
-                       "reasoning_start", "reasoning_end", "max_reasoning_tokens")
+LATER_SAMPLING_KEYS = ("json_schema", "regex", "choice", "grammar", "choice_scores", "schemas", "logprobs",
+                       "reasoning", "reasoning_start", "reasoning_end", "max_reasoning_tokens")
+LATER_DATASET_KEYS = ("temperature_column", "stop_column", "choice_column", "schema_column")
 
 
 def _sampling(cfg: JobConfig) -> dict[str, Any]:
@@ -54,6 +55,16 @@ def _sampling(cfg: JobConfig) -> dict[str, Any]:
     constraint = cfg.sampling.constraint()
     if constraint is not None:
         out[constraint.kind] = constraint.spec
+    if cfg.sampling.schemas:
+        out["schemas"] = {name: c.spec for name, c in cfg.sampling.named_schemas().items()}
+    return out
+
+
+def _dataset(cfg: JobConfig) -> dict[str, Any]:
+    out = dataclasses.asdict(cfg.dataset) | {"batch_rows": None, "path": _input(cfg.dataset.path)}
+    for key in LATER_DATASET_KEYS:
+        if out[key] is None:
+            del out[key]
     return out
 
 

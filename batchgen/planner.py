@@ -7,7 +7,6 @@ Rows that cannot be generated become error rows here, before the engine sees the
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -15,9 +14,10 @@ import pyarrow as pa
 
 from batchgen.errors import TooLongError
 from batchgen.job import JobConfig
-from batchgen.reader import Reader, column_values
+from batchgen.reader import Reader
 from batchgen.records import InputBatch, Part, PlannedPart, Request
 from batchgen.render import Renderer
+from batchgen.rowparams import RowParams, RowSettings
 from batchgen.sampling import Reasoning, SampleParams, derive_seed
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class Planner:
         self.total_rows = 0  # rows seen so far; the input's size once parts() is exhausted
         self.duplicate_ids = 0  # rows whose dataset.id_column value repeats an earlier row's (all parts, all shards)
         self._seen_ids: set[int] = set()  # hashes of the first DUPLICATE_CHECK_ROWS ids
-        self.constraint = cfg.sampling.constraint()  # structured output every sample is generated under, or None
+        self.row_params = RowParams(cfg.dataset, cfg.sampling)  # each row's cap, temperature, stops, constraint
         s = cfg.sampling
         self.reasoning = None if s.reasoning == "off" else Reasoning(
             end_ids=tuple(tokenizer(s.reasoning_end, add_special_tokens=False)["input_ids"]), start=s.reasoning_start,
@@ -108,44 +108,23 @@ class Planner:
     def plan(self, part: Part, max_model_len: int) -> PlannedPart:
         rendered = self.renderer.render(part.table)
         errors = [read or render for read, render in zip(part.read_errors, rendered.errors)]
-        caps = self._caps(part.table, errors)
+        settings = self.row_params.settings(part.table, errors)  # per-row columns; a bad value errs that row
         ids = self._tokenize([t if e is None else None for t, e in zip(rendered.texts, errors)],
                              rendered.add_special_tokens)
         n = self.cfg.sampling.n
-        greedy = self.cfg.sampling.temperature == 0.0
-        seeds = [None if greedy else derive_seed(self.cfg.sampling.seed, part.ids[row], s)
+        seeds = [None if settings[row].temperature == 0.0 else derive_seed(self.cfg.sampling.seed, part.ids[row], s)
                  for row in range(part.num_rows) for s in range(n)]  # every sample's, error rows' included
         requests: list[Request] = []
         for row in range(part.num_rows):
             if errors[row] is not None:
                 continue
-            fitted, errors[row] = self._fit(ids[row], caps[row], max_model_len, part.ids[row])
+            fitted, errors[row] = self._fit(ids[row], settings[row].max_new_tokens, max_model_len, part.ids[row])
             if errors[row] is not None:
                 continue
-            params = self._params(caps[row], self._thinks(rendered.texts[row]))
+            params = self._params(settings[row], self._thinks(rendered.texts[row]))
             requests += [Request(key=row * n + s, prompt_ids=fitted, params=params, seed=seeds[row * n + s])
                          for s in range(n)]
         return PlannedPart(part=part, requests=requests, errors=errors, seeds=seeds, n=n)
-
-    def _caps(self, table: pa.Table, errors: list[Optional[str]]) -> list[int]:
-        """Per-row max_new_tokens: the sampling cap, lowered by dataset.max_new_tokens_column."""
-        default = self.cfg.sampling.max_new_tokens
-        column = self.cfg.dataset.max_new_tokens_column
-        if not column:
-            return [default] * table.num_rows
-        caps = []
-        values = column_values(table, column)  # a mixed-type JSONL column: its values as written
-        for row, value in enumerate(values):
-            if isinstance(value, float) and (math.isnan(value) or value.is_integer()):
-                value = None if math.isnan(value) else int(value)  # pandas' float64 for an int column with NaN
-            if value is None:
-                caps.append(default)
-            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                caps.append(default)
-                errors[row] = errors[row] or f"bad_max_new_tokens: {value!r} is not a positive integer"
-            else:
-                caps.append(min(default, value))
-        return caps
 
     def _tokenize(self, texts: list[Optional[str]], add_special_tokens: bool) -> list[list[int]]:
         todo = [i for i, t in enumerate(texts) if t is not None]
@@ -180,8 +159,9 @@ class Planner:
             return None
         return self.reasoning
 
-    def _params(self, cap: int, reasoning: Optional[Reasoning] = None) -> SampleParams:
+    def _params(self, row: RowSettings, reasoning: Optional[Reasoning] = None) -> SampleParams:
         s = self.cfg.sampling
-        return SampleParams(max_new_tokens=cap, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                            stop=tuple(s.stop), ignore_eos=s.ignore_eos, constraint=self.constraint,
-                            choice_scores=s.choice_scores, logprobs=s.logprobs, reasoning=reasoning)
+        return SampleParams(max_new_tokens=row.max_new_tokens, temperature=row.temperature, top_p=s.top_p,
+                            top_k=s.top_k, stop=row.stop, ignore_eos=s.ignore_eos, constraint=row.constraint,
+                            choice_scores=s.choice_scores and row.constraint is not None
+                            and row.constraint.kind == "choice", logprobs=s.logprobs, reasoning=reasoning)

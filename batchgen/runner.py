@@ -70,7 +70,7 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
         with lock.layout():
             prepare_output_dir(cfg, output_dir, reader, resolved or {})
         committer = Committer(output_dir, passthrough=passthrough, metadata=file_metadata(cfg),
-                              optional=optional_columns(cfg.sampling))
+                              optional=optional_columns(cfg.sampling, cfg.dataset))
         mine = (status_name(cfg.run.shard, cfg.run.num_shards),)  # the shard's own status file's temp copies
         committer.clean_stale(lambda k: k % cfg.run.num_shards == cfg.run.shard, mine)
         if (output_dir / SUCCESS).exists():

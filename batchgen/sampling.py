@@ -26,6 +26,7 @@ class SamplingConfig:
     choice: Optional[list[str]] = None  # the generation is exactly one of these strings
     grammar: Optional[str] = None  # an EBNF grammar (xgrammar's dialect, as vLLM takes), inline or a .ebnf file
     choice_scores: bool = False  # with sampling.choice: a choice_scores column, each choice's probability
+    schemas: dict[str, Any] = field(default_factory=dict)  # named JSON schemas for dataset.schema_column
     logprobs: Optional[int] = None  # k: token_logprobs (each generated token's) and top_logprobs (the k likeliest)
     # reasoning models: off | split (every sample thinks first: the text up to reasoning_end goes to a `reasoning`
     # column, a constraint applies after it) | auto (split where the prompt opens a reasoning block, as the chat
@@ -70,13 +71,18 @@ class SamplingConfig:
         if self.max_reasoning_tokens is not None and (self.max_reasoning_tokens < 1 or self.reasoning == "off"):
             out.append(f"sampling.max_reasoning_tokens must be >= 1 and needs sampling.reasoning=split or auto "
                        f"(got {self.max_reasoning_tokens}, reasoning={self.reasoning})")
-        if self.choice_scores and not self.choice:
-            out.append("sampling.choice_scores=true needs sampling.choice (the labels to score)")
+        for name, schema in self.schemas.items():
+            out += [p.replace("sampling.json_schema", f"sampling.schemas.{name}")
+                    for p in from_sampling(SamplingConfig(json_schema=schema))[1]]
         return out
 
     def constraint(self) -> Optional[Constraint]:
         """The constraint, built (a schema file read); call after problems() found none."""
         return from_sampling(self)[0]
+
+    def named_schemas(self) -> dict[str, Constraint]:
+        """sampling.schemas built, by name (call after problems() found none)."""
+        return {name: from_sampling(SamplingConfig(json_schema=schema))[0] for name, schema in self.schemas.items()}
 
 
 REASONING = ("off", "split", "auto")

@@ -118,3 +118,53 @@ def test_reasoning_split_without_a_constraint_and_off_by_default(thinking_model,
     run_job(compose_job(job_overrides(thinking_model, chats(tmp_path, 6), off, "dataset.messages_column=messages",
                                       "sampling.max_new_tokens=4")))
     assert "reasoning" not in read_output(off).schema.names
+
+
+def test_per_row_temperature_stop_choice_and_schema_from_columns_with_bad_values_as_error_rows(tiny_model, tmp_path):
+    import json
+
+    import jsonschema
+
+    from tests.test_constraints import TICKET
+
+    flag = {"type": "object", "properties": {"spam": {"type": "boolean"}}, "required": ["spam"],
+            "additionalProperties": False}
+    (tmp_path / "ticket.json").write_text(json.dumps(TICKET))
+    texts = corpus(9, seed=4)
+    rows = [  # (temperature, stop, choices, schema name)
+        {"t": 0.0, "stop": None, "choices": ["yes", "no"], "schema": None},
+        {"t": 0.9, "stop": ["the"], "choices": None, "schema": None},
+        {"t": None, "stop": ["zq", "qz"], "choices": ["red", "green", "blue"], "schema": None},
+        {"t": -1.0, "stop": None, "choices": None, "schema": None},  # bad_temperature
+        {"t": None, "stop": None, "choices": ["x", "x"], "schema": None},  # bad_choice
+        {"t": None, "stop": None, "choices": None, "schema": "ticket"},
+        {"t": None, "stop": None, "choices": None, "schema": "flag"},
+        {"t": None, "stop": None, "choices": None, "schema": "nope"},  # bad_schema
+        {"t": None, "stop": None, "choices": None, "schema": None},  # free, greedy
+    ]
+    data = write_parquet(tmp_path / "in.parquet", [{"prompt": p, **r, "choices": r["choices"]}
+                                                   for p, r in zip(texts, rows)])
+    # one file holds both per-row constraint kinds: choices and schema names are two jobs' columns
+    out = tmp_path / "choices"
+    run_job(compose_job(job_overrides(tiny_model, data, out, "dataset.temperature_column=t",
+                                      "dataset.stop_column=stop", "dataset.choice_column=choices",
+                                      "sampling.max_new_tokens=24",
+                                      "sampling.choice_scores=true", "run.max_error_rate=1")))
+    got = read_output(out).to_pylist()
+    assert [r["error"] and r["error"].split(":")[0] for r in got] == [
+        None, None, None, "bad_temperature", "bad_choice", None, None, None, None]
+    assert got[0]["generation"] in ("yes", "no") and got[0]["seed"] is None
+    assert got[2]["generation"] in ("red", "green", "blue") and got[2]["parsed"] == json.dumps(got[2]["generation"])
+    assert [s["choice"] for s in got[2]["choice_scores"]] == ["red", "green", "blue"]
+    assert got[1]["seed"] is not None and "the" not in got[1]["generation"]  # sampled, cut before its own stop
+    assert got[5]["parsed"] is None and got[5]["choice_scores"] is None  # no choice list: a free row
+    out = tmp_path / "schemas"
+    run_job(compose_job(job_overrides(tiny_model, data, out, "dataset.schema_column=schema",
+                                      f"+sampling.schemas.ticket={tmp_path / 'ticket.json'}",
+                                      "+sampling.schemas.flag={type: object, properties: {spam: {type: boolean}}, "
+                                      "required: [spam], additionalProperties: false}", "sampling.max_new_tokens=40")))
+    got = read_output(out).to_pylist()
+    assert got[7]["error"].startswith("bad_schema: 'nope' is not one of sampling.schemas (flag, ticket)")
+    jsonschema.validate(json.loads(got[5]["parsed"]), TICKET)
+    jsonschema.validate(json.loads(got[6]["parsed"]), flag)
+    assert got[0]["parsed"] is None and got[0]["error"] is None  # no schema name: free

@@ -29,6 +29,11 @@ class DatasetConfig:
     passthrough_columns: Optional[list[str]] = None  # null = all non-prompt columns
     limit: Optional[int] = None  # first N rows only
     max_new_tokens_column: Optional[str] = None  # per-row cap on generated tokens
+    # per-row sampling from columns, each value checked per row (a bad one is an error row); null values take the job's
+    temperature_column: Optional[str] = None  # a number >= 0 (0 = greedy)
+    stop_column: Optional[str] = None  # a string or a list of strings, added to sampling.stop
+    choice_column: Optional[str] = None  # a list of strings: the row's choice constraint
+    schema_column: Optional[str] = None  # a name from sampling.schemas: the row's JSON schema
     split: Optional[str] = None  # format=hf: split of a DatasetDict or hub dataset
     batch_rows: int = 2048  # rows per read batch (memory bound of the reader)
     max_line_bytes: int = 8 * 1024 * 1024  # JSONL: a longer line is a too_large error row, never parsed
@@ -52,6 +57,8 @@ class DatasetConfig:
             out.append(f"dataset.max_line_bytes must be >= 1 (got {self.max_line_bytes})")
         if self.template is not None and self.messages_column is not None:
             out.append("dataset.template and dataset.messages_column are exclusive: set one of them")
+        if self.choice_column and self.schema_column:
+            out.append("dataset.choice_column and dataset.schema_column are exclusive: a row has one constraint")
         return out
 
 

@@ -1,0 +1,117 @@
+"""Per-row sampling from columns: a row's own max_new_tokens, temperature, stop strings and constraint (a choice
+list, or the name of one of sampling.schemas), each value checked per row. A bad value makes that row an error row
+(`bad_max_new_tokens`, `bad_temperature`, `bad_stop`, `bad_choice`, `bad_schema`), never a dead job; a null value
+takes the job's setting. Knows columns and values; the planner turns the settings into SampleParams.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import pyarrow as pa
+
+from batchgen.constraints import Constraint, compile_problem
+from batchgen.reader import column_values
+
+
+@dataclass(slots=True)
+class RowSettings:
+    max_new_tokens: int
+    temperature: float
+    stop: tuple[str, ...]
+    constraint: Optional[Constraint]
+
+
+class RowParams:
+    def __init__(self, dataset: Any, sampling: Any):
+        self.ds = dataset
+        self.sampling = sampling
+        self.constraint = sampling.constraint()  # the job's, for rows without their own
+        self.schemas = sampling.named_schemas() if sampling.schemas else {}
+        self._choices: dict[tuple[str, ...], Optional[str]] = {}  # choice list -> why it does not compile (None: ok)
+
+    def settings(self, table: pa.Table, errors: list[Optional[str]]) -> list[RowSettings]:
+        """Each row's settings; a bad value sets errors[row] (an earlier error is kept)."""
+        s, ds = self.sampling, self.ds
+        rows = [RowSettings(s.max_new_tokens, s.temperature, tuple(s.stop), self.constraint)
+                for _ in range(table.num_rows)]
+        checks = ((ds.max_new_tokens_column, self._cap), (ds.temperature_column, self._temperature),
+                  (ds.stop_column, self._stop), (ds.choice_column, self._choice), (ds.schema_column, self._schema))
+        for column, check in checks:
+            if not column:
+                continue
+            for row, value in enumerate(column_values(table, column)):  # a mixed-type JSONL column: as written
+                if isinstance(value, float) and math.isnan(value):
+                    value = None  # pandas' NaN for a missing number
+                if value is None:
+                    continue
+                problem = check(rows[row], value)
+                if problem and errors[row] is None:
+                    errors[row] = problem
+        return rows
+
+    def _cap(self, row: RowSettings, value: Any) -> Optional[str]:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # pandas' float64 for an int column with NaN
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"bad_max_new_tokens: {value!r} is not a positive integer"
+        row.max_new_tokens = min(row.max_new_tokens, value)
+        return None
+
+    def _temperature(self, row: RowSettings, value: Any) -> Optional[str]:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            return f"bad_temperature: {value!r} is not a number >= 0 (dataset.temperature_column)"
+        row.temperature = float(value)
+        return None
+
+    def _stop(self, row: RowSettings, value: Any) -> Optional[str]:
+        stops = _strings(value, single=True)
+        if stops is None:
+            return f"bad_stop: {_shown(value)} is not a string or a list of non-empty strings (dataset.stop_column)"
+        row.stop = tuple(dict.fromkeys(row.stop + tuple(stops)))
+        return None
+
+    def _choice(self, row: RowSettings, value: Any) -> Optional[str]:
+        choices = _strings(value, single=False)
+        if not choices or len(set(choices)) != len(choices):
+            return (f"bad_choice: {_shown(value)} is not a list of distinct non-empty strings "
+                    f"(dataset.choice_column)")
+        key = tuple(choices)
+        if key not in self._choices:
+            self._choices[key] = compile_problem(Constraint("choice", json.dumps(choices, ensure_ascii=False)))
+        if self._choices[key]:
+            return f"bad_choice: {self._choices[key]}"
+        row.constraint = Constraint("choice", json.dumps(choices, ensure_ascii=False))
+        return None
+
+    def _schema(self, row: RowSettings, value: Any) -> Optional[str]:
+        if not isinstance(value, str) or value not in self.schemas:
+            return (f"bad_schema: {_shown(value)} is not one of sampling.schemas ({', '.join(sorted(self.schemas))}) "
+                    f"(dataset.schema_column)")
+        row.constraint = self.schemas[value]
+        return None
+
+
+def _strings(value: Any, *, single: bool) -> Optional[list[str]]:
+    """A list of non-empty strings from a list value (a JSON-text list too), or a lone string where `single`."""
+    if isinstance(value, str):
+        if value.startswith("["):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                return [value] if single else None
+        elif single and value:
+            return [value]
+        else:
+            return None
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) and v for v in value):
+        return list(value)
+    return None
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

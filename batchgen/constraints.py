@@ -138,8 +138,8 @@ def check(constraint: Constraint, text: str, finish_reason: str) -> tuple[Option
     if finish_reason == "length":
         return None, f"{INVALID}: truncated: the sample reached its max_new_tokens before the constraint was complete"
     if constraint.kind == "json_schema":
-        try:
-            value = json.loads(text)
+        try:  # strict=False: a raw control character inside a string (xgrammar's JSON allows it) is read, and
+            value = json.loads(text, strict=False)  # `parsed` then holds it escaped: parsed is always strict JSON
         except ValueError as exc:
             return None, f"{INVALID}: not JSON: {exc}"
         problem = schema_problem(constraint.spec, value)

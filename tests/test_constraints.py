@@ -206,4 +206,6 @@ def test_choice_scores_sum_to_one_and_equal_a_separate_forward_pass_of_each_choi
             logps.append(float(logp.gather(-1, torch.tensor(tail)[:, None]).sum()))
         expected = torch.softmax(torch.tensor(logps, dtype=torch.float64), dim=0).tolist()
         assert [s["score"] for s in scores] == pytest.approx(expected, abs=1e-4)
-        assert row["generation"] in labels and row["error"] is None
+        best = max(scores, key=lambda s: s["score"])["choice"]  # greedy: the answer is the top score, never generated
+        assert row["generation"] == best and row["error"] is None and row["parsed"] == json.dumps(best)
+        assert row["num_generated_tokens"] == len(tokenizer(best, add_special_tokens=False)["input_ids"]) + 1

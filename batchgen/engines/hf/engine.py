@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any, Optional
 
 import torch
 
-from batchgen.engines.base import EngineConfig, Source, stream_windows
+from batchgen.engines.base import EngineConfig, Source, generate_by_stream, stream_windows
 from batchgen.engines.hf import device, prefix, quant
 from batchgen.engines.hf.cpu import kernels, onednn, runtime
 from batchgen.engines.hf.generic import GenericGenerator
@@ -107,10 +106,7 @@ class HFEngine:
         if not requests:
             return []
         if any(self.scorer.wants(r) for r in requests):
-            scores = self.scorer.scores(requests)
-            results = self.generate([replace(r, params=replace(r.params, choice_scores=False)) for r in requests],
-                                    on_result and (lambda res: on_result(_scored(res, scores))))
-            return [_scored(res, scores) for res in results]
+            return generate_by_stream(self.stream, requests, on_result)  # scored rows answered, the rest decoded
         max_len = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
         if self.fast and supports(self.model, max_len):
             return self._continuous(lambda scheduler: scheduler.run(requests, on_result))
@@ -125,7 +121,7 @@ class HFEngine:
         """Continuous batching across windows where the Llama-family step serves every request the model allows;
         otherwise one window at a time through the generic path. Rows that want choice scores are scored as they
         arrive (score.py)."""
-        source, on_result = with_choice_scores(self.scorer, source, on_result)
+        source = with_choice_scores(self.scorer, source, on_result)
         if self.fast and supports(self.model, self.max_model_len):
             self._continuous(lambda scheduler: scheduler.stream(source, on_result))
         else:
@@ -152,12 +148,6 @@ class HFEngine:
         finally:
             self.max_batch_tokens = scheduler.max_batch_tokens  # keep an OOM backoff for the next window
             self.max_batch_size = scheduler.max_batch_size
-
-
-def _scored(result: Result, scores: dict[int, list[float]]) -> Result:
-    if result.key in scores:
-        result.choice_scores = scores[result.key]
-    return result
 
 
 def _first(*values: Optional[int]) -> int:

@@ -14,11 +14,14 @@ compiles. It is also what vLLM uses by default, so both engines constrain throug
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from batchgen.constraints import Constraint, grammar
+
+COMPILED_KEPT = 256  # compiled grammars kept per engine
 
 
 class Grammars:
@@ -29,13 +32,16 @@ class Grammars:
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids))
         self.compiler = xgr.GrammarCompiler(info, max_threads=1)
-        self._compiled: dict[Constraint, Any] = {}
+        self._compiled: OrderedDict[Constraint, Any] = OrderedDict()  # the last COMPILED_KEPT, least recent out
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
 
     def matcher(self, constraint: Constraint) -> Any:
         compiled = self._compiled.get(constraint)
         if compiled is None:
             compiled = self._compiled[constraint] = self.compiler.compile_grammar(grammar(constraint))
+            if len(self._compiled) > COMPILED_KEPT:  # per-row choice lists: bounded, however many there are
+                self._compiled.popitem(last=False)
+        self._compiled.move_to_end(constraint)
         return self.xgr.GrammarMatcher(compiled)
 
     def mask(self, logits: torch.Tensor, matchers: list[Any]) -> torch.Tensor:

@@ -1,5 +1,8 @@
 """Label scores for the hf engine (sampling.choice_scores): the probability of each of a row's choices given its
-prompt, from one forward pass over every (row, choice) sequence of a batch, with no sampling.
+prompt, from one forward pass over every (row, choice) sequence of a batch. Such a row is not generated token by
+token at all: its answer is the choice with the highest score (greedy), or one drawn from the scores with the
+sample's own seed (temperature > 0: scores ** (1 / temperature), renormalised), so that the text and the scores
+always agree and the row costs one forward pass.
 
 A choice's score is the model's probability of its whole token sequence followed by the end of the sample (EOS),
 so that a choice that is a prefix of another ("bug", "bugfix") is not credited with the longer one's mass; the
@@ -89,21 +92,37 @@ class ChoiceScorer:
         return [float(picked[b, keep - 1 - n:].sum()) for b, n in enumerate(scored)]
 
 
-def with_choice_scores(scorer: ChoiceScorer, source: Source, on_result: Callable[[Result], None]
-                       ) -> tuple[Source, Callable[[Result], None]]:
-    """`source` and `on_result` wrapped: the requests that want scores are scored as they arrive (a batch at a
-    time), and each one's scores ride on its Result."""
-    pending: dict[int, list[float]] = {}
+    def answer(self, req: Request, scores: list[float]) -> Result:
+        """The scored request's Result: the top choice (greedy) or one drawn from the scores, then EOS."""
+        choices = req.params.constraint.choices  # type: ignore[union-attr]
+        if req.params.greedy:
+            pick = max(range(len(choices)), key=lambda i: scores[i])
+        else:
+            weights = torch.tensor(scores, dtype=torch.float64) ** (1.0 / req.params.temperature)
+            gen = torch.Generator().manual_seed(req.seed or 0)
+            pick = int(torch.multinomial(weights / weights.sum(), 1, generator=gen).item())
+        return Result(key=req.key, text=choices[pick], finish_reason="stop", num_prompt_tokens=len(req.prompt_ids),
+                      num_generated_tokens=len(self._ids(choices[pick])) + 1, choice_scores=scores)
 
+    def answer_all(self, requests: list[Request], on_result: Callable[[Result], None]) -> list[Request]:
+        """Answer the requests that want scores (on_result each) and return the others, to be generated."""
+        scores = self.scores(requests)
+        for req in requests:
+            if req.key in scores:
+                on_result(self.answer(req, scores[req.key]))
+        return [r for r in requests if r.key not in scores]
+
+
+def with_choice_scores(scorer: ChoiceScorer, source: Source, on_result: Callable[[Result], None]) -> Source:
+    """`source` wrapped: the requests that want scores are answered from their scores as they arrive (a batch at a
+    time) and never reach the decode loop; the rest pass on."""
     def scored_source() -> Optional[list[Request]]:
-        batch = source()
-        if batch:
-            pending.update(scorer.scores(batch))
-        return batch
+        while True:
+            batch = source()
+            if not batch:
+                return batch  # None: no more; []: none right now (the answered rows' parts have made room by then)
+            rest = scorer.answer_all(batch, on_result)
+            if rest:
+                return rest
 
-    def scored_result(result: Result) -> None:
-        if result.key in pending:
-            result.choice_scores = pending.pop(result.key)
-        on_result(result)
-
-    return scored_source, scored_result
+    return scored_source

@@ -33,6 +33,7 @@ class Heartbeat:
     # samples_journaled, samples_reused
     parts_in_flight: list[dict[str, int]] = field(default_factory=list)  # every part in flight, oldest first
     duplicate_ids: int = 0
+    invalid_outputs: int = 0  # constrained samples whose text did not parse or validate
     engine: Optional[dict[str, Any]] = None  # the engine's counters (OOM backoffs, decode steps)
     shard: int = 0
     num_shards: int = 1

@@ -48,6 +48,9 @@ class Summary:
             f"  rows {t.rows} (samples {t.samples}), error rows {t.error_rows}: {errors}",
             f"  tokens: prompt {t.prompt_tokens}, generated {t.generated_tokens}",
         ]
+        if t.invalid_outputs:
+            lines.append(f"  invalid outputs: {t.invalid_outputs} constrained samples did not parse or validate "
+                         f"(error=invalid_output: ..., their text kept)")
         if self.duplicate_ids:
             lines.append(f"  warning: {self.duplicate_ids} rows repeat an earlier row's id (each has its own output "
                          f"rows; ids are kept as given)")
@@ -122,6 +125,7 @@ class Progress:
         beat = Heartbeat(
             state=state, rows_done=self.done.rows, rows_failed=self.done.error_rows, rows_total=total,
             errors=dict(Counter(self.done.errors)), samples_done=self.done.samples,
+            invalid_outputs=self.done.invalid_outputs,
             prompt_tokens=self.done.prompt_tokens, generated_tokens=self.done.generated_tokens,
             tokens_per_s=round(self.rate(), 2), eta_s=None if eta is None else round(eta, 1),
             current_part=dict(self.parts[min(self.parts)]) if self.parts else None,

@@ -28,6 +28,8 @@ def describe(output_dir: Path) -> str:
                      f"tokens, {s.tokens_per_s} tok/s{eta}, updated {s.updated_at}")
         if s.duplicate_ids:
             lines.append(f"    duplicate ids: {s.duplicate_ids} rows repeat an earlier row's id")
+        if s.invalid_outputs:
+            lines.append(f"    invalid outputs: {s.invalid_outputs} constrained samples did not parse or validate")
         if s.error:
             lines.append(f"    last error: {s.error}")
     if len(beats) > 1:  # shards: each counts its own rows out of its share

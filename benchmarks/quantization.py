@@ -81,9 +81,9 @@ def load_engine(model: Path, config: str):
     class RecordingSampler(Sampler):  # keeps each result's token ids for the greedy comparison
         ids: dict[int, list[int]] = {}
 
-        def make_result(self, req, generated, reason):
+        def make_result(self, req, generated, reason, draw=None):
             self.ids[req.key] = list(generated)
-            return super().make_result(req, generated, reason)
+            return super().make_result(req, generated, reason, draw)
 
     engine = HFEngine(EngineConfig(model=str(model), quantization=scheme, dtype=dtype, device="cpu"), tok)
     engine.sampler = RecordingSampler(tok, engine.eos_ids, engine.device)

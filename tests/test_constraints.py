@@ -75,6 +75,11 @@ def test_a_truncated_constrained_row_is_invalid_output_and_keeps_its_text(tiny_m
         assert row["error"].startswith("invalid_output: truncated") and row["parsed"] is None
     stats = json.loads(pq.read_metadata(next((tmp_path / "out").glob("part-*.parquet"))).metadata[b"batchgen.stats"])
     assert stats["invalid_outputs"] == 40 and stats["errors"] == {}
+    assert "invalid outputs: 40 constrained samples" in summary.render()
+    status = json.loads((tmp_path / "out" / "_status.json").read_text())
+    assert status["invalid_outputs"] == 40 and status["rows_failed"] == 0
+    proc = run_cli(["status", str(tmp_path / "out")])
+    assert "invalid outputs: 40" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_the_output_check_names_what_is_wrong():

@@ -72,7 +72,7 @@ class GenericGenerator:
         """Prefill the bucket left-padded, then decode; a row leaves the batch the step it finishes."""
         from transformers import DynamicCache
 
-        ids, mask, positions = self._left_pad(reqs)  # [B, T] each
+        ids, mask, positions = left_pad([r.prompt_ids for r in reqs], self.pad_id, self.device)  # [B, T] each
         cache = DynamicCache(config=self.model.config)
         logits = self._forward(ids, mask, positions, cache)  # [B, V]
         draws = [self.sampler.start(r) for r in reqs]
@@ -104,17 +104,21 @@ class GenericGenerator:
             self.stats.decode_row_steps += len(active)
         return [self.sampler.make_result(r, g, reason, d) for r, g, reason, d in zip(reqs, generated, reasons, draws)]
 
-    def _left_pad(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        width = max(len(r.prompt_ids) for r in reqs)
-        ids = torch.full((len(reqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(reqs), width), dtype=torch.long)
-        for b, r in enumerate(reqs):
-            ids[b, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids, dtype=torch.long)
-            mask[b, width - len(r.prompt_ids):] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        return ids.to(self.device), mask.to(self.device), positions.to(self.device)
-
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1, **{self._cache_kw: cache})
         return out.logits[:, -1, :]
+
+
+def left_pad(seqs: list[list[int]], pad_id: int, device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids left-padded to the longest, with their attention mask and position ids (from 0 at each sequence's
+    first real token): [B, T] each, on `device`."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[b, width - len(s):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids.to(device), mask.to(device), positions.to(device)

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from batchgen.engines.base import Source
+from batchgen.engines.hf.generic import left_pad
 from batchgen.records import Request, Result
 
 
@@ -75,13 +76,7 @@ class ChoiceScorer:
     def _logprobs(self, seqs: list[list[int]], scored: list[int]) -> list[float]:
         """Sum of log p(token | everything before it) over each sequence's last `scored` tokens."""
         width, keep = max(len(s) for s in seqs), max(scored) + 1
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for b, s in enumerate(seqs):
-            ids[b, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            mask[b, width - len(s):] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        ids, mask, positions = ids.to(self.device), mask.to(self.device), positions.to(self.device)
+        ids, mask, positions = left_pad(seqs, self.pad_id, self.device)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
                             logits_to_keep=keep).logits.float()  # [B, keep, V]: positions width-keep .. width-1
         self.forward_passes += 1

@@ -140,6 +140,10 @@ def main() -> None:
         from batchgen.status import main as status_main
 
         sys.exit(status_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "finalize":
+        from batchgen.finalize import main as finalize_main
+
+        sys.exit(finalize_main(sys.argv[2:]))
     if not any(arg.startswith("-") for arg in sys.argv[1:]):  # Hydra's own flags (--help, -m) go straight to it
         preflight(sys.argv[1:])
     try:

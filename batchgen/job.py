@@ -34,8 +34,10 @@ class RunConfig:
     too_long: str = "truncate_left"  # truncate_left | skip (error row) | fail
     resume: bool = True  # resume into an existing output_dir
     max_error_rate: float = 0.5  # stop after the current part when more rows than this erred
-    shard: int = 0  # this worker's share of the parts: parts k with k % num_shards == shard
-    num_shards: int = 1
+    # this worker's share of the parts: parts k with k % num_shards == shard; null: from a Slurm array's environment
+    # (SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN of SLURM_ARRAY_TASK_COUNT), else 0 of 1
+    shard: Optional[int] = None
+    num_shards: Optional[int] = None
     progress: bool = True  # tqdm bar on stderr
     # parts in flight beyond the oldest one, so the engine's batch stays full across part boundaries (each part
     # still commits on its own, as soon as its last sample is in); null: 8 engine batches (feed.auto_lookahead)
@@ -59,6 +61,7 @@ class JobConfig:
 def validate(cfg: JobConfig) -> JobConfig:
     """Report every problem at once, naming keys as the user types them; raise ConfigError if any."""
     problems: list[str] = []
+    problems += _slurm_defaults(cfg.run)
     if not cfg.name or cfg.name == "???":
         problems.append("name is required: pick a job (job=demo) or set name=...")
     elif "${name}" in cfg.output_dir:  # a JobConfig made in Python: Hydra's interpolation, done here
@@ -86,6 +89,23 @@ def validate(cfg: JobConfig) -> JobConfig:
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def _slurm_defaults(run: RunConfig) -> list[str]:
+    """run.shard / run.num_shards left null: a Slurm array task's own share, else the whole job (0 of 1)."""
+    env = os.environ
+    task, count = env.get("SLURM_ARRAY_TASK_ID"), env.get("SLURM_ARRAY_TASK_COUNT")
+    if task is not None and count is not None and (run.shard is None or run.num_shards is None):
+        try:
+            shard, shards = int(task) - int(env.get("SLURM_ARRAY_TASK_MIN", "0")), int(count)
+        except ValueError:
+            return [f"run.shard: the Slurm array environment is not numeric (SLURM_ARRAY_TASK_ID={task!r}, "
+                    f"SLURM_ARRAY_TASK_COUNT={count!r}); set run.shard and run.num_shards"]
+        run.shard = shard if run.shard is None else run.shard
+        run.num_shards = shards if run.num_shards is None else run.num_shards
+    run.shard = 0 if run.shard is None else run.shard
+    run.num_shards = 1 if run.num_shards is None else run.num_shards
+    return []
 
 
 def _per_row_problems(cfg: JobConfig) -> list[str]:

@@ -126,7 +126,11 @@ def _safetensors_header(f: Any) -> Optional[str]:
     return hashlib.sha256(f.read(length)).hexdigest()[:16]
 
 
-def build_manifest(cfg: JobConfig, resolved: dict[str, Any], fingerprint: list[dict]) -> dict[str, Any]:
+def build_manifest(cfg: JobConfig, resolved: dict[str, Any], fingerprint: list[dict],
+                   input_rows: Optional[int] = None) -> dict[str, Any]:
+    """`input_rows` (after dataset.limit) with `rows_per_part` fix how many parts the output has: what `batchgen
+    finalize` checks every shard's parts against."""
+    parts = None if input_rows is None else max(-(-input_rows // cfg.rows_per_part), 1)  # an empty input: 1 part
     return {
         "batchgen_version": __version__,
         "config_hash": config_hash(cfg),
@@ -134,6 +138,8 @@ def build_manifest(cfg: JobConfig, resolved: dict[str, Any], fingerprint: list[d
         "input": fingerprint,
         "model": model_identity(cfg.engine.model),
         "config": resolved,
+        "input_rows": input_rows,
+        "parts": parts,
     }
 
 

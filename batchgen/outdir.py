@@ -20,7 +20,7 @@ def prepare_output_dir(cfg: JobConfig, output_dir: Path, reader: Reader, resolve
     if started and not cfg.run.resume:
         raise ConfigError([f"run.resume=false but {output_dir} already holds a run; set run.resume=true to "
                            f"continue it, or choose a new output_dir"])
-    check_or_write(output_dir, build_manifest(cfg, resolved, reader.fingerprint()))
+    check_or_write(output_dir, build_manifest(cfg, resolved, reader.fingerprint(), reader.count_rows()))
     record_layout(output_dir, cfg.run.num_shards)
 
 

@@ -43,7 +43,12 @@ class Planner:
     # -- cutting the stream into parts ------------------------------------------------------------
 
     def parts(self, skip: set[int]) -> Iterator[Part]:
-        """This shard's parts not in `skip`, in order. Other parts are read past, never rendered."""
+        """This shard's parts not in `skip`, in order. A seekable input (Parquet: row counts from the footers) is
+        cut into parts from its metadata and only these parts' row groups are read; any other input is streamed
+        and the other parts are read past, never rendered."""
+        if getattr(self.reader, "seekable", False):
+            yield from self._seek_parts(skip)
+            return
         pending: list[InputBatch] = []
         buffered = 0
         index = 0
@@ -61,6 +66,17 @@ class Planner:
             part, _, _ = self._cut(index, pending, buffered)
             if self._mine(index, skip):
                 yield part
+
+    def _seek_parts(self, skip: set[int]) -> Iterator[Part]:
+        self.total_rows = self.reader.count_rows() or 0  # known up front: the parts are cut from it
+        size = self.rows_per_part
+        for index in range(self.cfg.run.shard, self.total_parts, self.cfg.run.num_shards):
+            if index in skip:
+                continue
+            batches = list(self.reader.iter_range(index * size, min((index + 1) * size, self.total_rows)))
+            for batch in batches:
+                self._count_duplicates(batch.ids)  # within the parts this run reads
+            yield self._cut(index, batches, sum(b.table.num_rows for b in batches))[0]
 
     def _count_duplicates(self, ids: list[str]) -> None:
         """Duplicate ids are kept (each row still gets its own output rows); they are only counted and warned."""
@@ -165,3 +181,9 @@ class Planner:
                             top_k=s.top_k, stop=row.stop, ignore_eos=s.ignore_eos, constraint=row.constraint,
                             choice_scores=s.choice_scores and row.constraint is not None
                             and row.constraint.kind == "choice", logprobs=s.logprobs, reasoning=reasoning)
+
+
+def shard_holds(cfg: JobConfig, first: int, end: int) -> bool:
+    """Whether input rows [first, end) overlap a part of this shard (run.shard of run.num_shards)."""
+    size, shards, shard = cfg.rows_per_part, cfg.run.num_shards, cfg.run.shard
+    return any(k % shards == shard for k in range(first // size, (max(end, first + 1) - 1) // size + 1))

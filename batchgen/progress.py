@@ -38,6 +38,7 @@ class Summary:
     lookahead_parts: int = 0  # parts in flight beyond the oldest, at most (run.lookahead_parts, resolved)
     max_parts_in_flight: int = 0  # the most parts this run held at once
     prefix_tokens_reused: int = 0  # prompt tokens the engine took from its prefix cache instead of prefilling
+    rows_read: int = 0  # input rows this run decoded (a shard of a seekable input: its own parts' only)
 
     def render(self) -> str:
         t = self.totals
@@ -48,6 +49,8 @@ class Summary:
             f"  rows {t.rows} (samples {t.samples}), error rows {t.error_rows}: {errors}",
             f"  tokens: prompt {t.prompt_tokens}, generated {t.generated_tokens}",
         ]
+        if self.rows_read:
+            lines.append(f"  input: {self.rows_read} rows read")
         if t.invalid_outputs:
             lines.append(f"  invalid outputs: {t.invalid_outputs} constrained samples did not parse or validate "
                          f"(error=invalid_output: ..., their text kept)")

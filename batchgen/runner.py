@@ -21,7 +21,7 @@ from batchgen.job import JobConfig, validate
 from batchgen.lock import OutputLock
 from batchgen.manifest import check_engine
 from batchgen.outdir import committed_totals, file_metadata, prepare_output_dir
-from batchgen.planner import Planner
+from batchgen.planner import Planner, shard_holds
 from batchgen.preflight import check_columns, load_tokenizer
 from batchgen.progress import Progress, Summary
 from batchgen.reader import open_reader
@@ -61,7 +61,7 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
     renderer = Renderer(cfg.dataset, tokenizer, render_row)
     passthrough = check_columns(cfg, reader, renderer)
     if cfg.dataset.verify == "pages" and hasattr(reader, "verify_pages"):
-        reader.verify_pages()
+        reader.verify_pages(partial(shard_holds, cfg))  # this shard's row groups only
     output_dir = Path(cfg.output_dir)
     with writing(output_dir):
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -124,6 +124,7 @@ def _generate_parts(cfg: JobConfig, planner: Planner, engine: Any, committer: Co
         summary.lookahead_parts, summary.max_parts_in_flight = lookahead, feed.max_in_flight
         summary.prefix_tokens_reused = getattr(getattr(engine, "stats", None), "prefix_tokens_reused", 0)
     summary.duplicate_ids = progress.duplicate_ids = planner.duplicate_ids
+    summary.rows_read = planner.reader.rows_read
     if planner.total_rows == 0 and cfg.run.shard == 0:
         committer.write_empty()
     complete = committer.finish(max(planner.total_parts, 1 if planner.total_rows == 0 else 0))

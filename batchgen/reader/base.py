@@ -18,11 +18,14 @@ from batchgen.records import InputBatch
 class Reader:
     """Base: resolves files, numbers rows across files, applies `limit`, makes ids."""
 
+    seekable = False  # True: iter_range reads any rows [start, stop) without reading the rows before them
+
     def __init__(self, cfg: DatasetConfig, files: list[str], fs: fsspec.AbstractFileSystem, root: str):
         self.cfg = cfg
         self.files = files
         self.fs = fs
         self.root = root
+        self.rows_read = 0  # input rows decoded so far (a sharded worker reads its own parts' only)
 
     def columns(self) -> Optional[list[str]]:
         """Column names, or None where the input has no readable record to tell them from."""
@@ -47,6 +50,10 @@ class Reader:
     def _file_batches(self, path: str) -> Iterator[tuple[pa.Table, list[str | None]]]:
         raise NotImplementedError
 
+    def iter_range(self, start: int, stop: int) -> Iterator[InputBatch]:
+        """Rows [start, stop) of the input, where `seekable`."""
+        raise NotImplementedError
+
     def iter_batches(self) -> Iterator[InputBatch]:
         start = 0
         remaining = self.cfg.limit
@@ -54,6 +61,7 @@ class Reader:
             label = self._label(path)
             row_in_file = 0
             for table, errors in self._file_batches(path):
+                self.rows_read += table.num_rows
                 if remaining is not None:
                     if remaining <= 0:
                         return

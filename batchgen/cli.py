@@ -24,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 from batchgen.engines.base import EngineConfig  # noqa: E402
 from batchgen.errors import BatchgenError, ConfigError  # noqa: E402
 from batchgen.job import JobConfig, RunConfig, validate  # noqa: E402
+from batchgen.launch import LauncherConfig  # noqa: E402
 from batchgen.reader import DatasetConfig  # noqa: E402
 from batchgen.sampling import SamplingConfig  # noqa: E402
 from batchgen.stopping import StopRequested  # noqa: E402
@@ -79,7 +80,7 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-GROUPS = ("job", "engine", "dataset", "sampling")  # config groups: `engine=vllm` picks a file, not a key
+GROUPS = ("job", "engine", "dataset", "sampling", "launcher")  # config groups: `engine=vllm` picks a file, not a key
 
 
 def unknown_keys(overrides: list[str]) -> list[str]:
@@ -107,7 +108,8 @@ def unknown_keys(overrides: list[str]) -> list[str]:
                 break
             typ = fields[name].type
             node = {"EngineConfig": EngineConfig, "DatasetConfig": DatasetConfig, "SamplingConfig": SamplingConfig,
-                    "RunConfig": RunConfig}.get(typ if isinstance(typ, str) else getattr(typ, "__name__", ""))
+                    "RunConfig": RunConfig, "LauncherConfig": LauncherConfig,
+                    }.get(typ if isinstance(typ, str) else getattr(typ, "__name__", ""))
     return problems
 
 

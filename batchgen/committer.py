@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from batchgen.constraints import INVALID, KINDS, Constraint, check
 from batchgen.errors import BatchgenError
-from batchgen.fsutil import fsync_dir, replace_durably
+from batchgen.fsutil import fsync_dir, link_durably, replace_durably
 from batchgen.journal import JOURNAL_RE, crash_window
 from batchgen.records import OutputRow, Part, PlannedPart, Result
 
@@ -182,6 +182,7 @@ class Committer:
         self.output_dir = output_dir
         self.passthrough = passthrough
         self.optional = optional  # names of OPTIONAL_FIELDS this job writes, after the contract's columns
+        self.exclusive = False  # first writer wins: a part already committed (by another worker) is never replaced
         self.metadata = metadata  # file key-value metadata: config hash, model identity
 
     def part_path(self, index: int) -> Path:
@@ -207,7 +208,10 @@ class Committer:
                 f.flush()
                 os.fsync(f.fileno())
                 crash_window("part written under its temp name")
-                replace_durably(tmp, final)
+                if self.exclusive:
+                    link_durably(tmp, final)
+                else:
+                    replace_durably(tmp, final)
         except OutputWriteError:
             tmp.unlink(missing_ok=True)
             raise

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from batchgen.committer import Committer, PartStats, assemble, writing
-from batchgen.errors import BatchgenError
+from batchgen.errors import BatchgenError, ErrorRateExceeded
 from batchgen.job import JobConfig
 from batchgen.journal import Journal, crash_window, journal_key, journal_path
 from batchgen.manifest import config_hash
@@ -171,3 +171,13 @@ def _check_bad_rows(cfg: JobConfig, errors: list[Optional[str]], ids: list[str])
         if bad is not None:
             raise BatchgenError(f"row {ids[bad]}: {errors[bad]} (run.on_bad_row=fail; set run.on_bad_row=record "
                                 "to write error rows and go on)")
+
+
+def check_error_rate(cfg: JobConfig, totals: PartStats) -> None:
+    """Stop the job (after the part just committed) when more than run.max_error_rate of its rows so far erred."""
+    if totals.rows and totals.error_rows / totals.rows > cfg.run.max_error_rate:
+        kinds = ", ".join(f"{k}={v}" for k, v in sorted(totals.errors.items()))
+        raise ErrorRateExceeded(
+            f"{totals.error_rows} of {totals.rows} rows so far recorded errors ({kinds}), more than "
+            f"run.max_error_rate={cfg.run.max_error_rate}; fix the input or template, or raise run.max_error_rate"
+        )

@@ -23,6 +23,19 @@ def replace_durably(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
 
 
+def link_durably(tmp: Path, final: Path) -> bool:
+    """Give a fully written, fsynced temp file its final name unless that name exists (first writer wins: a hard
+    link never replaces), persist it, and drop the temp name. False when another writer got there first."""
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(final.parent)
+    return True
+
+
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:

@@ -14,6 +14,7 @@ from typing import Optional
 from batchgen.engines import ENGINES, quantization_problems, structured_output_problems
 from batchgen.engines.base import EngineConfig
 from batchgen.errors import ConfigError
+from batchgen.launch import LauncherConfig
 from batchgen.reader import DatasetConfig
 from batchgen.sampling import SamplingConfig
 
@@ -52,6 +53,7 @@ class JobConfig:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
     @property
     def rows_per_part(self) -> int:
@@ -83,7 +85,10 @@ def validate(cfg: JobConfig) -> JobConfig:
                                                        cfg.sampling.choice_scores, cfg.sampling.reasoning,
                                                        cfg.sampling.max_reasoning_tokens)
     problems += cfg.engine.problems() + cfg.dataset.problems() + sampling_problems + _run_problems(cfg.run)
-    problems += _per_row_problems(cfg)
+    problems += _per_row_problems(cfg) + cfg.launcher.problems()
+    if cfg.launcher.name == "ray" and cfg.run.num_shards != 1:
+        problems.append("launcher=ray runs the whole job (its workers pull the parts): leave run.shard and "
+                        "run.num_shards unset")
     problems += _ignored_keys(cfg.engine)
     problems += output_dir_problems(cfg.output_dir)
     if problems:

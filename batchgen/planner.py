@@ -34,6 +34,7 @@ class Planner:
         self.total_rows = 0  # rows seen so far; the input's size once parts() is exhausted
         self.duplicate_ids = 0  # rows whose dataset.id_column value repeats an earlier row's (all parts, all shards)
         self._seen_ids: set[int] = set()  # hashes of the first DUPLICATE_CHECK_ROWS ids
+        self.only: Optional[set[int]] = None  # a Ray worker's part: parts() yields these only
         self.row_params = RowParams(cfg.dataset, cfg.sampling)  # each row's cap, temperature, stops, constraint
         s = cfg.sampling
         self.reasoning = None if s.reasoning == "off" else Reasoning(
@@ -71,7 +72,7 @@ class Planner:
         self.total_rows = self.reader.count_rows() or 0  # known up front: the parts are cut from it
         size = self.rows_per_part
         for index in range(self.cfg.run.shard, self.total_parts, self.cfg.run.num_shards):
-            if index in skip:
+            if not self._mine(index, skip):
                 continue
             batches = list(self.reader.iter_range(index * size, min((index + 1) * size, self.total_rows)))
             for batch in batches:
@@ -98,6 +99,8 @@ class Planner:
         return -(-self.total_rows // self.rows_per_part)
 
     def _mine(self, index: int, skip: set[int]) -> bool:
+        if self.only is not None:
+            return index in self.only and index not in skip
         return index % self.cfg.run.num_shards == self.cfg.run.shard and index not in skip
 
     def _cut(self, index: int, pending: list[InputBatch], n: int) -> tuple[Part, list[InputBatch], int]:

@@ -153,4 +153,6 @@ class Progress:
 def _engine_stats(engine: Any) -> Optional[dict[str, Any]]:
     """The engine's counters (e.g. `oom_backoffs`: prefills retried with a halved token budget), if it keeps any."""
     stats = getattr(engine, "stats", None)
+    if isinstance(stats, dict):  # launcher=ray: the driver's per-worker breakdown
+        return stats
     return dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else None

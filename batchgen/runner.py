@@ -14,8 +14,7 @@ from typing import Any, Optional
 from batchgen.committer import SUCCESS, Committer, PartStats, optional_columns, writing
 from batchgen.engines import build_engine
 from batchgen.engines.base import stream_windows
-from batchgen.errors import ErrorRateExceeded
-from batchgen.feed import Feed, auto_lookahead
+from batchgen.feed import Feed, auto_lookahead, check_error_rate
 from batchgen.heartbeat import status_name
 from batchgen.job import JobConfig, validate
 from batchgen.lock import OutputLock
@@ -49,6 +48,10 @@ def run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]] = None, *,
     SIGTERM / SIGINT raise StopRequested (exit 143 / 130) once the finished results are journaled.
     """
     validate(cfg)
+    if cfg.launcher.name == "ray":
+        from batchgen.ray_job import run_on_ray
+
+        return run_on_ray(cfg, resolved, render_row)
     with GracefulStop() as stop:
         return _run_job(cfg, resolved, stop, render_row)
 
@@ -107,7 +110,7 @@ def _generate_parts(cfg: JobConfig, planner: Planner, engine: Any, committer: Co
     def on_committed(stats: PartStats, generated: int) -> None:
         summary.totals.add(stats)
         summary.generated_tokens += generated
-        _check_error_rate(cfg, summary.totals)
+        check_error_rate(cfg, summary.totals)
 
     lookahead = cfg.run.lookahead_parts
     if lookahead is None:
@@ -130,12 +133,3 @@ def _generate_parts(cfg: JobConfig, planner: Planner, engine: Any, committer: Co
     complete = committer.finish(max(planner.total_parts, 1 if planner.total_rows == 0 else 0))
     summary.state = "done" if complete else "partial"
     progress.close(summary.state, planner.total_rows)
-
-
-def _check_error_rate(cfg: JobConfig, totals: PartStats) -> None:
-    if totals.rows and totals.error_rows / totals.rows > cfg.run.max_error_rate:
-        kinds = ", ".join(f"{k}={v}" for k, v in sorted(totals.errors.items()))
-        raise ErrorRateExceeded(
-            f"{totals.error_rows} of {totals.rows} rows so far recorded errors ({kinds}), more than "
-            f"run.max_error_rate={cfg.run.max_error_rate}; fix the input or template, or raise run.max_error_rate"
-        )

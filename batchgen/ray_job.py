@@ -1,0 +1,240 @@
+"""launcher=ray: one job on a Ray cluster. The driver (this process) checks the input and config, takes the output
+directory's lock, writes the manifest and plans the parts; each worker is a Ray actor that loads one engine once
+and runs whole parts through the same planner, journal and committer as a local run (feed.Feed).
+
+- Pull scheduling: every free worker gets the next uncommitted part, so a slow part never holds the others up.
+- Failures: a worker that dies (its actor or node, or the engine inside it that took the process down) or whose
+  engine raises has its part requeued on another worker, up to launcher.max_attempts attempts. The part's journal
+  keeps what the first attempt finished, so the next attempt generates only the rest. A dead actor is replaced.
+- Exactly once: a worker checks that its part is not committed before it runs it, and commits first-writer-wins
+  (Committer.exclusive: a hard link never replaces), so a part reported twice (a worker thought dead that was not)
+  is still written once.
+- The driver writes `_status.json` for the whole job, with a per-worker breakdown, and `_SUCCESS` at the end.
+
+The input and output_dir must be reachable from every worker (a shared filesystem). Knows Ray and the job's
+modules; the engines know nothing of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter, deque
+from pathlib import Path
+from typing import Any, Optional
+
+from batchgen.committer import SUCCESS, Committer, PartStats, optional_columns, writing
+from batchgen.errors import BatchgenError, ConfigError
+from batchgen.feed import Feed, check_error_rate
+from batchgen.heartbeat import status_name
+from batchgen.job import JobConfig
+from batchgen.lock import OutputLock
+from batchgen.outdir import committed_totals, file_metadata, prepare_output_dir
+from batchgen.preflight import check_columns, load_tokenizer
+from batchgen.progress import Progress, Summary
+from batchgen.reader import open_reader
+from batchgen.render import Renderer, RenderRow
+from batchgen.stopping import GracefulStop, StopRequested
+
+log = logging.getLogger(__name__)
+FAIL_PART_ENV = "BATCHGEN_TEST_RAY_FAIL_PART"  # test hook only: a worker's engine raises in this part, first attempt
+
+
+class PartWorker:
+    """A Ray actor's body: one engine, loaded once; parts run one at a time."""
+
+    def __init__(self, cfg: JobConfig, render_row: Optional[RenderRow], metadata: dict[str, str]):
+        from batchgen.engines import build_engine
+        from batchgen.planner import Planner
+
+        self.cfg = cfg
+        reader = open_reader(cfg.dataset)
+        tokenizer = load_tokenizer(cfg)
+        renderer = Renderer(cfg.dataset, tokenizer, render_row)
+        passthrough = check_columns(cfg, reader, renderer)
+        self.output_dir = Path(cfg.output_dir)
+        self.committer = Committer(self.output_dir, passthrough=passthrough, metadata=dict(metadata),
+                                   optional=optional_columns(cfg.sampling, cfg.dataset))
+        self.committer.exclusive = True
+        self.planner = Planner(cfg, reader, renderer, tokenizer)
+        self.engine = build_engine(cfg.engine, tokenizer)
+        self.stop = GracefulStop()  # never entered: the driver stops the job; shielded sections still nest
+
+    def identity(self) -> dict[str, Any]:
+        return self.engine.identity()
+
+    def run_part(self, index: int, attempt: int) -> dict[str, Any]:
+        """Generate and commit part `index` (nothing if it is committed already); its stats."""
+        if index in self.committer.committed():
+            return {"index": index, "stats": self.committer.read_stats(index), "generated": 0, "pid": os.getpid()}
+        committed: list[tuple[PartStats, int]] = []
+        self.planner.only = {index}
+        summary = Summary(self.output_dir, "partial", PartStats())
+        feed = Feed(self.cfg, self.planner, self.committer, self, summary, max_model_len=self.engine.max_model_len,
+                    lookahead=0, on_committed=lambda stats, generated: committed.append((stats, generated)))
+        on_result = feed.on_result
+        if os.environ.get(FAIL_PART_ENV) == str(index) and attempt == 1:
+            on_result = _fail_after_first(on_result)
+        try:
+            self.engine.stream(feed.source, on_result)
+            feed.finish()
+        finally:
+            feed.close()
+        if not committed:
+            raise BatchgenError(f"part {index}: the worker committed nothing (no such part?)")
+        stats, generated = committed[0]
+        return {"index": index, "stats": stats, "generated": generated, "reused": summary.reused_samples,
+                "pid": os.getpid()}
+
+    # What Feed asks of a Progress: the driver keeps the job's status, a worker reports to it.
+    def start_part(self, index: int, planned: int, reused: int) -> None: ...
+
+    def journaled(self, index: int, count: int) -> None: ...
+
+    def committed(self, index: int, stats: PartStats, generated_tokens: int) -> None: ...
+
+
+def _fail_after_first(on_result: Any) -> Any:
+    """Test hook (FAIL_PART_ENV): pass the first result on (journaled), then fail as a dying engine would."""
+    seen = [0]
+
+    def hooked(result: Any) -> None:
+        on_result(result)
+        seen[0] += 1
+        if seen[0] == 1:
+            raise RuntimeError("injected engine failure (test hook BATCHGEN_TEST_RAY_FAIL_PART)")
+
+    return hooked
+
+
+def run_on_ray(cfg: JobConfig, resolved: Optional[dict[str, Any]], render_row: Optional[RenderRow]) -> Summary:
+    started = time.perf_counter()
+    reader = open_reader(cfg.dataset)
+    tokenizer = load_tokenizer(cfg)
+    check_columns(cfg, reader, Renderer(cfg.dataset, tokenizer, render_row))
+    if cfg.dataset.verify == "pages" and hasattr(reader, "verify_pages"):
+        reader.verify_pages()
+    total_rows = reader.count_rows()
+    if total_rows is None:
+        raise ConfigError(["launcher=ray needs an input whose rows can be counted before the run (Parquet, JSONL, "
+                           "a saved `datasets` directory); a streamed hub dataset is not"])
+    output_dir = Path(cfg.output_dir)
+    with writing(output_dir):
+        output_dir.mkdir(parents=True, exist_ok=True)
+    lock = OutputLock.for_shard(output_dir, 0, 1)
+    with GracefulStop() as stop, lock:
+        with lock.layout():
+            prepare_output_dir(cfg, output_dir, reader, resolved or {})
+        committer = Committer(output_dir, passthrough=[], metadata=file_metadata(cfg))
+        committer.clean_stale(lambda k: True, (status_name(0, 1),))
+        totals = committed_totals(committer, cfg)
+        if (output_dir / SUCCESS).exists():
+            return Summary(output_dir, "already_done", totals)
+        summary = Summary(output_dir, "partial", totals)
+        parts = -(-total_rows // cfg.rows_per_part)
+        progress = Progress(cfg, committer, total_rows, summary.totals, stop)
+        try:
+            _drive(cfg, render_row, committer, parts, summary, progress, stop, started)
+        except BaseException as exc:
+            summary.state = "failed" if isinstance(exc, Exception) else "stopped"
+            progress.close(summary.state, None, error=str(exc))
+            raise
+        if total_rows == 0:
+            committer.write_empty()
+        summary.state = "done" if committer.finish(max(parts, 1 if total_rows == 0 else 0)) else "partial"
+        progress.close(summary.state, total_rows)
+        summary.wall_s = time.perf_counter() - started
+        return summary
+
+
+def _drive(cfg: JobConfig, render_row: Optional[RenderRow], committer: Committer, parts: int, summary: Summary,
+           progress: Progress, stop: GracefulStop, started: float) -> None:
+    """Start the workers, hand each free one the next part, requeue a failed part elsewhere, until all are in."""
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    from batchgen.manifest import check_engine
+
+    launcher = cfg.launcher
+    if not ray.is_initialized():
+        local = {} if launcher.address else {"num_cpus": max(launcher.num_workers * launcher.num_cpus, 1)}
+        ray.init(address=launcher.address, include_dashboard=False, log_to_driver=False, **local)
+    actor = ray.remote(PartWorker)
+    metadata = dict(committer.metadata)
+
+    generation = Counter[int]()
+
+    def start(i: int) -> Any:
+        """Worker i (named batchgen-worker-i, its replacements batchgen-worker-i-2, -3, ...)."""
+        generation[i] += 1
+        name = f"batchgen-worker-{i}" + (f"-{generation[i]}" if generation[i] > 1 else "")
+        return actor.options(name=name, num_cpus=launcher.num_cpus, num_gpus=launcher.num_gpus,
+                             max_restarts=0).remote(cfg, render_row, metadata)
+
+    todo = deque(k for k in range(parts) if k not in committer.committed())
+    workers = [start(i) for i in range(launcher.num_workers)]
+    identity = ray.get(workers[0].identity.remote())
+    with OutputLock.for_shard(committer.output_dir, 0, 1).layout():
+        check_engine(committer.output_dir, identity)
+    summary.load_s = time.perf_counter() - started
+    idle, running = list(range(len(workers))), {}
+    attempts: Counter[int] = Counter()
+    failed_on: dict[int, int] = {}
+    per_worker: dict[int, dict[str, int]] = {i: {"parts": 0, "rows": 0, "failures": 0} for i in range(len(workers))}
+    progress.engine = _WorkerStats(per_worker)
+    try:
+        while todo or running:
+            if stop.signum is not None:
+                raise StopRequested(stop.signum)
+            while todo and idle:
+                k = todo.popleft()
+                i = next((w for w in idle if w != failed_on.get(k)), idle[0])  # elsewhere than where it failed
+                idle.remove(i)
+                attempts[k] += 1
+                running[workers[i].run_part.remote(k, attempts[k])] = (i, k)
+            ready, _ = ray.wait(list(running), num_returns=1, timeout=Progress.HEARTBEAT_S)
+            for ref in ready:
+                i, k = running.pop(ref)
+                try:
+                    out = ray.get(ref)
+                except (RayActorError, RayTaskError) as exc:
+                    per_worker[i]["failures"] += 1
+                    if isinstance(exc, RayActorError):
+                        log.warning("worker %d died running part %d; starting a new one", i, k)
+                        workers[i] = start(i)
+                    _requeue(k, i, exc, attempts, failed_on, todo, launcher.max_attempts)
+                    idle.append(i)
+                    continue
+                idle.append(i)
+                per_worker[i]["parts"] += 1
+                per_worker[i]["rows"] += out["stats"].rows
+                summary.totals.add(out["stats"])
+                summary.generated_tokens += out["generated"]
+                summary.reused_samples += out.get("reused", 0)
+                progress.committed(k, out["stats"], out["generated"])
+                check_error_rate(cfg, summary.totals)
+            if not ready:
+                progress.write("running")
+    finally:
+        for w in workers:
+            ray.kill(w)
+
+
+def _requeue(k: int, worker: int, exc: BaseException, attempts: Counter[int], failed_on: dict[int, int],
+             todo: deque[int], max_attempts: int) -> None:
+    why = " ".join(str(exc).split())[-300:]
+    if attempts[k] >= max_attempts:
+        raise BatchgenError(f"part {k} failed {attempts[k]} times (launcher.max_attempts={max_attempts}), last on "
+                            f"worker {worker}: {why}; committed parts and journaled samples are kept, rerun to resume")
+    log.warning("part %d failed on worker %d (attempt %d of %d): %s; requeued", k, worker, attempts[k],
+                max_attempts, why)
+    failed_on[k] = worker
+    todo.appendleft(k)
+
+
+class _WorkerStats:
+    """The per-worker breakdown, as an 'engine' whose counters go into _status.json."""
+
+    def __init__(self, per_worker: dict[int, dict[str, int]]):
+        self.stats = {"workers": per_worker}

@@ -113,9 +113,9 @@ def unknown_keys(overrides: list[str]) -> list[str]:
     return problems
 
 
-def preflight(overrides: list[str]) -> None:
-    """Compose and validate the config before Hydra starts the job (and writes output_dir/_logs): every unknown
-    key, config problem, missing path or model and unusable output_dir reported at once, one line each, exit 2."""
+def compose_checked(overrides: list[str]) -> JobConfig:
+    """The job config from `overrides`, composed without starting a Hydra run (nothing written), and validated;
+    ConfigError with every problem (unknown keys with their likely spelling, composition errors, bad values)."""
     from hydra import compose, initialize_config_dir
 
     problems = unknown_keys(overrides)
@@ -126,11 +126,22 @@ def preflight(overrides: list[str]) -> None:
             if OmegaConf.is_missing(cfg, "name"):
                 problems.append("name is required: pick a job (job=demo) or set name=...")
             else:
-                to_job_config(cfg)
+                return to_job_config(cfg)
         except ConfigError as exc:
             problems += exc.problems
         except Exception as exc:  # Hydra's composition errors: a bad group, value or override syntax
             problems.append(str(exc).splitlines()[0])
+    raise ConfigError(problems)
+
+
+def preflight(overrides: list[str]) -> None:
+    """Compose and validate the config before Hydra starts the job (and writes output_dir/_logs): every unknown
+    key, config problem, missing path or model and unusable output_dir reported at once, one line each, exit 2."""
+    problems: list[str] = []
+    try:
+        compose_checked(overrides)
+    except ConfigError as exc:
+        problems = exc.problems
     if problems:
         for line in problems:
             print(f"batchgen: error: {line}", file=sys.stderr)
@@ -142,6 +153,10 @@ def main() -> None:
         from batchgen.status import main as status_main
 
         sys.exit(status_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "plan":
+        from batchgen.plan import main as plan_main
+
+        sys.exit(plan_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "finalize":
         from batchgen.finalize import main as finalize_main
 

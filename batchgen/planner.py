@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import pyarrow as pa
 
@@ -22,6 +22,13 @@ from batchgen.sampling import Reasoning, SampleParams, derive_seed
 
 log = logging.getLogger(__name__)
 DUPLICATE_CHECK_ROWS = 2_000_000  # ids remembered for the duplicate-id count (about 100 bytes each)
+
+
+class Measured(NamedTuple):
+    texts: list[Optional[str]]  # rendered prompts (None on error)
+    errors: list[Optional[str]]  # per row: why it is an error row
+    settings: list[RowSettings]  # per row: cap, temperature, stops, constraint
+    ids: list[list[int]]  # prompt token ids, untruncated ([] on error)
 
 
 class Planner:
@@ -124,12 +131,18 @@ class Planner:
 
     # -- turning a part into requests --------------------------------------------------------------
 
-    def plan(self, part: Part, max_model_len: int) -> PlannedPart:
+    def measure(self, part: Part) -> Measured:
+        """A part's rows rendered, checked and tokenized (before any too_long policy): what plan() turns into
+        requests, and what `batchgen plan` counts."""
         rendered = self.renderer.render(part.table)
         errors = [read or render for read, render in zip(part.read_errors, rendered.errors)]
         settings = self.row_params.settings(part.table, errors)  # per-row columns; a bad value errs that row
         ids = self._tokenize([t if e is None else None for t, e in zip(rendered.texts, errors)],
                              rendered.add_special_tokens)
+        return Measured(rendered.texts, errors, settings, ids)
+
+    def plan(self, part: Part, max_model_len: int) -> PlannedPart:
+        rendered, errors, settings, ids = self.measure(part)
         n = self.cfg.sampling.n
         seeds = [None if settings[row].temperature == 0.0 else derive_seed(self.cfg.sampling.seed, part.ids[row], s)
                  for row in range(part.num_rows) for s in range(n)]  # every sample's, error rows' included
@@ -140,7 +153,7 @@ class Planner:
             fitted, errors[row] = self._fit(ids[row], settings[row].max_new_tokens, max_model_len, part.ids[row])
             if errors[row] is not None:
                 continue
-            params = self._params(settings[row], self._thinks(rendered.texts[row]))
+            params = self._params(settings[row], self._thinks(rendered[row]))
             requests += [Request(key=row * n + s, prompt_ids=fitted, params=params, seed=seeds[row * n + s])
                          for s in range(n)]
         return PlannedPart(part=part, requests=requests, errors=errors, seeds=seeds, n=n)

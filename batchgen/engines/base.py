@@ -160,6 +160,15 @@ def split_answer(tokenizer: Any, ids: list[int], params: SampleParams) -> tuple[
     return answer, text
 
 
+def model_max_len(config: Any) -> int:
+    """The model's own context length from its config (2048 where it says none)."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 2048
+
+
 def with_tokens(tokenizer: Any, top: list[list[list]]) -> list[list[list]]:
     """Top-logprob pairs [token_id, logprob] per position as triples [token_id, token text, logprob]: each token
     decoded alone (special tokens included), so that a reader sees " the", not an id."""

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from batchgen.engines.base import EngineConfig
+from batchgen.engines.base import EngineConfig, model_max_len  # noqa: F401 - device.model_max_len for engine.py
 from batchgen.engines.hf.cpu import calibration
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -48,14 +48,6 @@ def model_config(cfg: EngineConfig) -> Any:
         return AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError):
         return None
-
-
-def model_max_len(config: Any) -> int:
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 2048
 
 
 def batch_defaults(device: torch.device, max_batch_tokens: Optional[int], max_batch_size: Optional[int]

@@ -1,0 +1,217 @@
+"""`batchgen plan [--calibrate] [job=NAME] [key=value ...]`: what a job would do, before it runs. It streams the
+input and tokenizes every prompt without loading the model, then prints (and writes to output_dir/_plan.json, with
+the histogram as _plan.png where matplotlib is installed):
+
+- the prompt-length histogram;
+- the rows over max_model_len - max_new_tokens, and what run.too_long will do with them;
+- the rows that would be error rows, by kind;
+- total prompt tokens and the most tokens the job can generate;
+- parts, and parts per shard.
+
+`--calibrate` then loads the engine and runs a short probe on the longest prompts first (an out-of-memory shows at
+once), and prints its rate and an ETA for the whole job. Exit codes are the job's: 0 when it would run, 1 when it
+would stop (run.too_long=fail with a row too long, or more error rows than run.max_error_rate), 2 on a config or
+input error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Optional
+
+from batchgen.committer import error_kind
+from batchgen.engines.base import model_max_len
+from batchgen.fsutil import write_json_atomic
+from batchgen.job import JobConfig
+from batchgen.planner import Planner
+from batchgen.preflight import check_columns, load_tokenizer
+from batchgen.reader import open_reader
+from batchgen.render import Renderer
+
+PROBE_ROWS = 16  # rows of the calibration probe: the longest prompts
+
+
+def model_len(cfg: JobConfig) -> int:
+    """engine.max_model_len, or the model's own from its config.json (no weights loaded)."""
+    if cfg.engine.max_model_len:
+        return cfg.engine.max_model_len
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(cfg.engine.model, trust_remote_code=cfg.engine.trust_remote_code)
+    return model_max_len(getattr(config, "text_config", None) or config)
+
+
+def measure(cfg: JobConfig) -> tuple[dict[str, Any], list[tuple[int, list[int]]]]:
+    """The plan's figures, and (cap, prompt ids) of every generable row, for the probe."""
+    whole = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, shard=0, num_shards=1))  # every part
+    reader = open_reader(cfg.dataset)
+    tokenizer = load_tokenizer(cfg)
+    renderer = Renderer(cfg.dataset, tokenizer, None)
+    check_columns(cfg, reader, renderer)
+    limit = model_len(cfg)
+    planner = Planner(whole, reader, renderer, tokenizer)
+    lengths: list[int] = []
+    errors: Counter[str] = Counter()
+    over: list[str] = []
+    rows: list[tuple[int, list[int]]] = []
+    max_generated = 0
+    for part in planner.parts(skip=set()):
+        m = planner.measure(part)
+        for i, (error, setting, ids) in enumerate(zip(m.errors, m.settings, m.ids)):
+            if error is not None:
+                errors[error_kind(error)] += 1
+                continue
+            lengths.append(len(ids))
+            if len(ids) > limit - setting.max_new_tokens:
+                over.append(part.ids[i])
+            max_generated += setting.max_new_tokens * cfg.sampling.n
+            rows.append((setting.max_new_tokens, ids))
+    total = planner.total_rows
+    parts = planner.total_parts
+    shards = cfg.run.num_shards
+    plan = {
+        "rows": total, "generable_rows": len(lengths), "error_rows": dict(errors),
+        "prompt_tokens": sum(lengths), "max_generated_tokens": max_generated,
+        "prompt_length": _summary(lengths), "histogram": histogram(lengths),
+        "max_model_len": limit, "too_long": {"rows": len(over), "policy": cfg.run.too_long, "first_ids": over[:10],
+                                             "what_happens": _too_long_effect(cfg.run.too_long, len(over))},
+        "parts": parts, "rows_per_part": cfg.rows_per_part,
+        "shards": {"num_shards": shards, "parts_per_shard": [len(range(k, parts, shards)) for k in range(shards)]},
+    }
+    return plan, rows
+
+
+def _summary(lengths: list[int]) -> dict[str, Any]:
+    if not lengths:
+        return {"min": None, "median": None, "p95": None, "max": None}
+    ordered = sorted(lengths)
+    return {"min": ordered[0], "median": ordered[len(ordered) // 2], "p95": ordered[min(len(ordered) - 1,
+            math.ceil(0.95 * len(ordered)) - 1)], "max": ordered[-1]}
+
+
+def histogram(lengths: list[int]) -> list[dict[str, int]]:
+    """Prompt lengths in power-of-two buckets [lo, hi]."""
+    counts: Counter[int] = Counter(max(0, math.ceil(math.log2(max(n, 1)))) for n in lengths)
+    return [{"lo": 1 if b == 0 else 2 ** (b - 1) + 1, "hi": 2 ** b, "rows": counts[b]}
+            for b in range(min(counts, default=0), max(counts, default=-1) + 1)]
+
+
+def _too_long_effect(policy: str, rows: int) -> str:
+    if not rows:
+        return "none: every prompt fits"
+    return {"truncate_left": f"{rows} prompts will be cut to their last tokens (BOS kept)",
+            "skip": f"{rows} rows will be too_long error rows",
+            "fail": f"the job would stop at the first of these {rows} rows (exit 1)"}[policy]
+
+
+def calibrate(cfg: JobConfig, plan: dict[str, Any], rows: list[tuple[int, list[int]]]) -> dict[str, Any]:
+    """Load the engine, generate the longest prompts (PROBE_ROWS of them, each with its own cap), and estimate the
+    job's time from the probe's rows/s: an upper bound, as the probe's prompts are the longest."""
+    from batchgen.engines import build_engine
+    from batchgen.records import Request
+    from batchgen.sampling import SampleParams
+
+    s = cfg.sampling
+    started = time.perf_counter()
+    engine = build_engine(cfg.engine, load_tokenizer(cfg))
+    load_s = time.perf_counter() - started
+    longest = sorted(rows, key=lambda r: -len(r[1]))[:PROBE_ROWS]
+    room = engine.max_model_len
+    requests = [Request(key=k, prompt_ids=ids[-max(room - cap, 1):], seed=None, params=SampleParams(
+        max_new_tokens=cap, temperature=0.0, top_p=1.0, top_k=0, stop=tuple(s.stop), ignore_eos=s.ignore_eos))
+        for k, (cap, ids) in enumerate(longest)]
+    started = time.perf_counter()
+    results = engine.generate(requests) if requests else []
+    probe_s = time.perf_counter() - started
+    engine.close()
+    generated = sum(r.num_generated_tokens for r in results)
+    rows_per_s = len(results) / probe_s if results else None
+    samples = plan["generable_rows"] * s.n
+    return {"load_s": round(load_s, 1), "probe_rows": len(results), "probe_s": round(probe_s, 2),
+            "probe_tok_s": round(generated / probe_s, 1) if results else None,
+            "eta_s": round(samples / rows_per_s, 1) if rows_per_s else None}
+
+
+def render(plan: dict[str, Any]) -> str:
+    n = plan["prompt_length"]
+    lines = [f"rows {plan['rows']} ({plan['generable_rows']} to generate), error rows: "
+             f"{', '.join(f'{k}={v}' for k, v in sorted(plan['error_rows'].items())) or 'none'}",
+             f"prompt tokens {plan['prompt_tokens']} (min {n['min']}, median {n['median']}, p95 {n['p95']}, max "
+             f"{n['max']}); at most {plan['max_generated_tokens']} generated tokens",
+             f"max_model_len {plan['max_model_len']}: {plan['too_long']['rows']} rows over max_model_len - "
+             f"max_new_tokens (run.too_long={plan['too_long']['policy']}: {plan['too_long']['what_happens']})",
+             f"parts {plan['parts']} of {plan['rows_per_part']} rows; shards {plan['shards']['num_shards']}: "
+             f"{', '.join(map(str, plan['shards']['parts_per_shard']))} parts each",
+             "prompt length histogram (tokens: rows):"]
+    most = max((b["rows"] for b in plan["histogram"]), default=0) or 1
+    for b in plan["histogram"]:
+        bar = "#" * max(1 if b["rows"] else 0, 50 * b["rows"] // most)
+        lines.append(f"  {b['lo']:>6}-{b['hi']:<6} {b['rows']:>8} {bar}")
+    c = plan.get("calibration")
+    if c:
+        eta = "unknown" if c["eta_s"] is None else f"{c['eta_s']:.0f} s ({c['eta_s'] / 3600:.2f} h)"
+        lines.append(f"calibration: {c['probe_rows']} longest rows in {c['probe_s']} s ({c['probe_tok_s']} tok/s; "
+                     f"model load {c['load_s']} s); ETA for the whole job at that rate (an upper bound): {eta}")
+    return "\n".join(lines)
+
+
+def write_png(plan: dict[str, Any], path: Path) -> Optional[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    labels = [f"{b['lo']}-{b['hi']}" for b in plan["histogram"]]
+    ax.bar(labels, [b["rows"] for b in plan["histogram"]], color="#4C72B0")
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("rows")
+    ax.set_title(f"prompt lengths: {plan['generable_rows']} rows, max_model_len {plan['max_model_len']}")
+    ax.tick_params(axis="x", labelrotation=45)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def run_plan(cfg: JobConfig, calibrate_engine: bool = False) -> tuple[dict[str, Any], int]:
+    """The plan (written to output_dir/_plan.json and _plan.png) and the exit code the job would have."""
+    plan, rows = measure(cfg)
+    if calibrate_engine:
+        plan["calibration"] = calibrate(cfg, plan, rows)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(out / "_plan.json", plan)
+    plan["png"] = str(write_png(plan, out / "_plan.png") or "")
+    error_rows = sum(plan["error_rows"].values()) + (plan["too_long"]["rows"] if cfg.run.too_long == "skip" else 0)
+    fails = (cfg.run.too_long == "fail" and plan["too_long"]["rows"]) or (
+        plan["rows"] and error_rows / plan["rows"] > cfg.run.max_error_rate)
+    return plan, 1 if fails else 0
+
+
+def main(argv: list[str]) -> int:
+    from batchgen.cli import compose_checked
+    from batchgen.errors import BatchgenError
+
+    calibrate_engine = "--calibrate" in argv
+    overrides = [a for a in argv if a != "--calibrate"]
+    try:
+        cfg = compose_checked(overrides)
+        plan, code = run_plan(cfg, calibrate_engine)
+    except BatchgenError as exc:
+        print(f"batchgen plan: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    print(render(plan))
+    print(f"plan written to {Path(cfg.output_dir) / '_plan.json'}" + (f" and {plan['png']}" if plan["png"] else
+                                                                     " (pip install matplotlib for _plan.png)"))
+    if code:
+        print("batchgen plan: the job would stop (see above)", file=sys.stderr)
+    return code
+

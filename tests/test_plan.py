@@ -1,0 +1,42 @@
+"""`batchgen plan`: the input streamed and tokenized without the model; figures, _plan.json, the histogram PNG,
+exit codes; `--calibrate` probes the engine on the longest prompts."""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest import corpus, run_cli, write_parquet
+
+
+def test_plan_counts_what_the_job_would_do_without_loading_the_model(tiny_model, tokenizer, tmp_path):
+    texts = corpus(30, seed=2) + ["word " * 300]  # one prompt over max_model_len - max_new_tokens
+    data = write_parquet(tmp_path / "in.parquet", [{"prompt": t} for t in texts] + [{"prompt": ""}])
+    out = tmp_path / "out"
+    args = ["plan", "name=p", f"output_dir={out}", f"dataset.path={data}", f"engine.model={tiny_model}",
+            "engine.max_model_len=256", "sampling.max_new_tokens=16", "run.rows_per_part=8", "run.num_shards=3"]
+    proc = run_cli(args)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads((out / "_plan.json").read_text())
+    lengths = [len(tokenizer(t)["input_ids"]) for t in texts]
+    assert plan["rows"] == 32 and plan["generable_rows"] == 31 and plan["error_rows"] == {"empty_prompt": 1}
+    assert plan["prompt_tokens"] == sum(lengths) and plan["prompt_length"]["max"] == max(lengths)
+    assert plan["max_generated_tokens"] == 31 * 16
+    assert plan["too_long"]["rows"] == sum(n > 256 - 16 for n in lengths) == 1
+    assert sum(b["rows"] for b in plan["histogram"]) == 31
+    assert plan["parts"] == 4 and plan["shards"]["parts_per_shard"] == [2, 1, 1]
+    assert "1 rows over max_model_len - max_new_tokens" in proc.stdout and "prompt length histogram" in proc.stdout
+    assert (out / "_plan.png").stat().st_size > 1000 and not (out / "_manifest.json").exists()
+    fail = run_cli([*args, "run.too_long=fail"])
+    assert fail.returncode == 1 and "would stop" in fail.stderr  # the job would exit 1 at that row
+    bad = run_cli([*args, "run.too_lng=skip"])
+    assert bad.returncode == 2 and "did you mean run.too_long" in bad.stderr
+
+
+def test_plan_calibrate_probes_the_longest_prompts_and_prints_an_eta(tiny_model, tmp_path):
+    data = write_parquet(tmp_path / "in.parquet", [{"prompt": t} for t in corpus(40, seed=3)])
+    proc = run_cli(["plan", "--calibrate", "name=p", f"output_dir={tmp_path / 'out'}", f"dataset.path={data}",
+                    f"engine.model={tiny_model}", "sampling.max_new_tokens=8"])
+    assert proc.returncode == 0, proc.stderr
+    calibration = json.loads((tmp_path / "out" / "_plan.json").read_text())["calibration"]
+    assert calibration["probe_rows"] == 16 and calibration["probe_tok_s"] > 0 and calibration["eta_s"] > 0
+    assert "ETA for the whole job" in proc.stdout

@@ -156,7 +156,7 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "plan":
         from batchgen.plan import main as plan_main
 
-        sys.exit(plan_main(sys.argv[2:]))
+        sys.exit(plan_main(sys.argv[2:], compose_checked))
     if len(sys.argv) > 1 and sys.argv[1] == "finalize":
         from batchgen.finalize import main as finalize_main
 

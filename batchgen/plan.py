@@ -21,6 +21,7 @@ import math
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -196,8 +197,8 @@ def run_plan(cfg: JobConfig, calibrate_engine: bool = False) -> tuple[dict[str, 
     return plan, 1 if fails else 0
 
 
-def main(argv: list[str]) -> int:
-    from batchgen.cli import compose_checked
+def main(argv: list[str], compose_checked: Callable[[list[str]], JobConfig]) -> int:
+    """The CLI's `batchgen plan`; `compose_checked` (cli.py, the one module that knows Hydra) makes the config."""
     from batchgen.errors import BatchgenError
 
     calibrate_engine = "--calibrate" in argv

@@ -42,6 +42,7 @@ class Planner:
         self.duplicate_ids = 0  # rows whose dataset.id_column value repeats an earlier row's (all parts, all shards)
         self._seen_ids: set[int] = set()  # hashes of the first DUPLICATE_CHECK_ROWS ids
         self.only: Optional[set[int]] = None  # a Ray worker's part: parts() yields these only
+        self.shard, self.num_shards = share(cfg)
         self.row_params = RowParams(cfg.dataset, cfg.sampling)  # each row's cap, temperature, stops, constraint
         s = cfg.sampling
         self.reasoning = None if s.reasoning == "off" else Reasoning(
@@ -78,7 +79,7 @@ class Planner:
     def _seek_parts(self, skip: set[int]) -> Iterator[Part]:
         self.total_rows = self.reader.count_rows() or 0  # known up front: the parts are cut from it
         size = self.rows_per_part
-        for index in range(self.cfg.run.shard, self.total_parts, self.cfg.run.num_shards):
+        for index in range(self.shard, self.total_parts, self.num_shards):
             if not self._mine(index, skip):
                 continue
             batches = list(self.reader.iter_range(index * size, min((index + 1) * size, self.total_rows)))
@@ -108,7 +109,7 @@ class Planner:
     def _mine(self, index: int, skip: set[int]) -> bool:
         if self.only is not None:
             return index in self.only and index not in skip
-        return index % self.cfg.run.num_shards == self.cfg.run.shard and index not in skip
+        return index % self.num_shards == self.shard and index not in skip
 
     def _cut(self, index: int, pending: list[InputBatch], n: int) -> tuple[Part, list[InputBatch], int]:
         tables, ids, errors, taken = [], [], [], 0
@@ -199,7 +200,13 @@ class Planner:
                             and row.constraint.kind == "choice", logprobs=s.logprobs, reasoning=reasoning)
 
 
+def share(cfg: JobConfig) -> tuple[int, int]:
+    """(run.shard, run.num_shards); 0 of 1 where a config made in Python was never validated (job.validate resolves
+    them, from the Slurm environment too)."""
+    return cfg.run.shard or 0, cfg.run.num_shards or 1
+
+
 def shard_holds(cfg: JobConfig, first: int, end: int) -> bool:
     """Whether input rows [first, end) overlap a part of this shard (run.shard of run.num_shards)."""
-    size, shards, shard = cfg.rows_per_part, cfg.run.num_shards, cfg.run.shard
+    size, (shard, shards) = cfg.rows_per_part, share(cfg)
     return any(k % shards == shard for k in range(first // size, (max(end, first + 1) - 1) // size + 1))

@@ -112,6 +112,7 @@ class SampleParams:
     choice_scores: bool = False  # also score every choice of a `choice` constraint (sampling.choice_scores)
     logprobs: Optional[int] = None  # return each generated token's log-probability and the top k (sampling.logprobs)
     reasoning: Optional[Reasoning] = None  # this sample thinks first (sampling.reasoning)
+    forced: tuple[int, ...] = ()  # tokens fed in instead of sampled, one per step (a choice being scored)
 
     @property
     def greedy(self) -> bool:

@@ -121,7 +121,7 @@ class HFEngine:
         """Continuous batching across windows where the Llama-family step serves every request the model allows;
         otherwise one window at a time through the generic path. Rows that want choice scores are scored as they
         arrive (score.py)."""
-        source = with_choice_scores(self.scorer, source, on_result)
+        source, on_result = with_choice_scores(self.scorer, source, on_result)
         if self.fast and supports(self.model, self.max_model_len):
             self._continuous(lambda scheduler: scheduler.stream(source, on_result))
         else:
@@ -131,8 +131,7 @@ class HFEngine:
     def scorer(self) -> ChoiceScorer:
         if self._scorer is None:
             eos = _first(self.tokenizer.eos_token_id, *sorted(self.eos_ids), self.pad_id)
-            self._scorer = ChoiceScorer(self.model, self.tokenizer, eos_id=eos, pad_id=self.pad_id, device=self.device,
-                                        max_batch_tokens=self.max_batch_tokens)
+            self._scorer = ChoiceScorer(self.tokenizer, eos_id=eos)
         return self._scorer
 
     def _continuous(self, run: Callable[[Scheduler], Any]) -> Any:

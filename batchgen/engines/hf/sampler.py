@@ -30,7 +30,7 @@ class Draw:
     thinking: bool = False  # inside its reasoning block (SampleParams.reasoning): unconstrained until it ends
     thought: int = 0  # tokens generated while thinking
     tail: tuple[int, ...] = ()  # the last tokens, to see the end marker complete
-    forced: Optional[list[int]] = None  # the end marker's tokens still to force (max_reasoning_tokens reached)
+    forced: Optional[list[int]] = None  # tokens still to feed in: a scored choice's, or the reasoning end marker
 
 
 class Sampler:
@@ -49,6 +49,8 @@ class Sampler:
         if req.params.logprobs is not None:
             draw.token_logprobs, draw.top_logprobs = [], []
         draw.thinking = req.params.reasoning is not None
+        if req.params.forced:
+            draw.forced = list(req.params.forced)
         return draw
 
     def grammars(self) -> Any:

@@ -89,6 +89,7 @@ class PartStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     invalid_outputs: int = 0  # constrained samples whose text did not parse or validate (not input errors)
+    skipped: int = 0  # input rows left out: generated in run.skip_existing's output already
 
     @property
     def error_rows(self) -> int:
@@ -101,6 +102,7 @@ class PartStats:
         self.prompt_tokens += other.prompt_tokens
         self.generated_tokens += other.generated_tokens
         self.invalid_outputs += other.invalid_outputs
+        self.skipped += other.skipped
 
 
 def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
@@ -113,6 +115,8 @@ def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
     part, n = planned.part, planned.n
     rows: list[OutputRow] = []
     for row in range(part.num_rows):
+        if row in planned.skipped:
+            continue  # generated in run.skip_existing's output already
         error = planned.errors[row]
         for s in range(n):
             seed = planned.seeds[row * n + s]
@@ -173,7 +177,8 @@ def stats_of(part: Part, rows: list[OutputRow]) -> PartStats:
     return PartStats(rows=part.num_rows, samples=len(rows), errors=dict(errors),
                      prompt_tokens=sum(r.num_prompt_tokens for r in rows if r.sample_index == 0),
                      generated_tokens=sum(r.num_generated_tokens for r in rows),
-                     invalid_outputs=sum(k == INVALID for k in kinds))
+                     invalid_outputs=sum(k == INVALID for k in kinds),
+                     skipped=part.num_rows - len({r.row for r in rows}))
 
 
 class Committer:
@@ -290,4 +295,4 @@ class Committer:
 def _asdict(stats: PartStats) -> dict[str, Any]:
     return {"rows": stats.rows, "samples": stats.samples, "errors": stats.errors,
             "prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens,
-            "invalid_outputs": stats.invalid_outputs}
+            "invalid_outputs": stats.invalid_outputs, "skipped": stats.skipped}

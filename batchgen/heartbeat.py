@@ -34,6 +34,7 @@ class Heartbeat:
     parts_in_flight: list[dict[str, int]] = field(default_factory=list)  # every part in flight, oldest first
     duplicate_ids: int = 0
     invalid_outputs: int = 0  # constrained samples whose text did not parse or validate
+    rows_skipped: int = 0  # rows already generated in run.skip_existing's output
     engine: Optional[dict[str, Any]] = None  # the engine's counters (OOM backoffs, decode steps)
     shard: int = 0
     num_shards: int = 1

@@ -43,6 +43,8 @@ class RunConfig:
     # parts in flight beyond the oldest one, so the engine's batch stays full across part boundaries (each part
     # still commits on its own, as soon as its last sample is in); null: 8 engine batches (feed.auto_lookahead)
     lookahead_parts: Optional[int] = None
+    # an earlier output (PATH) of the same job: the ids it generated without error are skipped (nightly increments)
+    skip_existing: Optional[str] = None
 
 
 @dataclass

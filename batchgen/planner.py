@@ -32,7 +32,7 @@ class Measured(NamedTuple):
 
 
 class Planner:
-    def __init__(self, cfg: JobConfig, reader: Reader, renderer: Renderer, tokenizer: Any):
+    def __init__(self, cfg: JobConfig, reader: Reader, renderer: Renderer, tokenizer: Any, existing: Any = None):
         self.cfg = cfg
         self.reader = reader
         self.renderer = renderer
@@ -42,6 +42,7 @@ class Planner:
         self.duplicate_ids = 0  # rows whose dataset.id_column value repeats an earlier row's (all parts, all shards)
         self._seen_ids: set[int] = set()  # hashes of the first DUPLICATE_CHECK_ROWS ids
         self.only: Optional[set[int]] = None  # a Ray worker's part: parts() yields these only
+        self.existing = existing  # existing.Existing: ids run.skip_existing's output generated already
         self.shard, self.num_shards = share(cfg)
         self.row_params = RowParams(cfg.dataset, cfg.sampling)  # each row's cap, temperature, stops, constraint
         s = cfg.sampling
@@ -148,8 +149,10 @@ class Planner:
         seeds = [None if settings[row].temperature == 0.0 else derive_seed(self.cfg.sampling.seed, part.ids[row], s)
                  for row in range(part.num_rows) for s in range(n)]  # every sample's, error rows' included
         requests: list[Request] = []
+        skipped = frozenset(row for row in range(part.num_rows) if errors[row] is None and self.existing is not None
+                            and part.ids[row] in self.existing)
         for row in range(part.num_rows):
-            if errors[row] is not None:
+            if errors[row] is not None or row in skipped:
                 continue
             fitted, errors[row] = self._fit(ids[row], settings[row].max_new_tokens, max_model_len, part.ids[row])
             if errors[row] is not None:
@@ -157,7 +160,7 @@ class Planner:
             params = self._params(settings[row], self._thinks(rendered[row]))
             requests += [Request(key=row * n + s, prompt_ids=fitted, params=params, seed=seeds[row * n + s])
                          for s in range(n)]
-        return PlannedPart(part=part, requests=requests, errors=errors, seeds=seeds, n=n)
+        return PlannedPart(part=part, requests=requests, errors=errors, seeds=seeds, n=n, skipped=skipped)
 
     def _tokenize(self, texts: list[Optional[str]], add_special_tokens: bool) -> list[list[int]]:
         todo = [i for i, t in enumerate(texts) if t is not None]

@@ -49,6 +49,8 @@ class Summary:
             f"  rows {t.rows} (samples {t.samples}), error rows {t.error_rows}: {errors}",
             f"  tokens: prompt {t.prompt_tokens}, generated {t.generated_tokens}",
         ]
+        if t.skipped:
+            lines.append(f"  skipped: {t.skipped} rows already generated in run.skip_existing's output")
         if self.rows_read:
             lines.append(f"  input: {self.rows_read} rows read")
         if t.invalid_outputs:
@@ -128,7 +130,7 @@ class Progress:
         beat = Heartbeat(
             state=state, rows_done=self.done.rows, rows_failed=self.done.error_rows, rows_total=total,
             errors=dict(Counter(self.done.errors)), samples_done=self.done.samples,
-            invalid_outputs=self.done.invalid_outputs,
+            invalid_outputs=self.done.invalid_outputs, rows_skipped=self.done.skipped,
             prompt_tokens=self.done.prompt_tokens, generated_tokens=self.done.generated_tokens,
             tokens_per_s=round(self.rate(), 2), eta_s=None if eta is None else round(eta, 1),
             current_part=dict(self.parts[min(self.parts)]) if self.parts else None,

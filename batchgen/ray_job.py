@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from batchgen.committer import SUCCESS, Committer, PartStats, optional_columns, writing
 from batchgen.errors import BatchgenError, ConfigError
+from batchgen.existing import Existing
 from batchgen.feed import Feed, check_error_rate
 from batchgen.heartbeat import status_name
 from batchgen.job import JobConfig
@@ -57,7 +58,8 @@ class PartWorker:
         self.committer = Committer(self.output_dir, passthrough=passthrough, metadata=dict(metadata),
                                    optional=optional_columns(cfg.sampling, cfg.dataset))
         self.committer.exclusive = True
-        self.planner = Planner(cfg, reader, renderer, tokenizer)
+        existing = Existing(cfg.run.skip_existing, cfg) if cfg.run.skip_existing else None
+        self.planner = Planner(cfg, reader, renderer, tokenizer, existing)
         self.engine = build_engine(cfg.engine, tokenizer)
         self.stop = GracefulStop()  # never entered: the driver stops the job; shielded sections still nest
 
@@ -113,6 +115,8 @@ def run_on_ray(cfg: JobConfig, resolved: Optional[dict[str, Any]], render_row: O
     reader = open_reader(cfg.dataset)
     tokenizer = load_tokenizer(cfg)
     check_columns(cfg, reader, Renderer(cfg.dataset, tokenizer, render_row))
+    if cfg.run.skip_existing:
+        Existing(cfg.run.skip_existing, cfg)  # refused here, before anything is written
     if cfg.dataset.verify == "pages" and hasattr(reader, "verify_pages"):
         reader.verify_pages()
     total_rows = reader.count_rows()

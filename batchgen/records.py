@@ -53,6 +53,7 @@ class PlannedPart:
     errors: list[str | None]  # per row: why it is an error row, else None
     seeds: list[int | None]  # per output row (row * n + sample_index), error rows' included; None for greedy
     n: int  # samples per row
+    skipped: frozenset[int] = frozenset()  # rows already generated in run.skip_existing's output: no output rows
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ from typing import Any, Optional
 from batchgen.committer import SUCCESS, Committer, PartStats, optional_columns, writing
 from batchgen.engines import build_engine
 from batchgen.engines.base import stream_windows
+from batchgen.existing import Existing
 from batchgen.feed import Feed, auto_lookahead, check_error_rate
 from batchgen.heartbeat import status_name
 from batchgen.job import JobConfig, validate
@@ -63,6 +64,7 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
     tokenizer = load_tokenizer(cfg)
     renderer = Renderer(cfg.dataset, tokenizer, render_row)
     passthrough = check_columns(cfg, reader, renderer)
+    existing = Existing(cfg.run.skip_existing, cfg) if cfg.run.skip_existing else None  # refused before writing
     if cfg.dataset.verify == "pages" and hasattr(reader, "verify_pages"):
         reader.verify_pages(partial(shard_holds, cfg))  # this shard's row groups only
     output_dir = Path(cfg.output_dir)
@@ -81,7 +83,7 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
             log.info("%s is already complete; nothing to do", output_dir)
             return summary
         summary = Summary(output_dir, "partial", committed_totals(committer, cfg))
-        planner = Planner(cfg, reader, renderer, tokenizer)
+        planner = Planner(cfg, reader, renderer, tokenizer, existing)
         progress = Progress(cfg, committer, reader.count_rows(), summary.totals, stop)
         try:
             engine = build_engine(cfg.engine, tokenizer)

@@ -28,6 +28,8 @@ def describe(output_dir: Path) -> str:
                      f"tokens, {s.tokens_per_s} tok/s{eta}, updated {s.updated_at}")
         if s.duplicate_ids:
             lines.append(f"    duplicate ids: {s.duplicate_ids} rows repeat an earlier row's id")
+        if s.rows_skipped:
+            lines.append(f"    skipped: {s.rows_skipped} rows already generated in run.skip_existing's output")
         if s.invalid_outputs:
             lines.append(f"    invalid outputs: {s.invalid_outputs} constrained samples did not parse or validate")
         if s.error:

@@ -58,3 +58,20 @@ def test_nightly_wrapper_and_the_status_poller(tiny_model, tmp_path):
     status.write_text(json.dumps(json.loads(status.read_text()) | {"state": "running"}))  # a killed run's last word
     dead = subprocess.run(poll, capture_output=True, text=True, timeout=60)
     assert dead.returncode == 1 and "without a live writer" in dead.stdout
+
+
+def test_increment_wrapper_generates_only_each_nights_new_rows(tiny_model, tmp_path):
+    root = tmp_path / "nights"
+    env = os.environ | {"BATCHGEN_PYTHON": sys.executable, "BATCHGEN_LOG_DIR": str(tmp_path / "logs")}
+    for day, n in (("2026-11-30", 6), ("2026-12-01", 9)):
+        data = write_jsonl(tmp_path / f"{day}.jsonl", [{"id": f"r{i}", "instruction": "Say", "input": f"river {i}",
+                                                        "max_new_tokens": 2} for i in range(n)])
+        proc = subprocess.run(["bash", str(JOBS / "increment.sh"), "demo", str(data), str(root),
+                               f"engine.model={tiny_model}", "engine.dtype=float32"], capture_output=True, text=True,
+                              timeout=300, env=env | {"BATCHGEN_TODAY": day})
+        assert proc.returncode == 0, proc.stderr[-2000:] + proc.stdout[-2000:]
+    import pyarrow.dataset as ds
+
+    ids = [ds.dataset(str(root / d), format="parquet").to_table().column("id").to_pylist()
+           for d in ("2026-11-30", "2026-12-01")]
+    assert sorted(ids[0]) == [f"r{i}" for i in range(6)] and sorted(ids[1]) == ["r6", "r7", "r8"]

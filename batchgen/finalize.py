@@ -26,11 +26,37 @@ def missing_parts(output_dir: Path) -> tuple[list[int], int]:
     return [k for k in range(total) if k not in done], total
 
 
+def remote_main(url: str) -> int:
+    """finalize for an output_dir on object storage: the manifest and the listing from the bucket."""
+    from batchgen.remote import RemoteOutput
+
+    remote = RemoteOutput(url)
+    if not remote.fs.exists(remote.key(MANIFEST)):
+        print(f"batchgen finalize: error: {url}: no batchgen run here (no {MANIFEST})", file=sys.stderr)
+        return 2
+    manifest = json.loads(remote.fs.cat(remote.key(MANIFEST)))
+    total = manifest.get("parts")
+    if total is None:
+        print(f"batchgen finalize: error: {url}/{MANIFEST} does not say how many parts the output has",
+              file=sys.stderr)
+        return 2
+    missing = sorted(set(range(total)) - remote.committed())
+    if missing:
+        print(f"batchgen finalize: {url}: {len(missing)} of {total} parts missing: "
+              f"{', '.join(map(str, missing[:20]))}", file=sys.stderr)
+        return 1
+    remote.fs.pipe(remote.key(SUCCESS), b"")
+    print(f"batchgen finalize: {url}: all {total} parts committed; {SUCCESS} written")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="batchgen finalize", description=__doc__)
-    parser.add_argument("output_dir", type=Path)
+    parser.add_argument("output_dir")
     args = parser.parse_args(argv)
-    out = args.output_dir
+    if "://" in args.output_dir:
+        return remote_main(args.output_dir)
+    out = Path(args.output_dir)
     if not (out / MANIFEST).exists():
         print(f"batchgen finalize: error: {out}: no batchgen run here (no {MANIFEST})", file=sys.stderr)
         return 2

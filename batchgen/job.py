@@ -88,6 +88,8 @@ def validate(cfg: JobConfig) -> JobConfig:
                                                        cfg.sampling.max_reasoning_tokens)
     problems += cfg.engine.problems() + cfg.dataset.problems() + sampling_problems + _run_problems(cfg.run)
     problems += _per_row_problems(cfg) + cfg.launcher.problems()
+    if cfg.launcher.name == "ray" and "://" in cfg.output_dir:
+        problems.append("launcher=ray writes output_dir from every worker: use a shared filesystem path, not a URL")
     if cfg.launcher.name == "ray" and cfg.run.num_shards != 1:
         problems.append("launcher=ray runs the whole job (its workers pull the parts): leave run.shard and "
                         "run.num_shards unset")
@@ -152,8 +154,15 @@ MIN_FREE_BYTES = 64 << 20  # an output_dir on a disk with less free space is ref
 
 def output_dir_problems(output_dir: str) -> list[str]:
     """output_dir (or the nearest folder it would be made in) must be a writable directory on a disk with room."""
-    if "://" in output_dir:
-        return []  # not a local path: the committer's writes tell
+    if "://" in output_dir:  # object storage: its filesystem must be installed (the writes tell the rest)
+        import fsspec
+
+        protocol = output_dir.split("://", 1)[0]
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except (ImportError, ValueError) as exc:
+            return [f"output_dir: {protocol}:// needs a package ({exc}); for s3:// pip install s3fs"]
+        return []
     path = Path(output_dir)
     existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
     if not existing.is_dir():

@@ -19,12 +19,13 @@ from batchgen.feed import Feed, auto_lookahead, check_error_rate
 from batchgen.heartbeat import status_name
 from batchgen.job import JobConfig, validate
 from batchgen.lock import OutputLock
-from batchgen.manifest import check_engine
+from batchgen.manifest import MANIFEST, check_engine
 from batchgen.outdir import committed_totals, file_metadata, prepare_output_dir
 from batchgen.planner import Planner, shard_holds
 from batchgen.preflight import check_columns, load_tokenizer
 from batchgen.progress import Progress, Summary
 from batchgen.reader import open_reader
+from batchgen.remote import RemoteCommitter, RemoteOutput, is_remote
 from batchgen.render import Renderer, RenderRow
 from batchgen.stopping import GracefulStop
 
@@ -67,22 +68,29 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
     existing = Existing(cfg.run.skip_existing, cfg) if cfg.run.skip_existing else None  # refused before writing
     if cfg.dataset.verify == "pages" and hasattr(reader, "verify_pages"):
         reader.verify_pages(partial(shard_holds, cfg))  # this shard's row groups only
-    output_dir = Path(cfg.output_dir)
+    remote = RemoteOutput(cfg.output_dir) if is_remote(cfg.output_dir) else None  # object storage: staged here
+    output_dir = remote.staging if remote else Path(cfg.output_dir)
+    shown: Any = remote.url if remote else output_dir  # what the summary names
     with writing(output_dir):
         output_dir.mkdir(parents=True, exist_ok=True)
     lock = OutputLock.for_shard(output_dir, cfg.run.shard, cfg.run.num_shards)
     with lock:
         with lock.layout():
+            if remote:
+                remote.pull()
             prepare_output_dir(cfg, output_dir, reader, resolved or {})
-        committer = Committer(output_dir, passthrough=passthrough, metadata=file_metadata(cfg),
-                              optional=optional_columns(cfg.sampling, cfg.dataset))
+            if remote:
+                remote.push(MANIFEST)
+        kwargs = {"passthrough": passthrough, "metadata": file_metadata(cfg),
+                  "optional": optional_columns(cfg.sampling, cfg.dataset)}
+        committer = RemoteCommitter(remote, **kwargs) if remote else Committer(output_dir, **kwargs)
         mine = (status_name(cfg.run.shard, cfg.run.num_shards),)  # the shard's own status file's temp copies
         committer.clean_stale(lambda k: k % cfg.run.num_shards == cfg.run.shard, mine)
         if (output_dir / SUCCESS).exists():
-            summary = Summary(output_dir, "already_done", committed_totals(committer, cfg))
+            summary = Summary(shown, "already_done", committed_totals(committer, cfg))
             log.info("%s is already complete; nothing to do", output_dir)
             return summary
-        summary = Summary(output_dir, "partial", committed_totals(committer, cfg))
+        summary = Summary(shown, "partial", committed_totals(committer, cfg))
         planner = Planner(cfg, reader, renderer, tokenizer, existing)
         progress = Progress(cfg, committer, reader.count_rows(), summary.totals, stop)
         try:
@@ -90,6 +98,8 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
             summary.load_s = time.perf_counter() - started
             with lock.layout():
                 check_engine(output_dir, engine.identity())  # what engine.dtype=auto resolved to, the same
+                if remote:
+                    remote.push(MANIFEST)
             committer.metadata["batchgen.engine"] = json.dumps(engine.identity())  # resolved dtype, device, version
             progress.engine = engine
             try:
@@ -101,6 +111,9 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
             progress.duplicate_ids = planner.duplicate_ids
             progress.close(summary.state, None, error=str(exc))
             raise
+        finally:
+            if remote:
+                remote.push(status_name(cfg.run.shard, cfg.run.num_shards))
         summary.wall_s = time.perf_counter() - started
         return summary
 

@@ -25,7 +25,8 @@ def test_config_errors_exit_2_naming_the_key_before_the_model_loads(tiny_model, 
         "bogus: no such config key": ["bogus=1"],
         "engine.device must be auto, cpu, cuda or cuda:N (got 'gpu')": ["engine.device=gpu"],
         "has no weight files": [f"engine.model={tmp_path}"],  # a directory without weights
-        "dataset.path: s3:// needs a package": ["dataset.path=s3://bucket/in.parquet"],
+        "dataset.path: gs:// needs a package": ["dataset.path=gs://bucket/in.parquet"],  # gcsfs is not installed
+        "output_dir: gs:// needs a package": ["output_dir=gs://bucket/out"],
         "name is required": ["~name"],
         "output_dir: the disk holding /proc has 0 MiB free": ["output_dir=/proc/out"],
     }

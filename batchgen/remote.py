@@ -1,0 +1,128 @@
+"""output_dir on object storage (an fsspec URL: `s3://bucket/prefix`, through s3fs), exactly once without rename.
+
+A run works in a local staging directory (BATCHGEN_STAGING_DIR, default ~/.cache/batchgen/staging/<hash of the
+URL>) with the local protocol unchanged: the lock, the journal of the parts in flight, temp files and the rename
+that commits a part there. A committed part is then uploaded to its final key in one request (an object appears
+whole or not at all: a single PUT, or a multipart upload completed in one call), and only then removed locally.
+Nothing else is ever written under the output's prefix but final parts, `_manifest.json`, `_status*.json` and
+`_SUCCESS`, so a reader of `s3://bucket/prefix/part-*.parquet` (pyarrow, duckdb, pandas) sees committed parts only.
+
+On start the staging directory is reconciled with the bucket: the manifest (and `_SUCCESS`) come down, so a resume
+is checked against what the output was made from; a part committed locally whose upload a crash cut short goes up
+now. The committed set is the bucket's listing. What holds where:
+- exactly once: per part key; a part uploaded twice (a crash after the upload, before the local removal) is the
+  same bytes (seeds derive from ids), and its key is written, never appended;
+- the journal is local: a resume on the same machine keeps the finished samples of the parts in flight; on another
+  machine it generates them again (never twice in the output);
+- the lock is local: one writer per machine and shard. Several machines may write one output as different shards
+  (run.shard), which own different parts; two machines as the same shard are not detected.
+Knows fsspec and file names; the committer's format is its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from batchgen.committer import PART_RE, SUCCESS, Committer, OutputWriteError, PartStats
+from batchgen.manifest import MANIFEST
+
+log = logging.getLogger(__name__)
+PUSHED = (MANIFEST, SUCCESS)  # besides parts and status files, the only objects a run writes
+
+
+def is_remote(output_dir: str) -> bool:
+    return "://" in output_dir and not output_dir.startswith("file://")
+
+
+class RemoteOutput:
+    def __init__(self, url: str):
+        import fsspec
+
+        self.url = url.rstrip("/")
+        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        base = os.environ.get("BATCHGEN_STAGING_DIR") or str(Path.home() / ".cache" / "batchgen" / "staging")
+        self.staging = Path(base) / hashlib.sha256(self.url.encode()).hexdigest()[:16]
+
+    def key(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def pull(self) -> None:
+        """Reconcile the staging directory with the bucket before the run looks at either."""
+        self.staging.mkdir(parents=True, exist_ok=True)
+        for name in PUSHED:
+            local = self.staging / name
+            if self.fs.exists(self.key(name)):
+                self.fs.get_file(self.key(name), str(local))
+            elif name == SUCCESS:
+                local.unlink(missing_ok=True)
+        remote = self.committed()
+        for path in sorted(self.staging.glob("part-*.parquet")):
+            if int(PART_RE.match(path.name).group(1)) not in remote:
+                log.info("uploading %s, committed before an interrupted run could upload it", path.name)
+                self.upload(path)
+            else:
+                path.unlink()
+
+    def committed(self) -> set[int]:
+        try:
+            names = [p.rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False, refresh=True)]
+        except FileNotFoundError:
+            return set()
+        return {int(m.group(1)) for n in names if (m := PART_RE.match(n))}
+
+    def upload(self, path: Path, keep: bool = False) -> None:
+        """`path` to its final key in one request, then (a part) removed from staging."""
+        try:
+            self.fs.put_file(str(path), self.key(path.name))
+        except OSError as exc:
+            raise OutputWriteError(Path(self.key(path.name)), exc) from exc
+        if not keep:
+            path.unlink()
+
+    def push(self, name: str) -> None:
+        """A staging file (the manifest, a status file, _SUCCESS) to the bucket, replacing the object."""
+        if (self.staging / name).exists():
+            self.upload(self.staging / name, keep=True)
+
+
+class RemoteCommitter(Committer):
+    """The committer over the staging directory, each committed part uploaded to the bucket at once."""
+
+    def __init__(self, remote: RemoteOutput, **kwargs: Any):
+        super().__init__(remote.staging, **kwargs)
+        self.remote = remote
+
+    def committed(self) -> set[int]:
+        return self.remote.committed() | super().committed()
+
+    def read_stats(self, index: int) -> PartStats:
+        import json
+
+        import pyarrow.parquet as pq
+
+        with self.remote.fs.open(self.remote.key(self.part_path(index).name), "rb") as f:
+            raw = (pq.read_metadata(f).metadata or {}).get(b"batchgen.stats")
+        return PartStats(**json.loads(raw)) if raw else PartStats()
+
+    def commit(self, part: Any, rows: Any) -> PartStats:
+        stats = super().commit(part, rows)
+        self.remote.upload(self.part_path(part.index))
+        for status in self.output_dir.glob("_status*.json"):
+            self.remote.push(status.name)
+        return stats
+
+    def write_empty(self, schema_fields: Any = None) -> None:
+        super().write_empty(schema_fields)
+        self.remote.upload(self.part_path(0))
+
+    def finish(self, total_parts: int) -> bool:
+        done = self.committed()
+        if any(k not in done for k in range(total_parts)):
+            return False
+        (self.output_dir / SUCCESS).write_text("")
+        self.remote.push(SUCCESS)
+        return True

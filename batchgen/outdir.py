@@ -5,14 +5,18 @@ the rows. Knows files, the manifest and the committer, not engines."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from batchgen.committer import Committer, PartStats
 from batchgen.errors import ConfigError
+from batchgen.fsutil import write_json_atomic
 from batchgen.job import JobConfig
 from batchgen.manifest import build_manifest, check_or_write, config_hash, model_identity, record_layout
 from batchgen.reader import Reader
+
+log = logging.getLogger(__name__)
 
 
 def prepare_output_dir(cfg: JobConfig, output_dir: Path, reader: Reader, resolved: dict[str, Any]) -> None:
@@ -22,6 +26,30 @@ def prepare_output_dir(cfg: JobConfig, output_dir: Path, reader: Reader, resolve
                            f"continue it, or choose a new output_dir"])
     check_or_write(output_dir, build_manifest(cfg, resolved, reader.fingerprint(), reader.count_rows()))
     record_layout(output_dir, cfg.run.num_shards)
+    save_input_index(output_dir, reader)
+
+
+INPUT_INDEX = "_input_index.json"  # a JSONL input's column types and part marks, made once (reader/jsonl.py)
+
+
+def load_input_index(cfg: JobConfig, output_dir: Path, reader: Reader) -> None:
+    """A JSONL input: marks at every part start (the part size as the stride), and the pass over every line taken
+    from output_dir's saved index where one was made from the same input, so a shard or a resume reads only its own
+    parts. Other inputs: nothing to do."""
+    if not hasattr(reader, "use_index"):
+        return
+    reader.stride = cfg.rows_per_part
+    path = output_dir / INPUT_INDEX
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved.get("input") == json.loads(json.dumps(reader.fingerprint())) and reader.use_index(saved):
+            log.info("input types and part marks from %s", path)
+
+
+def save_input_index(output_dir: Path, reader: Reader) -> None:
+    """Keep a JSONL input's pass for the other shards and the resumes (call with the layout lock held)."""
+    if hasattr(reader, "index") and not (output_dir / INPUT_INDEX).exists():
+        write_json_atomic(output_dir / INPUT_INDEX, reader.index() | {"input": reader.fingerprint()})
 
 
 def file_metadata(cfg: JobConfig) -> dict[str, str]:

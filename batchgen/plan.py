@@ -29,6 +29,7 @@ from batchgen.committer import error_kind
 from batchgen.engines.base import model_max_len
 from batchgen.fsutil import write_json_atomic
 from batchgen.job import JobConfig
+from batchgen.outdir import load_input_index, save_input_index
 from batchgen.planner import Planner
 from batchgen.preflight import check_columns, load_tokenizer
 from batchgen.reader import open_reader
@@ -51,9 +52,14 @@ def measure(cfg: JobConfig) -> tuple[dict[str, Any], list[tuple[int, list[int]]]
     """The plan's figures, and (cap, prompt ids) of every generable row, for the probe."""
     whole = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, shard=0, num_shards=1))  # every part
     reader = open_reader(cfg.dataset)
+    out = Path(cfg.output_dir)
+    load_input_index(cfg, out, reader)
     tokenizer = load_tokenizer(cfg)
     renderer = Renderer(cfg.dataset, tokenizer, None)
     check_columns(cfg, reader, renderer)
+    if "://" not in cfg.output_dir:  # a JSONL input's pass, kept for the job's shards (outdir.INPUT_INDEX)
+        out.mkdir(parents=True, exist_ok=True)
+        save_input_index(out, reader)
     limit = model_len(cfg)
     planner = Planner(whole, reader, renderer, tokenizer)
     lengths: list[int] = []

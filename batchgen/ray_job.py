@@ -31,7 +31,7 @@ from batchgen.feed import Feed, check_error_rate
 from batchgen.heartbeat import status_name
 from batchgen.job import JobConfig
 from batchgen.lock import OutputLock
-from batchgen.outdir import committed_totals, file_metadata, prepare_output_dir
+from batchgen.outdir import committed_totals, file_metadata, load_input_index, prepare_output_dir
 from batchgen.preflight import check_columns, load_tokenizer
 from batchgen.progress import Progress, Summary
 from batchgen.reader import open_reader
@@ -51,6 +51,7 @@ class PartWorker:
 
         self.cfg = cfg
         reader = open_reader(cfg.dataset)
+        load_input_index(cfg, Path(cfg.output_dir), reader)  # JSONL: the driver's pass, saved beside the output
         tokenizer = load_tokenizer(cfg)
         renderer = Renderer(cfg.dataset, tokenizer, render_row)
         passthrough = check_columns(cfg, reader, renderer)
@@ -113,6 +114,7 @@ def _fail_after_first(on_result: Any) -> Any:
 def run_on_ray(cfg: JobConfig, resolved: Optional[dict[str, Any]], render_row: Optional[RenderRow]) -> Summary:
     started = time.perf_counter()
     reader = open_reader(cfg.dataset)
+    load_input_index(cfg, Path(cfg.output_dir), reader)
     tokenizer = load_tokenizer(cfg)
     check_columns(cfg, reader, Renderer(cfg.dataset, tokenizer, render_row))
     if cfg.run.skip_existing:

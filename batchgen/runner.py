@@ -20,7 +20,7 @@ from batchgen.heartbeat import status_name
 from batchgen.job import JobConfig, validate
 from batchgen.lock import OutputLock
 from batchgen.manifest import MANIFEST, check_engine
-from batchgen.outdir import committed_totals, file_metadata, prepare_output_dir
+from batchgen.outdir import committed_totals, file_metadata, load_input_index, prepare_output_dir
 from batchgen.planner import Planner, shard_holds
 from batchgen.preflight import check_columns, load_tokenizer
 from batchgen.progress import Progress, Summary
@@ -62,14 +62,15 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
              render_row: Optional[RenderRow]) -> Summary:
     started = time.perf_counter()
     reader = open_reader(cfg.dataset)
+    remote = RemoteOutput(cfg.output_dir) if is_remote(cfg.output_dir) else None  # object storage: staged here
+    output_dir = remote.staging if remote else Path(cfg.output_dir)
+    load_input_index(cfg, output_dir, reader)  # JSONL: types and part marks made once per input, not per shard
     tokenizer = load_tokenizer(cfg)
     renderer = Renderer(cfg.dataset, tokenizer, render_row)
     passthrough = check_columns(cfg, reader, renderer)
     existing = Existing(cfg.run.skip_existing, cfg) if cfg.run.skip_existing else None  # refused before writing
     if cfg.dataset.verify == "pages" and hasattr(reader, "verify_pages"):
         reader.verify_pages(partial(shard_holds, cfg))  # this shard's row groups only
-    remote = RemoteOutput(cfg.output_dir) if is_remote(cfg.output_dir) else None  # object storage: staged here
-    output_dir = remote.staging if remote else Path(cfg.output_dir)
     shown: Any = remote.url if remote else output_dir  # what the summary names
     with writing(output_dir):
         output_dir.mkdir(parents=True, exist_ok=True)

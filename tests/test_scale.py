@@ -89,3 +89,26 @@ def test_shards_default_from_the_slurm_array_environment(tiny_model, sharded_inp
 def test_finalize_refuses_a_directory_without_a_run(tmp_path):
     proc = run_cli(["finalize", str(tmp_path)])
     assert proc.returncode == 2 and "no batchgen run here" in proc.stderr
+
+
+def test_jsonl_shards_read_only_their_parts_after_the_first_made_the_index(tiny_model, tmp_path):
+    """The first shard's pass over every line (types, part marks) is saved beside the output; the other shards
+    and resumes take it and read only their own parts' lines."""
+    from tests.conftest import write_jsonl
+
+    data = write_jsonl(tmp_path / "in.jsonl", [{"uid": f"j{i:03d}", "prompt": p} for i, p in
+                                               enumerate(corpus(ROWS, seed=6))])
+    single = tmp_path / "single"
+    run_job(compose_job(args(tiny_model, data, single)))
+    out = tmp_path / "sharded"
+    reads = []
+    for k in (0, 1, 2):
+        summary = run_job(compose_job(args(tiny_model, data, out) + [f"run.shard={k}", "run.num_shards=3"]))
+        reads.append(summary.rows_read)
+    assert (out / "_input_index.json").exists()
+    assert reads == [ROWS + 2 * PART, 2 * PART, PART]  # the first typed every line; then each its own parts only
+    assert read_output(out).equals(read_output(single))
+    (out / "part-00003.parquet").unlink()
+    (out / "_SUCCESS").unlink()
+    resumed = run_job(compose_job(args(tiny_model, data, out) + ["run.shard=0", "run.num_shards=3"]))
+    assert resumed.rows_read == PART and read_output(out).equals(read_output(single))

@@ -37,7 +37,13 @@ class Reader:
 
     def fingerprint(self) -> list[dict[str, Any]]:
         """Each input file by path, size and content digest (fsutil.content_digest): a resume refuses changed
-        bytes, and accepts a file touched or rewritten with the same bytes (its mtime is not compared)."""
+        bytes, and accepts a file touched or rewritten with the same bytes (its mtime is not compared). Computed
+        once per reader."""
+        if getattr(self, "_fingerprint", None) is None:
+            self._fingerprint = self._fingerprint_files()
+        return self._fingerprint
+
+    def _fingerprint_files(self) -> list[dict[str, Any]]:
         out = []
         for f in self.files:
             size = self.fs.info(f).get("size")

@@ -13,6 +13,7 @@ from batchgen.errors import InputError
 from batchgen.reader.base import Reader
 from batchgen.reader.config import BOM, MAX_DEPTH
 from batchgen.reader.values import JSON_TEXT, is_json_text
+from batchgen.records import InputBatch
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +26,46 @@ class JsonlReader(Reader):
     of it has that type; integers and floats together are floats. A column whose values mix types anywhere, at
     any depth, is kept as JSON text (every value `json.dumps`ed, its field marked `batchgen.encoding=json`), so
     no value is ever changed by inference and no row's shape decides another row's fate. The same pass counts
-    the rows.
+    the rows, and (with `stride`, the part size) marks where every `stride`-th row starts, so that a shard or a
+    resume reads only its own parts (`iter_range`). Both can be saved and loaded (`index`, `use_index`), so that the
+    pass over every line runs once per input, not once per shard.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._schema: Optional[pa.Schema] = None
         self._rows: Optional[int] = None
+        self.stride: Optional[int] = None  # set before the first pass: a mark every `stride` rows
+        self._marks: list[tuple[int, int, int, int]] = []  # file index, byte offset, line number, row in the file
+
+    @property
+    def seekable(self) -> bool:  # type: ignore[override]
+        """Marks at every part start, and every file plain (a compressed stream cannot seek)."""
+        compressed = (".gz", ".bz2", ".xz", ".zst", ".zstd", ".lz4", ".zip")
+        return self.stride is not None and self._schema is not None and not any(
+            f.endswith(compressed) for f in self.files)
+
+    def index(self) -> dict[str, Any]:
+        """The pass's result, to be saved beside the output (see use_index)."""
+        import base64
+
+        self.schema()
+        return {"stride": self.stride, "rows": self._rows, "marks": self._marks, "limit": self.cfg.limit,
+                "max_line_bytes": self.cfg.max_line_bytes,
+                "schema": base64.b64encode(self._schema.serialize().to_pybytes()).decode()}
+
+    def use_index(self, saved: dict[str, Any]) -> bool:
+        """Take a saved pass (same input, checked by the caller; same stride, limit and line limit) instead of
+        reading every line again."""
+        import base64
+
+        if any(saved.get(k) != v for k, v in (("stride", self.stride), ("limit", self.cfg.limit),
+                                               ("max_line_bytes", self.cfg.max_line_bytes))):
+            return False
+        self._schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(saved["schema"])))
+        self._rows = saved["rows"]
+        self._marks = [tuple(m) for m in saved["marks"]]
+        return True
 
     def columns(self) -> Optional[list[str]]:
         """None for an input without a single readable record: nothing to check."""
@@ -48,9 +82,15 @@ class JsonlReader(Reader):
         if self._schema is None:
             kinds: dict[str, Any] = {}
             rows = 0
-            for path in self.files:
-                for _, record, _ in self._records(path):
+            self._marks = []
+            for file_index, path in enumerate(self.files):
+                row_in_file = 0
+                for lineno, record, _, offset in self._records(path):
+                    if self.stride and rows % self.stride == 0:
+                        self._marks.append((file_index, offset, lineno - 1, row_in_file))
                     rows += 1
+                    row_in_file += 1
+                    self.rows_read += 1
                     if record is None:
                         continue
                     for name, value in record.items():
@@ -63,18 +103,22 @@ class JsonlReader(Reader):
             self._rows = rows
         return self._schema
 
-    def _records(self, path: str) -> Iterator[tuple[int, Optional[dict], Optional[str]]]:
-        """(line number from 1, record or None, error or None) for every non-blank line. A line over
-        dataset.max_line_bytes is skipped unread past the limit (memory stays bounded) and errs as too_large; one
-        nested deeper than MAX_DEPTH errs as too_deep. A UTF-8 byte order mark opening the file is dropped."""
+    def _records(self, path: str, offset: int = 0, lineno: int = 0
+                 ) -> Iterator[tuple[int, Optional[dict], Optional[str], int]]:
+        """(line number from 1, record or None, error or None, the line's byte offset) for every non-blank line,
+        from byte `offset` (line `lineno` + 1) on. A line over dataset.max_line_bytes is skipped unread past the
+        limit (memory stays bounded) and errs as too_large; one nested deeper than MAX_DEPTH errs as too_deep. A
+        UTF-8 byte order mark opening the file is dropped."""
         limit = self.cfg.max_line_bytes
         try:
             f = self.fs.open(path, "rb", compression="infer")
+            if offset:
+                f.seek(offset)
         except OSError as exc:
             raise InputError(f"cannot open JSONL file {path}: {exc}") from exc
         with f:
-            lineno = 0
             while True:
+                start = f.tell() if self.stride else 0
                 raw = f.readline(limit + 1)
                 if not raw:
                     return
@@ -84,17 +128,17 @@ class JsonlReader(Reader):
                 if len(raw) > limit and not raw.endswith(b"\n"):
                     size = len(raw) + _skip_line(f)
                     yield lineno, None, (f"too_large: line {lineno} is {size} bytes, over dataset.max_line_bytes="
-                                         f"{limit}; raise it to read such lines")
+                                         f"{limit}; raise it to read such lines"), start
                     continue
                 if not raw.strip():
                     continue
-                yield (lineno, *_parse_line(raw, lineno))
+                yield (lineno, *_parse_line(raw, lineno), start)
 
     def _file_batches(self, path: str) -> Iterator[tuple[pa.Table, list[str | None]]]:
         schema = self.schema()
         rows: list[dict] = []
         errors: list[str | None] = []
-        for _, record, error in self._records(path):
+        for _, record, error, _ in self._records(path):
             rows.append(record or {})
             errors.append(error)
             if len(rows) >= self.cfg.batch_rows:
@@ -102,6 +146,38 @@ class JsonlReader(Reader):
                 rows, errors = [], []
         if rows:
             yield _to_table(rows, schema, errors), errors
+
+    def iter_range(self, start: int, stop: int) -> Iterator[InputBatch]:
+        """Input rows [start, stop), read from the mark at `start` (a part's first row) on: the lines before it are
+        never read."""
+        schema = self.schema()
+        stop = min(stop, self.count_rows() or 0)
+        if start >= stop:
+            return
+        file_index, offset, lineno, row_in_file = self._marks[start // self.stride]  # type: ignore[operator]
+        row, rows, errors, first = start, [], [], start
+        for path in self.files[file_index:]:
+            label = self._label(path)
+            for _, record, error, _ in self._records(path, offset, lineno):
+                rows.append(record or {})
+                errors.append(error)
+                row += 1
+                if len(rows) >= self.cfg.batch_rows or row == stop:
+                    yield self._batch(rows, errors, schema, first, label, row_in_file)
+                    row_in_file += len(rows)
+                    first, rows, errors = row, [], []
+                if row == stop:
+                    return
+            if rows:
+                yield self._batch(rows, errors, schema, first, label, row_in_file)
+                first, rows, errors = row, [], []
+            offset, lineno, row_in_file = 0, 0, 0
+
+    def _batch(self, rows: list[dict], errors: list[Optional[str]], schema: pa.Schema, first: int, label: str,
+               row_in_file: int) -> InputBatch:
+        self.rows_read += len(rows)
+        table = _to_table(rows, schema, errors)
+        return InputBatch(start=first, table=table, ids=self._ids(table, label, row_in_file), read_errors=errors)
 
 
 def _parse_line(raw: bytes, lineno: int) -> tuple[Optional[dict], Optional[str]]:

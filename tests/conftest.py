@@ -58,6 +58,11 @@ def job_overrides(tiny_model: str, data: Path, out: Path, *extra: str) -> list[s
             f"engine.model={tiny_model}", "engine.dtype=float32", "run.progress=false", *extra]
 
 
+def keyed_rows(n: int, prefix: str, seed: int) -> list[dict]:
+    """`n` rows of {uid: <prefix><index>, prompt: a corpus line}: an input with an id column."""
+    return [{"uid": f"{prefix}{i:03d}", "prompt": p} for i, p in enumerate(corpus(n, seed=seed))]
+
+
 def write_parquet(path: Path, rows: list[dict]) -> Path:
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path

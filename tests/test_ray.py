@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 
 from batchgen.runner import run_job
-from tests.conftest import compose_job, corpus, job_overrides, read_output, write_parquet
+from tests.conftest import compose_job, job_overrides, keyed_rows, read_output, write_parquet
 
 ray = pytest.importorskip("ray", reason="launcher=ray needs ray: pip install 'batchgen[ray]'")
 pytestmark = pytest.mark.ray
@@ -34,8 +34,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    rows = [{"uid": f"r{i:03d}", "prompt": p} for i, p in enumerate(corpus(ROWS, seed=13))]
-    return write_parquet(tmp_path_factory.mktemp("ray") / "in.parquet", rows)
+    return write_parquet(tmp_path_factory.mktemp("ray") / "in.parquet", keyed_rows(ROWS, "r", 13))
 
 
 def overrides(model, data, out, *extra):

@@ -16,7 +16,7 @@ import pytest
 
 from batchgen.errors import ResumeMismatchError
 from batchgen.runner import run_job
-from tests.conftest import REPO, compose_job, corpus, job_overrides, read_output, write_parquet
+from tests.conftest import REPO, compose_job, job_overrides, keyed_rows, read_output, write_parquet
 
 moto_server = pytest.importorskip("moto.server", reason="the S3 tests need moto[server]")
 s3fs = pytest.importorskip("s3fs", reason="the S3 tests need s3fs")
@@ -52,8 +52,7 @@ def s3(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    rows = [{"uid": f"s{i:03d}", "prompt": p} for i, p in enumerate(corpus(ROWS, seed=23))]
-    return write_parquet(tmp_path_factory.mktemp("s3in") / "in.parquet", rows)
+    return write_parquet(tmp_path_factory.mktemp("s3in") / "in.parquet", keyed_rows(ROWS, "s", 23))
 
 
 def args(model, data, out, *extra):

@@ -67,6 +67,7 @@ def measure(cfg: JobConfig) -> tuple[dict[str, Any], list[tuple[int, list[int]]]
     over: list[str] = []
     rows: list[tuple[int, list[int]]] = []
     max_generated = 0
+    fitted = 0  # prompt tokens after run.too_long: what the job's num_prompt_tokens will sum to
     for part in planner.parts(skip=set()):
         m = planner.measure(part)
         for i, (error, setting, ids) in enumerate(zip(m.errors, m.settings, m.ids)):
@@ -74,8 +75,13 @@ def measure(cfg: JobConfig) -> tuple[dict[str, Any], list[tuple[int, list[int]]]
                 errors[error_kind(error)] += 1
                 continue
             lengths.append(len(ids))
-            if len(ids) > limit - setting.max_new_tokens:
+            room = limit - setting.max_new_tokens
+            if len(ids) > room:
                 over.append(part.ids[i])
+            if len(ids) <= room or cfg.run.too_long == "truncate_left" and room >= 1:
+                fitted += min(len(ids), room)
+            else:
+                continue  # an error row in the job (too_long), or the job stops there (fail)
             max_generated += setting.max_new_tokens * cfg.sampling.n
             rows.append((setting.max_new_tokens, ids))
     total = planner.total_rows
@@ -83,7 +89,7 @@ def measure(cfg: JobConfig) -> tuple[dict[str, Any], list[tuple[int, list[int]]]
     shards = cfg.run.num_shards
     plan = {
         "rows": total, "generable_rows": len(lengths), "error_rows": dict(errors),
-        "prompt_tokens": sum(lengths), "max_generated_tokens": max_generated,
+        "prompt_tokens": sum(lengths), "prompt_tokens_after_fit": fitted, "max_generated_tokens": max_generated,
         "prompt_length": _summary(lengths), "histogram": histogram(lengths),
         "max_model_len": limit, "too_long": {"rows": len(over), "policy": cfg.run.too_long, "first_ids": over[:10],
                                              "what_happens": _too_long_effect(cfg.run.too_long, len(over))},
@@ -149,7 +155,8 @@ def render(plan: dict[str, Any]) -> str:
     lines = [f"rows {plan['rows']} ({plan['generable_rows']} to generate), error rows: "
              f"{', '.join(f'{k}={v}' for k, v in sorted(plan['error_rows'].items())) or 'none'}",
              f"prompt tokens {plan['prompt_tokens']} (min {n['min']}, median {n['median']}, p95 {n['p95']}, max "
-             f"{n['max']}); at most {plan['max_generated_tokens']} generated tokens",
+             f"{n['max']}), {plan['prompt_tokens_after_fit']} after run.too_long; at most "
+             f"{plan['max_generated_tokens']} generated tokens",
              f"max_model_len {plan['max_model_len']}: {plan['too_long']['rows']} rows over max_model_len - "
              f"max_new_tokens (run.too_long={plan['too_long']['policy']}: {plan['too_long']['what_happens']})",
              f"parts {plan['parts']} of {plan['rows_per_part']} rows; shards {plan['shards']['num_shards']}: "

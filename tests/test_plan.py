@@ -26,6 +26,12 @@ def test_plan_counts_what_the_job_would_do_without_loading_the_model(tiny_model,
     assert plan["parts"] == 4 and plan["shards"]["parts_per_shard"] == [2, 1, 1]
     assert "1 rows over max_model_len - max_new_tokens" in proc.stdout and "prompt length histogram" in proc.stdout
     assert (out / "_plan.png").stat().st_size > 1000 and not (out / "_manifest.json").exists()
+    job = run_cli([a for a in args if a not in ("plan", "run.num_shards=3")] + ["run.progress=false"])
+    assert job.returncode == 0, job.stderr[-2000:]
+    import pyarrow.dataset as ds
+
+    written = ds.dataset(str(out), format="parquet").to_table().to_pylist()
+    assert plan["prompt_tokens_after_fit"] == sum(r["num_prompt_tokens"] for r in written) < plan["prompt_tokens"]
     fail = run_cli([*args, "run.too_long=fail"])
     assert fail.returncode == 1 and "would stop" in fail.stderr  # the job would exit 1 at that row
     bad = run_cli([*args, "run.too_lng=skip"])

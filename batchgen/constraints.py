@@ -52,12 +52,29 @@ def from_sampling(sampling: Any) -> tuple[Optional[Constraint], list[str]]:
         return None, [f"sampling: set one constraint at a time, not {' and '.join('sampling.' + k for k in given)}"]
     kind = given[0]
     value = getattr(sampling, kind)
+    stamp = _file_stamp(value)  # a schema or grammar file edited between two jobs of one process is read again
+    constraint, problem = _checked(kind, json.dumps(value, sort_keys=True, default=str), stamp)
+    return (constraint, []) if problem is None else (None, [f"sampling.{kind}: {problem}"])
+
+
+def _file_stamp(value: Any) -> Optional[tuple[int, int]]:
     try:
-        constraint = _build(kind, value)
+        info = Path(value).stat() if isinstance(value, str) and len(value) < 4096 else None
+    except OSError:
+        return None
+    return (info.st_mtime_ns, info.st_size) if info is not None else None
+
+
+@lru_cache(maxsize=64)
+def _checked(kind: str, value: str, stamp: Optional[tuple[int, int]]) -> tuple[Optional[Constraint], Optional[str]]:
+    """The constraint built and compiled once per process for each setting (a schema file read once): validation,
+    the manifest's hash and the planner all ask."""
+    try:
+        constraint = _build(kind, json.loads(value))
     except ValueError as exc:
-        return None, [f"sampling.{kind}: {exc}"]
+        return None, str(exc)
     problem = compile_problem(constraint)
-    return (None, [f"sampling.{kind}: {problem}"]) if problem else (constraint, [])
+    return (None, problem) if problem else (constraint, None)
 
 
 def _build(kind: str, value: Any) -> Constraint:

@@ -8,71 +8,56 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Optional
 
 from batchgen.committer import PART_RE, SUCCESS
 from batchgen.fsutil import fsync_dir
 from batchgen.manifest import MANIFEST
 
 
-def missing_parts(output_dir: Path) -> tuple[list[int], int]:
-    """The parts not committed yet, and how many parts the output has (from the manifest)."""
-    manifest = json.loads((output_dir / MANIFEST).read_text())
+def finalize(where: str, manifest: Optional[dict], committed: set[int], write_success: Callable[[], None]) -> int:
+    """The exit code; `manifest` None where there is no run. Every part committed: `write_success()`."""
+    if manifest is None:
+        print(f"batchgen finalize: error: {where}: no batchgen run here (no {MANIFEST})", file=sys.stderr)
+        return 2
     total = manifest.get("parts")
     if total is None:
-        raise ValueError(f"{output_dir / MANIFEST} does not say how many parts the output has (written by a batchgen "
-                         f"before finalize); rerun any shard to let it finish the output")
-    done = {int(m.group(1)) for p in output_dir.iterdir() if (m := PART_RE.match(p.name))}
-    return [k for k in range(total) if k not in done], total
-
-
-def remote_main(url: str) -> int:
-    """finalize for an output_dir on object storage: the manifest and the listing from the bucket."""
-    from batchgen.remote import RemoteOutput
-
-    remote = RemoteOutput(url)
-    if not remote.fs.exists(remote.key(MANIFEST)):
-        print(f"batchgen finalize: error: {url}: no batchgen run here (no {MANIFEST})", file=sys.stderr)
+        print(f"batchgen finalize: error: {where}/{MANIFEST} does not say how many parts the output has (written by "
+              f"a batchgen before finalize); rerun any shard to let it finish the output", file=sys.stderr)
         return 2
-    manifest = json.loads(remote.fs.cat(remote.key(MANIFEST)))
-    total = manifest.get("parts")
-    if total is None:
-        print(f"batchgen finalize: error: {url}/{MANIFEST} does not say how many parts the output has",
-              file=sys.stderr)
-        return 2
-    missing = sorted(set(range(total)) - remote.committed())
+    missing = [k for k in range(total) if k not in committed]
     if missing:
-        print(f"batchgen finalize: {url}: {len(missing)} of {total} parts missing: "
-              f"{', '.join(map(str, missing[:20]))}", file=sys.stderr)
+        shards = manifest.get("layout", {}).get("num_shards", 1)
+        shown = ", ".join(f"{k} (shard {k % shards})" for k in missing[:20]) + (" ..." if len(missing) > 20 else "")
+        print(f"batchgen finalize: {where}: {len(missing)} of {total} parts missing: {shown}; rerun those shards "
+              f"(run.shard=K run.num_shards={shards}), then finalize again", file=sys.stderr)
         return 1
-    remote.fs.pipe(remote.key(SUCCESS), b"")
-    print(f"batchgen finalize: {url}: all {total} parts committed; {SUCCESS} written")
+    write_success()
+    print(f"batchgen finalize: {where}: all {total} parts committed; {SUCCESS} written")
     return 0
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="batchgen finalize", description=__doc__)
     parser.add_argument("output_dir")
-    args = parser.parse_args(argv)
-    if "://" in args.output_dir:
-        return remote_main(args.output_dir)
-    out = Path(args.output_dir)
-    if not (out / MANIFEST).exists():
-        print(f"batchgen finalize: error: {out}: no batchgen run here (no {MANIFEST})", file=sys.stderr)
-        return 2
-    try:
-        missing, total = missing_parts(out)
-    except ValueError as exc:
-        print(f"batchgen finalize: error: {exc}", file=sys.stderr)
-        return 2
-    if missing:
-        shards = json.loads((out / MANIFEST).read_text()).get("layout", {}).get("num_shards", 1)
-        shown = ", ".join(f"{k} (shard {k % shards})" for k in missing[:20]) + (" ..." if len(missing) > 20 else "")
-        print(f"batchgen finalize: {out}: {len(missing)} of {total} parts missing: {shown}; rerun those shards "
-              f"(run.shard=K run.num_shards={shards}), then finalize again", file=sys.stderr)
-        return 1
-    if not (out / SUCCESS).exists():
-        (out / SUCCESS).write_text("")
-        fsync_dir(out)
-    print(f"batchgen finalize: {out}: all {total} parts committed; {SUCCESS} written")
-    return 0
+    where = parser.parse_args(argv).output_dir
+    if "://" in where:  # object storage: the manifest and the listing from the bucket
+        from batchgen.remote import RemoteOutput
+
+        remote = RemoteOutput(where)
+        key = remote.key(MANIFEST)
+        manifest = json.loads(remote.fs.cat(key)) if remote.fs.exists(key) else None
+        return finalize(where, manifest, remote.committed() if manifest else set(),
+                        lambda: remote.fs.pipe(remote.key(SUCCESS), b""))
+    out = Path(where)
+    manifest = json.loads((out / MANIFEST).read_text()) if (out / MANIFEST).exists() else None
+    committed = {int(m.group(1)) for p in out.iterdir() if (m := PART_RE.match(p.name))} if manifest else set()
+
+    def write_success() -> None:
+        if not (out / SUCCESS).exists():
+            (out / SUCCESS).write_text("")
+            fsync_dir(out)
+
+    return finalize(where, manifest, committed, write_success)

@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 from batchgen.committer import error_kind
 from batchgen.engines.base import model_max_len
+from batchgen.errors import TooLongError
 from batchgen.fsutil import write_json_atomic
 from batchgen.job import JobConfig
 from batchgen.outdir import load_input_index, save_input_index
@@ -75,13 +76,15 @@ def measure(cfg: JobConfig) -> tuple[dict[str, Any], list[tuple[int, list[int]]]
                 errors[error_kind(error)] += 1
                 continue
             lengths.append(len(ids))
-            room = limit - setting.max_new_tokens
-            if len(ids) > room:
+            if len(ids) > limit - setting.max_new_tokens:
                 over.append(part.ids[i])
-            if len(ids) <= room or cfg.run.too_long == "truncate_left" and room >= 1:
-                fitted += min(len(ids), room)
-            else:
-                continue  # an error row in the job (too_long), or the job stops there (fail)
+            try:  # the job's own run.too_long policy (planner.fit): what its num_prompt_tokens will sum to
+                kept, too_long = planner.fit(ids, setting.max_new_tokens, limit, part.ids[i])
+            except TooLongError:
+                continue  # run.too_long=fail: the job stops at this row
+            if too_long is not None:
+                continue  # a too_long error row in the job
+            fitted += len(kept)
             max_generated += setting.max_new_tokens * cfg.sampling.n
             rows.append((setting.max_new_tokens, ids))
     total = planner.total_rows

@@ -154,7 +154,7 @@ class Planner:
         for row in range(part.num_rows):
             if errors[row] is not None or row in skipped:
                 continue
-            fitted, errors[row] = self._fit(ids[row], settings[row].max_new_tokens, max_model_len, part.ids[row])
+            fitted, errors[row] = self.fit(ids[row], settings[row].max_new_tokens, max_model_len, part.ids[row])
             if errors[row] is not None:
                 continue
             params = self._params(settings[row], self._thinks(rendered[row]))
@@ -171,7 +171,7 @@ class Planner:
                 out[i] = ids
         return out
 
-    def _fit(self, ids: list[int], cap: int, max_model_len: int, row_id: str) -> tuple[list[int], Optional[str]]:
+    def fit(self, ids: list[int], cap: int, max_model_len: int, row_id: str) -> tuple[list[int], Optional[str]]:
         """Apply run.too_long: keep BOS and the prompt's tail, record the row as an error, or stop the job."""
         room = max_model_len - cap
         if len(ids) <= room:

@@ -26,6 +26,7 @@ class Reader:
         self.fs = fs
         self.root = root
         self.rows_read = 0  # input rows decoded so far (a sharded worker reads its own parts' only)
+        self._fingerprint: Optional[list[dict[str, Any]]] = None
 
     def columns(self) -> Optional[list[str]]:
         """Column names, or None where the input has no readable record to tell them from."""
@@ -39,7 +40,7 @@ class Reader:
         """Each input file by path, size and content digest (fsutil.content_digest): a resume refuses changed
         bytes, and accepts a file touched or rewritten with the same bytes (its mtime is not compared). Computed
         once per reader."""
-        if getattr(self, "_fingerprint", None) is None:
+        if self._fingerprint is None:
             self._fingerprint = self._fingerprint_files()
         return self._fingerprint
 

@@ -26,6 +26,7 @@ from batchgen.errors import BatchgenError, ConfigError  # noqa: E402
 from batchgen.job import JobConfig, RunConfig, validate  # noqa: E402
 from batchgen.launch import LauncherConfig  # noqa: E402
 from batchgen.reader import DatasetConfig  # noqa: E402
+from batchgen.remote import RemoteOutput, is_remote  # noqa: E402
 from batchgen.sampling import SamplingConfig  # noqa: E402
 from batchgen.stopping import StopRequested  # noqa: E402
 
@@ -134,16 +135,13 @@ def compose_checked(overrides: list[str]) -> JobConfig:
     raise ConfigError(problems)
 
 
-def preflight(overrides: list[str]) -> None:
+def preflight(overrides: list[str]) -> JobConfig:
     """Compose and validate the config before Hydra starts the job (and writes output_dir/_logs): every unknown
     key, config problem, missing path or model and unusable output_dir reported at once, one line each, exit 2."""
-    problems: list[str] = []
     try:
-        compose_checked(overrides)
+        return compose_checked(overrides)
     except ConfigError as exc:
-        problems = exc.problems
-    if problems:
-        for line in problems:
+        for line in exc.problems:
             print(f"batchgen: error: {line}", file=sys.stderr)
         sys.exit(2)
 
@@ -162,7 +160,11 @@ def main() -> None:
 
         sys.exit(finalize_main(sys.argv[2:]))
     if not any(arg.startswith("-") for arg in sys.argv[1:]):  # Hydra's own flags (--help, -m) go straight to it
-        preflight(sys.argv[1:])
+        cfg = preflight(sys.argv[1:])
+        if is_remote(cfg.output_dir) and not any(a.startswith("hydra.run.dir=") for a in sys.argv):
+            # Hydra's logs are local files: for an output on object storage, in its staging directory
+            logs = f"{RemoteOutput(cfg.output_dir).staging}/_logs/"
+            sys.argv.append("hydra.run.dir=" + logs + "${now:%Y-%m-%d_%H-%M-%S-%f}")
     try:
         _hydra_main()
     except SystemExit as exc:

@@ -105,6 +105,7 @@ def test_killed_and_resumed_on_s3_every_id_exactly_once(s3, tiny_model, data, tm
     assert set(pairs.values()) == {1} and len(pairs) == ROWS
     assert got.equals(read_output(tmp_path / "local"))
     assert "_SUCCESS" in names(fs, "killed")
+    assert not (REPO / "s3:").exists()  # Hydra's logs went to the staging directory, not to a local "s3:" folder
     fs.rm("bucket/killed/_SUCCESS")
     done = subprocess.run([sys.executable, "-m", "batchgen", "finalize", "s3://bucket/killed"], cwd=REPO,
                           env=os.environ | env, capture_output=True, text=True, timeout=120)

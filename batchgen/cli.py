@@ -1,7 +1,8 @@
 """The command line: the one module that knows Hydra.
 
 `batchgen [job=NAME] [key=value ...]` composes conf/, converts it to JobConfig dataclasses once,
-validates it and runs the job. `batchgen status OUTPUT_DIR` reads a run's progress off disk.
+validates it and runs the job. `batchgen status OUTPUT_DIR` reads a run's progress off disk; `plan`, `retry` and
+`finalize` are their own modules, handed the config composition they need from here.
 Exit codes (docs/contract.md section 7): 0 done, 1 runtime failure or error rate exceeded, 2 config or input error;
 143 / 130 stopped by SIGTERM / SIGINT after journaling finished results (rerun the same command to resume).
 """
@@ -135,6 +136,19 @@ def compose_checked(overrides: list[str]) -> JobConfig:
     raise ConfigError(problems)
 
 
+def config_from(resolved: dict, overrides: list[str]) -> JobConfig:
+    """A job config from an earlier run's resolved config (its manifest's `config`) with `overrides` on top, validated
+    (batchgen retry); ConfigError naming every problem."""
+    problems = unknown_keys(overrides)
+    if problems:
+        raise ConfigError(problems)
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(JobConfig), resolved, OmegaConf.from_dotlist(overrides))
+    except OmegaConfBaseException as exc:
+        raise ConfigError([f"{getattr(exc, 'full_key', None) or 'config'}: {getattr(exc, 'msg', exc)}"]) from exc
+    return to_job_config(cfg)  # type: ignore[arg-type]
+
+
 def preflight(overrides: list[str]) -> JobConfig:
     """Compose and validate the config before Hydra starts the job (and writes output_dir/_logs): every unknown
     key, config problem, missing path or model and unusable output_dir reported at once, one line each, exit 2."""
@@ -155,6 +169,10 @@ def main() -> None:
         from batchgen.plan import main as plan_main
 
         sys.exit(plan_main(sys.argv[2:], compose_checked))
+    if len(sys.argv) > 1 and sys.argv[1] == "retry":
+        from batchgen.retry import main as retry_main
+
+        sys.exit(retry_main(sys.argv[2:], config_from))
     if len(sys.argv) > 1 and sys.argv[1] == "finalize":
         from batchgen.finalize import main as finalize_main
 

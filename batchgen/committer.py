@@ -51,6 +51,7 @@ OPTIONAL_FIELDS = {
     "top_logprobs": pa.field("top_logprobs", pa.list_(pa.list_(TOP_LOGPROB))),
     "reasoning": pa.field("reasoning", pa.string()),
 }
+ATTEMPT_FIELD = pa.field("attempt", pa.int32(), nullable=False)  # a retry's parts only (batchgen retry)
 PART_RE = re.compile(r"^part-(\d{5,})\.parquet$")
 TMP_PART_RE = re.compile(r"^\.part-(\d{5,})\.parquet\.tmp-\d+$")
 TMP_JOURNAL_RE = re.compile(r"^\._part-(\d{5,})\.journal\.tmp-\d+$")  # a journal header being written
@@ -183,8 +184,9 @@ def stats_of(part: Part, rows: list[OutputRow]) -> PartStats:
 
 class Committer:
     def __init__(self, output_dir: Path, *, passthrough: list[str], metadata: dict[str, str],
-                 optional: tuple[str, ...] = ()):
+                 optional: tuple[str, ...] = (), attempt: int = 0):
         self.output_dir = output_dir
+        self.attempt = attempt  # > 0: a retry's parts, with the `attempt` column
         self.passthrough = passthrough
         self.optional = optional  # names of OPTIONAL_FIELDS this job writes, after the contract's columns
         self.exclusive = False  # first writer wins: a part already committed (by another worker) is never replaced
@@ -255,6 +257,9 @@ class Committer:
             if name in self.optional:
                 columns[name] = pa.array([getattr(r, name) for r in rows], OPTIONAL_FIELDS[name].type)
         fields += [OPTIONAL_FIELDS[name] for name in self.optional]
+        if self.attempt:
+            columns["attempt"] = pa.array([self.attempt] * len(rows), pa.int32())
+            fields.append(ATTEMPT_FIELD)
         if self.passthrough:
             taken = part.table.select(self.passthrough).take(pa.array([r.row for r in rows], pa.int64()))
             for name in self.passthrough:
@@ -267,7 +272,7 @@ class Committer:
     def write_empty(self, schema_fields: Optional[list[pa.Field]] = None) -> None:
         """An empty dataset still yields a readable result: one part with the schema and no rows. It has no row
         group at all (an empty row group makes `datasets.load_dataset("parquet")` fail on a batch size of 0)."""
-        optional = [OPTIONAL_FIELDS[name] for name in self.optional]
+        optional = [OPTIONAL_FIELDS[name] for name in self.optional] + [ATTEMPT_FIELD] * bool(self.attempt)
         schema = pa.schema(OUTPUT_FIELDS + optional + (schema_fields or []), metadata=self.metadata)
         path = self.part_path(0)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

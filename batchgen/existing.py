@@ -52,11 +52,12 @@ class Existing:
         self.ids = self._generated()
 
     def _generated(self) -> set[int]:
-        import pyarrow.dataset as ds
+        """Ids with no erring sample in the earlier output's latest-attempt view (batchgen retry's attempts)."""
+        from batchgen.view import latest_batches
 
         seen: set[int] = set()
         erred: set[int] = set()
-        for batch in ds.dataset(self.path, format="parquet").to_batches(columns=["id", "error"]):
+        for batch in latest_batches(self.path, columns=["id", "error"]):
             for row_id, error in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()):
                 (erred if error is not None else seen).add(id_hash(row_id))
         return seen - erred

@@ -45,6 +45,8 @@ class RunConfig:
     lookahead_parts: Optional[int] = None
     # an earlier output (PATH) of the same job: the ids it generated without error are skipped (nightly increments)
     skip_existing: Optional[str] = None
+    # set by `batchgen retry` (its attempt-NNN/ output): written as the `attempt` column; 0 = the job itself
+    attempt: int = 0
 
 
 @dataclass
@@ -188,6 +190,8 @@ def _run_problems(run: RunConfig) -> list[str]:
         out.append(f"run.too_long must be one of {', '.join(TOO_LONG)} (got {run.too_long!r})")
     if not 0 <= run.max_error_rate <= 1:
         out.append(f"run.max_error_rate must be in [0, 1] (got {run.max_error_rate})")
+    if run.attempt < 0:
+        out.append(f"run.attempt must be >= 0 (got {run.attempt}); batchgen retry sets it")
     if run.num_shards < 1:
         out.append(f"run.num_shards must be >= 1 (got {run.num_shards})")
     elif not 0 <= run.shard < run.num_shards:

@@ -35,7 +35,8 @@ def output_config(cfg: JobConfig) -> dict[str, Any]:
         "engine": {"name": engine.name, "model": _local(engine.model), "tokenizer": _local(engine.tokenizer),
                    "quantization": engine.quantization, "max_model_len": engine.max_model_len},
         "run": {"rows_per_part": cfg.rows_per_part, "too_long": cfg.run.too_long,
-                **({"skip_existing": _input(cfg.run.skip_existing)} if cfg.run.skip_existing else {})},
+                **({"skip_existing": _input(cfg.run.skip_existing)} if cfg.run.skip_existing else {}),
+                **({"attempt": cfg.run.attempt} if cfg.run.attempt else {})},
     }
 
 

@@ -4,6 +4,7 @@ the rows. Knows files, the manifest and the committer, not engines."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -24,6 +25,8 @@ def prepare_output_dir(cfg: JobConfig, output_dir: Path, reader: Reader, resolve
     if started and not cfg.run.resume:
         raise ConfigError([f"run.resume=false but {output_dir} already holds a run; set run.resume=true to "
                            f"continue it, or choose a new output_dir"])
+    if not resolved:  # a job built in Python: its own config, so that `batchgen retry` can rebuild it
+        resolved = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
     check_or_write(output_dir, build_manifest(cfg, resolved, reader.fingerprint(), reader.count_rows()))
     record_layout(output_dir, cfg.run.num_shards)
     save_input_index(output_dir, reader)

@@ -83,7 +83,7 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
             if remote:
                 remote.push(MANIFEST)
         kwargs = {"passthrough": passthrough, "metadata": file_metadata(cfg),
-                  "optional": optional_columns(cfg.sampling, cfg.dataset)}
+                  "optional": optional_columns(cfg.sampling, cfg.dataset), "attempt": cfg.run.attempt}
         committer = RemoteCommitter(remote, **kwargs) if remote else Committer(output_dir, **kwargs)
         mine = (status_name(cfg.run.shard, cfg.run.num_shards),)  # the shard's own status file's temp copies
         committer.clean_stale(lambda k: k % cfg.run.num_shards == cfg.run.shard, mine)

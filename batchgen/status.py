@@ -43,12 +43,31 @@ def describe(output_dir: Path) -> str:
     parts = sorted(output_dir.glob("part-*.parquet"))
     lines.append(f"  committed parts: {len(parts)}")
     lines += _journals(output_dir)
+    lines += _attempts(output_dir)
     writers = live_writers(output_dir)
     for h in writers:
         lines.append(f"  running: {h['lock']} held by pid {h.get('pid')} on {h.get('host')} since {h.get('since')}")
     if not writers:
         lines.append("  no run holds the lock")
     return "\n".join(lines)
+
+
+def _attempts(output_dir: Path) -> list[str]:
+    """One line per `batchgen retry` attempt beside the job's parts."""
+    import json
+
+    from batchgen.view import attempt_dir, attempts
+
+    lines = []
+    for a in attempts(output_dir)[1:]:
+        here = attempt_dir(output_dir, a)
+        recorded = json.loads((here / "_retry.json").read_text()) if (here / "_retry.json").exists() else {}
+        state = "complete" if (here / SUCCESS).exists() else "incomplete (rerun batchgen retry to finish it)"
+        overrides = " ".join(recorded.get("overrides", [])) or "none"
+        lines.append(f"  {here.name}: {state}: {recorded.get('rows', '?')} rows retried "
+                     f"({', '.join(recorded.get('kinds', []))}; overrides: {overrides}), "
+                     f"{len(list(here.glob('part-*.parquet')))} committed parts")
+    return lines
 
 
 def _journals(output_dir: Path) -> list[str]:

@@ -1,0 +1,201 @@
+"""`batchgen retry OUTPUT_DIR [--kinds too_long,invalid_output] [key=value ...]`: generate again the rows of a
+finished job that erred with a retryable kind, under the job's own config plus the overrides given (a larger
+engine.max_model_len, run.too_long=truncate_left, another sampling.seed...).
+
+Each retry is an attempt: attempt N writes `OUTPUT_DIR/_attempts/attempt-NNN/`, a job of its own (manifest, journals,
+parts, _SUCCESS, so resumable and exactly-once like any job), whose input is `_input.parquet` there: the erring rows
+of the job's input, read once, with their original ids. Its parts carry an `attempt` column. The job's own parts
+are never touched; `batchgen.view` gives the latest successful attempt per (id, sample_index).
+
+A retry killed at any point is finished by running the same command again (or `batchgen retry OUTPUT_DIR` alone,
+which takes the unfinished attempt's recorded kinds and overrides); a new attempt starts only once the last one is
+complete. Knows the output layout and the job runner; the config comes from the CLI (`config_from`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchgen.committer import ATTEMPT_FIELD, OPTIONAL_FIELDS, OUTPUT_COLUMNS, SUCCESS, error_kind
+from batchgen.errors import BatchgenError, ConfigError
+from batchgen.fsutil import replace_durably, write_json_atomic
+from batchgen.job import JobConfig
+from batchgen.manifest import MANIFEST, diff
+from batchgen.view import attempt_dir, attempts, latest_batches, part_files
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KINDS = ("too_long", "invalid_output")
+# kinds a retry can mend with other settings; the reader's own (malformed_json, invalid_utf8, too_large, too_deep,
+# bad_value, unreadable) need the input fixed, and a row of theirs reads the same again
+RETRYABLE = ("too_long", "invalid_output", "empty_prompt", "non_string_prompt", "bad_template", "bad_messages",
+             "bad_max_new_tokens", "bad_temperature", "bad_stop", "bad_choice", "bad_schema")
+RETRY_FILE = "_retry.json"  # the attempt's kinds and overrides, written once its input is ready
+INPUT_FILE = "_input.parquet"  # the attempt's input rows ('_': no reader of the output's parts picks it up)
+ID_COLUMN = "_batchgen_id"  # the original row id, the retry's dataset.id_column
+SET_BY_RETRY = ("output_dir", "dataset.path", "dataset.format", "dataset.limit", "dataset.id_column",
+                "run.attempt", "run.shard", "run.num_shards", "run.skip_existing", "run.resume")
+
+
+def prepare(output_dir: Path, kinds: Optional[list[str]], overrides: list[str],
+            config_from: Callable[[dict[str, Any], list[str]], JobConfig]) -> Optional[tuple[JobConfig, dict]]:
+    """The retry job to run (its config and resolved dict), or None when no row erred with these kinds."""
+    manifest_path = output_dir / MANIFEST
+    if not manifest_path.exists():
+        raise ConfigError([f"{output_dir}: no batchgen output here (no {MANIFEST})"])
+    if not (output_dir / SUCCESS).exists():
+        raise ConfigError([f"{output_dir} is not complete (no {SUCCESS}): rerun its job to finish it first, then "
+                           f"retry (batchgen status {output_dir} tells what is left)"])
+    manifest = json.loads(manifest_path.read_text())
+    original = manifest.get("config") or {}
+    if not original:
+        raise ConfigError([f"{output_dir}/{MANIFEST} records no config (a job run from Python without `resolved`); "
+                           f"retry needs the job's config"])
+    taken = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in SET_BY_RETRY]
+    if taken:
+        raise ConfigError([f"{o.split('=', 1)[0]}: set by batchgen retry (the attempt's own input and output); "
+                           f"leave it out" for o in taken])
+    unknown = [k for k in kinds or () if k not in RETRYABLE]
+    if unknown:
+        raise ConfigError([f"--kinds: {', '.join(unknown)} cannot be retried (retryable kinds: {', '.join(RETRYABLE)};"
+                           f" the reader's own errors need the input fixed)"])
+    last = attempts(output_dir)[-1]
+    recorded = _recorded(output_dir, last) if last else None
+    if last and not (attempt_dir(output_dir, last) / SUCCESS).exists() and recorded is not None:
+        asked = {"kinds": list(kinds or DEFAULT_KINDS), "overrides": overrides}
+        if (kinds is not None or overrides) and asked != {k: recorded[k] for k in asked}:
+            started = " ".join(["batchgen retry", str(output_dir), "--kinds", ",".join(recorded["kinds"]),
+                                *recorded["overrides"]])
+            raise ConfigError([f"{attempt_dir(output_dir, last)} is an unfinished retry started as `{started}`: "
+                               f"run that (or `batchgen retry {output_dir}` alone) to finish it first"])
+        log.info("finishing attempt %d (kinds %s, overrides %s)", last, recorded["kinds"], recorded["overrides"])
+        return _job(output_dir, last, recorded["overrides"], original, config_from)
+    attempt = last if last and recorded is None else last + 1  # an attempt whose input was never completed: anew
+    kinds = list(kinds or DEFAULT_KINDS)
+    base = config_from(original, [])
+    failed = failed_ids(output_dir, kinds)
+    if not failed:
+        return None
+    config_from(original, overrides)  # a bad override refused before anything is written
+    here = attempt_dir(output_dir, attempt)
+    here.mkdir(parents=True, exist_ok=True)
+    rows = write_input(base, manifest, failed, here / INPUT_FILE)
+    write_json_atomic(here / RETRY_FILE, {"attempt": attempt, "kinds": kinds, "overrides": overrides,
+                                          "ids": len(failed), "rows": rows})
+    log.info("attempt %d: %d rows erred with %s; their input is in %s", attempt, rows, ", ".join(kinds), here)
+    return _job(output_dir, attempt, overrides, original, config_from)
+
+
+def _recorded(output_dir: Path, attempt: int) -> Optional[dict[str, Any]]:
+    path = attempt_dir(output_dir, attempt) / RETRY_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def failed_ids(output_dir: Path, kinds: list[str]) -> set[str]:
+    """Ids whose latest attempt of some sample erred with one of `kinds`."""
+    out: set[str] = set()
+    for table in latest_batches(output_dir, columns=["id", "error"]):
+        for row_id, error in zip(table.column("id").to_pylist(), table.column("error").to_pylist()):
+            if error is not None and error_kind(error) in kinds:
+                out.add(row_id)
+    return out
+
+
+def write_input(cfg: JobConfig, manifest: dict[str, Any], ids: set[str], path: Path) -> int:
+    """The job's input rows whose id is in `ids`, streamed from the job's own input (refused if it changed since),
+    with each row's original id in ID_COLUMN; written under a temp name, then renamed."""
+    from batchgen.reader import open_reader
+
+    reader = open_reader(cfg.dataset)
+    changes = diff({"input": manifest.get("input")}, {"input": json.loads(json.dumps(reader.fingerprint()))})
+    if changes:
+        raise ConfigError([f"the job's input changed since it ran ({'; '.join(changes[:3])}); a retry reads the "
+                           f"rows it retries from that input: restore it, or run a new job"])
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    writer: Optional[pq.ParquetWriter] = None
+    rows = 0
+    try:
+        for batch in reader.iter_batches():
+            keep = [i for i, (row_id, err) in enumerate(zip(batch.ids, batch.read_errors))
+                    if row_id in ids and err is None]
+            if not keep:
+                continue
+            table = batch.table.take(pa.array(keep, pa.int64()))
+            table = table.append_column(pa.field(ID_COLUMN, pa.string()), pa.array([batch.ids[i] for i in keep]))
+            if writer is None:
+                writer = pq.ParquetWriter(tmp, table.schema)
+            writer.write_table(table.cast(writer.schema))
+            rows += len(keep)
+        if writer is not None:
+            writer.close()
+            writer = None
+            replace_durably(tmp, path)
+    finally:
+        if writer is not None:
+            writer.close()
+        tmp.unlink(missing_ok=True)
+    if not rows:
+        raise ConfigError([f"none of the {len(ids)} erring ids was found in the job's input {cfg.dataset.path}"])
+    return rows
+
+
+def _job(output_dir: Path, attempt: int, overrides: list[str], original: dict[str, Any],
+         config_from: Callable[[dict[str, Any], list[str]], JobConfig]) -> tuple[JobConfig, dict]:
+    """The attempt's job: the original config, its input and output the attempt's, then the overrides."""
+    here = attempt_dir(output_dir, attempt)
+    resolved = json.loads(json.dumps(original))
+    dataset, run = resolved.setdefault("dataset", {}), resolved.setdefault("run", {})
+    dataset.update(path=str(here / INPUT_FILE), format="parquet", limit=None, id_column=ID_COLUMN,
+                   passthrough_columns=passthrough_of(output_dir))
+    run.update(attempt=attempt, resume=True, shard=0, num_shards=1, skip_existing=None)
+    resolved["output_dir"] = str(here)
+    cfg = config_from(resolved, overrides)
+    return cfg, resolved | {"retry": {"of": str(output_dir), "attempt": attempt, "overrides": overrides}}
+
+
+def passthrough_of(output_dir: Path) -> list[str]:
+    """The passthrough columns the job wrote (its first part's columns past the output's own)."""
+    own = {*OUTPUT_COLUMNS, *OPTIONAL_FIELDS, ATTEMPT_FIELD.name}
+    parts = part_files(output_dir)
+    return [name for name in pq.read_schema(parts[0]).names if name not in own] if parts else []
+
+
+def main(argv: list[str], config_from: Callable[[dict[str, Any], list[str]], JobConfig]) -> int:
+    """The CLI's `batchgen retry`; `config_from` (cli.py, the one module that knows Hydra) builds the config."""
+    from batchgen.runner import run_job
+    from batchgen.stopping import StopRequested
+
+    parser = argparse.ArgumentParser(prog="batchgen retry", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("output_dir", type=Path)
+    parser.add_argument("--kinds", help=f"error kinds to retry, comma-separated (default {','.join(DEFAULT_KINDS)})")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides for the retried rows")
+    args = parser.parse_intermixed_args(argv)
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    try:
+        job = prepare(args.output_dir, kinds, args.overrides, config_from)
+        if job is None:
+            print(f"batchgen retry: no row of {args.output_dir} erred with {', '.join(kinds or DEFAULT_KINDS)}; "
+                  f"nothing to retry")
+            return 0
+        summary = run_job(*job)
+    except BatchgenError as exc:
+        print(f"batchgen retry: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except StopRequested as exc:
+        print(f"batchgen retry: {exc}; rerun the same command to finish this attempt", file=sys.stderr)
+        return exc.exit_code
+    print(summary.render())
+    print(f"latest attempt per row: batchgen.view.latest({str(args.output_dir)!r}) (README \"Retry\")")
+    return 0

@@ -3,9 +3,9 @@
 An output holds the job's parts (attempt 0, `part-*.parquet`) and, after retries, each retry's parts in
 `_attempts/attempt-NNN/` beside them, with an `attempt` column. Reading the directory itself still gives the job's
 own rows (its `_` names are skipped by every Parquet reader); this view is how to read the latest. It takes, per
-(id, sample_index), the latest attempt whose row has no error; where every attempt erred, the latest attempt. Rows keep the job's input order: a retried
-row stands where its original stood. Only committed parts are read; the retried rows (few, by construction) are
-held in memory, the job's parts streamed batch by batch.
+(id, sample_index), the latest attempt whose row has no error; where every attempt erred, the latest attempt.
+Rows keep the job's input order: a retried row stands where its original stood. Only committed parts are read;
+the retried rows (few, by construction) are held in memory, the job's parts streamed batch by batch.
 
     from batchgen.view import latest
     table = latest("data/outputs/job")          # pyarrow Table; .to_pandas(); datasets.Dataset(table)

@@ -24,7 +24,7 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from batchgen.engines.base import EngineConfig  # noqa: E402
 from batchgen.errors import BatchgenError, ConfigError  # noqa: E402
-from batchgen.job import JobConfig, RunConfig, validate  # noqa: E402
+from batchgen.job import JobConfig, OutputConfig, RunConfig, validate  # noqa: E402
 from batchgen.launch import LauncherConfig  # noqa: E402
 from batchgen.reader import DatasetConfig  # noqa: E402
 from batchgen.remote import RemoteOutput, is_remote  # noqa: E402
@@ -110,7 +110,7 @@ def unknown_keys(overrides: list[str]) -> list[str]:
                 break
             typ = fields[name].type
             node = {"EngineConfig": EngineConfig, "DatasetConfig": DatasetConfig, "SamplingConfig": SamplingConfig,
-                    "RunConfig": RunConfig, "LauncherConfig": LauncherConfig,
+                    "RunConfig": RunConfig, "LauncherConfig": LauncherConfig, "OutputConfig": OutputConfig,
                     }.get(typ if isinstance(typ, str) else getattr(typ, "__name__", ""))
     return problems
 

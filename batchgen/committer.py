@@ -119,7 +119,7 @@ def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
         if row in planned.skipped:
             continue  # generated in run.skip_existing's output already
         error = planned.errors[row]
-        for s in range(n):
+        for s in range(n if planned.counts is None else planned.counts[row]):
             seed = planned.seeds[row * n + s]
             if error is not None:
                 rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=None,
@@ -147,7 +147,7 @@ def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
 def optional_columns(sampling: Any, dataset: Any = None) -> tuple[str, ...]:
     """The OPTIONAL_FIELDS a job with these sampling.* (and dataset.* per-row constraint) settings writes."""
     constrained = any(getattr(sampling, kind, None) not in (None, "", []) for kind in KINDS) or any(
-        getattr(dataset, key, None) for key in ("choice_column", "schema_column"))
+        getattr(dataset, key, None) for key in ("choice_column", "schema_column", "response_format_column"))
     logprobs = getattr(sampling, "logprobs", None) is not None
     return (("parsed",) * constrained + ("choice_scores",) * bool(getattr(sampling, "choice_scores", False))
             + ("token_logprobs", "top_logprobs") * logprobs

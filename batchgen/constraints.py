@@ -77,6 +77,12 @@ def _checked(kind: str, value: str, stamp: Optional[tuple[int, int]]) -> tuple[O
     return (None, problem) if problem else (constraint, None)
 
 
+def checked(kind: str, value: str) -> tuple[Optional[Constraint], Optional[str]]:
+    """A constraint from its JSON-text value (a schema, a choice list...), built and compiled once per process:
+    (the constraint, None), or (None, why it cannot be used)."""
+    return _checked(kind, value, None)
+
+
 def _build(kind: str, value: Any) -> Constraint:
     if kind == "json_schema":
         if isinstance(value, str):

@@ -57,6 +57,9 @@ def main(argv: list[str]) -> int:
 
     def write_success() -> None:
         if not (out / SUCCESS).exists():
+            from batchgen.openai_out import write_if_wanted
+
+            write_if_wanted(out)  # before _SUCCESS: a complete output has its results file
             (out / SUCCESS).write_text("")
             fsync_dir(out)
 

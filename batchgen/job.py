@@ -50,6 +50,12 @@ class RunConfig:
 
 
 @dataclass
+class OutputConfig:
+    # parquet: the parts only; openai_batch: also _openai_batch_output.jsonl, OpenAI's batch output format
+    format: str = "parquet"
+
+
+@dataclass
 class JobConfig:
     name: str = "???"
     output_dir: str = "data/outputs/${name}"
@@ -57,6 +63,7 @@ class JobConfig:
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 
     @property
@@ -82,6 +89,10 @@ def validate(cfg: JobConfig) -> JobConfig:
                             f"engine={cfg.engine.name}; choices: {choices}")
         else:
             problems += quantization_problems(cfg.engine)
+    if cfg.dataset.format == "openai_batch" and not cfg.dataset.problems():
+        from batchgen.reader.openai_batch import configure
+
+        problems += configure(cfg.dataset)  # the request columns, by the file's endpoint
     sampling_problems = cfg.sampling.problems()
     if not sampling_problems and cfg.engine.name in ENGINES:
         constraint = cfg.sampling.constraint()
@@ -90,6 +101,11 @@ def validate(cfg: JobConfig) -> JobConfig:
                                                        cfg.sampling.max_reasoning_tokens)
     problems += cfg.engine.problems() + cfg.dataset.problems() + sampling_problems + _run_problems(cfg.run)
     problems += _per_row_problems(cfg) + cfg.launcher.problems()
+    if cfg.output.format not in ("parquet", "openai_batch"):
+        problems.append(f"output.format must be parquet or openai_batch (got {cfg.output.format!r})")
+    if cfg.output.format == "openai_batch" and (cfg.launcher.name == "ray" or "://" in cfg.output_dir):
+        problems.append("output.format=openai_batch is written on a local output_dir by launcher=local (run "
+                        "batchgen finalize on the shared output after a Ray job)")
     if cfg.launcher.name == "ray" and "://" in cfg.output_dir:
         problems.append("launcher=ray writes output_dir from every worker: use a shared filesystem path, not a URL")
     if cfg.launcher.name == "ray" and cfg.run.num_shards != 1:

@@ -44,7 +44,8 @@ def output_config(cfg: JobConfig) -> dict[str, Any]:
 # before they existed resumes under the same hash
 LATER_SAMPLING_KEYS = ("json_schema", "regex", "choice", "grammar", "choice_scores", "schemas", "logprobs",
                        "reasoning", "reasoning_start", "reasoning_end", "max_reasoning_tokens")
-LATER_DATASET_KEYS = ("temperature_column", "stop_column", "choice_column", "schema_column")
+LATER_DATASET_KEYS = ("temperature_column", "stop_column", "choice_column", "schema_column", "top_p_column",
+                      "seed_column", "n_column", "response_format_column")
 
 
 def _sampling(cfg: JobConfig) -> dict[str, Any]:

@@ -145,9 +145,14 @@ class Planner:
 
     def plan(self, part: Part, max_model_len: int) -> PlannedPart:
         rendered, errors, settings, ids = self.measure(part)
-        n = self.cfg.sampling.n
-        seeds = [None if settings[row].temperature == 0.0 else derive_seed(self.cfg.sampling.seed, part.ids[row], s)
-                 for row in range(part.num_rows) for s in range(n)]  # every sample's, error rows' included
+        counts = tuple(settings[row].n for row in range(part.num_rows))  # samples per row (dataset.n_column)
+        n = max((self.cfg.sampling.n, *counts))  # the key stride: sample s of row r is key r * n + s
+        job_seed = self.cfg.sampling.seed
+        # every sample's, error rows' included; a row's own seed (dataset.seed_column) stands for itself, as an
+        # OpenAI request's: the same seed and prompt draw the same under any id
+        seeds = [None if settings[row].temperature == 0.0 or s >= counts[row] else
+                 derive_seed(job_seed, part.ids[row], s) if settings[row].seed is None else
+                 derive_seed(settings[row].seed, "", s) for row in range(part.num_rows) for s in range(n)]
         requests: list[Request] = []
         skipped = frozenset(row for row in range(part.num_rows) if errors[row] is None and self.existing is not None
                             and part.ids[row] in self.existing)
@@ -159,8 +164,9 @@ class Planner:
                 continue
             params = self._params(settings[row], self._thinks(rendered[row]))
             requests += [Request(key=row * n + s, prompt_ids=fitted, params=params, seed=seeds[row * n + s])
-                         for s in range(n)]
-        return PlannedPart(part=part, requests=requests, errors=errors, seeds=seeds, n=n, skipped=skipped)
+                         for s in range(counts[row])]
+        return PlannedPart(part=part, requests=requests, errors=errors, seeds=seeds, n=n, skipped=skipped,
+                           counts=None if set(counts) == {n} else counts)
 
     def _tokenize(self, texts: list[Optional[str]], add_special_tokens: bool) -> list[list[int]]:
         todo = [i for i, t in enumerate(texts) if t is not None]
@@ -197,7 +203,7 @@ class Planner:
 
     def _params(self, row: RowSettings, reasoning: Optional[Reasoning] = None) -> SampleParams:
         s = self.cfg.sampling
-        return SampleParams(max_new_tokens=row.max_new_tokens, temperature=row.temperature, top_p=s.top_p,
+        return SampleParams(max_new_tokens=row.max_new_tokens, temperature=row.temperature, top_p=row.top_p,
                             top_k=s.top_k, stop=row.stop, ignore_eos=s.ignore_eos, constraint=row.constraint,
                             choice_scores=s.choice_scores and row.constraint is not None
                             and row.constraint.kind == "choice", logprobs=s.logprobs, reasoning=reasoning)

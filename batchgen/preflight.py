@@ -36,7 +36,7 @@ def check_columns(cfg: JobConfig, reader: Reader, renderer: Renderer) -> list[st
         return []
     where = ", ".join(reader.files[:3]) + (" ..." if len(reader.files) > 3 else "")
     named = ("id_column", "max_new_tokens_column", "temperature_column", "stop_column", "choice_column",
-             "schema_column")
+             "schema_column", "top_p_column", "seed_column", "n_column", "response_format_column")
     wanted = {f"dataset.{key}": getattr(ds, key) for key in named}
     if ds.messages_column:
         wanted["dataset.messages_column"] = ds.messages_column

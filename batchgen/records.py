@@ -54,6 +54,7 @@ class PlannedPart:
     seeds: list[int | None]  # per output row (row * n + sample_index), error rows' included; None for greedy
     n: int  # samples per row
     skipped: frozenset[int] = frozenset()  # rows already generated in run.skip_existing's output: no output rows
+    counts: tuple[int, ...] | None = None  # per row, its samples where rows differ (dataset.n_column); None: n each
 
 
 @dataclass(slots=True)

@@ -197,5 +197,11 @@ def main(argv: list[str], config_from: Callable[[dict[str, Any], list[str]], Job
         print(f"batchgen retry: {exc}; rerun the same command to finish this attempt", file=sys.stderr)
         return exc.exit_code
     print(summary.render())
+    if summary.state == "done":
+        from batchgen.openai_out import write_if_wanted
+
+        written = write_if_wanted(args.output_dir)  # the job's results file, now from the latest attempts
+        if written:
+            print(f"OpenAI batch results rewritten from the latest attempts: {written}")
     print(f"latest attempt per row: batchgen.view.latest({str(args.output_dir)!r}) (README \"Retry\")")
     return 0

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import pyarrow as pa
 
-from batchgen.constraints import Constraint, compile_problem
+from batchgen.constraints import Constraint, checked, compile_problem
 from batchgen.reader import column_values
 
 
@@ -23,6 +23,12 @@ class RowSettings:
     temperature: float
     stop: tuple[str, ...]
     constraint: Optional[Constraint]
+    top_p: float = 1.0
+    n: int = 1  # samples of the row
+    seed: Optional[int] = None  # the row's own job seed (its samples' seeds derive from it), else sampling.seed
+
+
+MAX_ROW_N = 128  # a row's own n above this is a bad_value: its samples would crowd out every other row
 
 
 class RowParams:
@@ -36,10 +42,12 @@ class RowParams:
     def settings(self, table: pa.Table, errors: list[Optional[str]]) -> list[RowSettings]:
         """Each row's settings; a bad value sets errors[row] (an earlier error is kept)."""
         s, ds = self.sampling, self.ds
-        rows = [RowSettings(s.max_new_tokens, s.temperature, tuple(s.stop), self.constraint)
+        rows = [RowSettings(s.max_new_tokens, s.temperature, tuple(s.stop), self.constraint, s.top_p, s.n)
                 for _ in range(table.num_rows)]
         checks = ((ds.max_new_tokens_column, self._cap), (ds.temperature_column, self._temperature),
-                  (ds.stop_column, self._stop), (ds.choice_column, self._choice), (ds.schema_column, self._schema))
+                  (ds.stop_column, self._stop), (ds.choice_column, self._choice), (ds.schema_column, self._schema),
+                  (ds.top_p_column, self._top_p), (ds.n_column, self._n), (ds.seed_column, self._seed),
+                  (ds.response_format_column, self._response_format))
         for column, check in checks:
             if not column:
                 continue
@@ -92,6 +100,52 @@ class RowParams:
             return (f"bad_schema: {_shown(value)} is not one of sampling.schemas ({', '.join(sorted(self.schemas))}) "
                     f"(dataset.schema_column)")
         row.constraint = self.schemas[value]
+        return None
+
+
+    def _top_p(self, row: RowSettings, value: Any) -> Optional[str]:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            return f"bad_value: top_p {value!r} is not a number in (0, 1] (dataset.top_p_column)"
+        row.top_p = float(value)
+        return None
+
+    def _n(self, row: RowSettings, value: Any) -> Optional[str]:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_ROW_N:
+            return f"bad_value: n {value!r} is not an integer in [1, {MAX_ROW_N}] (dataset.n_column)"
+        row.n = value
+        return None
+
+    def _seed(self, row: RowSettings, value: Any) -> Optional[str]:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"bad_value: seed {value!r} is not an integer (dataset.seed_column)"
+        row.seed = value
+        return None
+
+    def _response_format(self, row: RowSettings, value: Any) -> Optional[str]:
+        """OpenAI's response_format: text (no constraint), json_object (any JSON object), json_schema (its schema)."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                return f"bad_schema: response_format {_shown(value)} is not JSON (dataset.response_format_column)"
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            schema: Any = {"type": "object"}
+        elif kind == "json_schema" and isinstance(value.get("json_schema"), dict):
+            schema = value["json_schema"].get("schema", {"type": "object"})
+        else:
+            return (f"bad_schema: response_format {_shown(value)} is not text, json_object or json_schema with a "
+                    f"json_schema object (dataset.response_format_column)")
+        constraint, problem = checked("json_schema", json.dumps(schema, sort_keys=True))
+        if problem:
+            return f"bad_schema: response_format: {problem}"
+        row.constraint = constraint
         return None
 
 

@@ -20,6 +20,7 @@ from batchgen.heartbeat import status_name
 from batchgen.job import JobConfig, validate
 from batchgen.lock import OutputLock
 from batchgen.manifest import MANIFEST, check_engine
+from batchgen.openai_out import RESULTS, write_if_wanted
 from batchgen.outdir import committed_totals, file_metadata, load_input_index, prepare_output_dir
 from batchgen.planner import Planner, shard_holds
 from batchgen.preflight import check_columns, load_tokenizer
@@ -90,6 +91,8 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
         if (output_dir / SUCCESS).exists():
             summary = Summary(shown, "already_done", committed_totals(committer, cfg))
             log.info("%s is already complete; nothing to do", output_dir)
+            if cfg.output.format == "openai_batch" and not remote and not (output_dir / RESULTS).exists():
+                write_if_wanted(output_dir)  # a run killed between _SUCCESS and its results file
             return summary
         summary = Summary(shown, "partial", committed_totals(committer, cfg))
         planner = Planner(cfg, reader, renderer, tokenizer, existing)
@@ -107,6 +110,8 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
                 _generate_parts(cfg, planner, engine, committer, summary, progress)
             finally:
                 engine.close()
+            if summary.state == "done" and cfg.output.format == "openai_batch":
+                log.info("OpenAI batch results: %s", write_if_wanted(output_dir))
         except BaseException as exc:
             summary.state = "failed" if isinstance(exc, Exception) else "stopped"
             progress.duplicate_ids = planner.duplicate_ids

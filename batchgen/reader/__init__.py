@@ -13,12 +13,14 @@ from batchgen.reader.config import DatasetConfig
 from batchgen.reader.files import resolve_files
 from batchgen.reader.hfds import HFReader
 from batchgen.reader.jsonl import JsonlReader
+from batchgen.reader.openai_batch import OpenAIBatchReader
 from batchgen.reader.parquet import ParquetReader
 from batchgen.reader.values import column_values, is_json_text
 
 __all__ = ["DatasetConfig", "Reader", "column_values", "is_json_text", "open_reader", "resolve_files"]
 
-READERS: dict[str, type[Reader]] = {"parquet": ParquetReader, "jsonl": JsonlReader, "hf": HFReader}
+READERS: dict[str, type[Reader]] = {"parquet": ParquetReader, "jsonl": JsonlReader, "hf": HFReader,
+                                    "openai_batch": OpenAIBatchReader}
 
 
 def open_reader(cfg: DatasetConfig) -> Reader:

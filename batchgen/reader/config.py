@@ -10,7 +10,7 @@ import fsspec
 
 PARQUET_EXTS = (".parquet", ".pq")
 JSONL_EXTS = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".jsonl.bz2", ".jsonl.xz")
-FORMATS = ("auto", "parquet", "jsonl", "hf")
+FORMATS = ("auto", "parquet", "jsonl", "hf", "openai_batch")
 VERIFY = ("footers", "pages")
 MAX_DEPTH = 32  # nesting of a JSONL value beyond which its row is a too_deep error (Parquet readers choke deeper)
 BOM = b"\xef\xbb\xbf"
@@ -20,7 +20,7 @@ BOM = b"\xef\xbb\xbf"
 @dataclass
 class DatasetConfig:
     path: str = "???"  # file, directory, glob or fsspec URL; or a `datasets` dir / hub id for format=hf
-    format: str = "auto"  # auto | parquet | jsonl | hf
+    format: str = "auto"  # auto | parquet | jsonl | hf | openai_batch (OpenAI batch API request lines)
     id_column: Optional[str] = None  # unique row id column; null = `<file>:<row>`
     prompt_column: str = "prompt"
     template: Optional[str] = None  # "Summarize:\n{text}", rendered with the row's columns
@@ -34,6 +34,11 @@ class DatasetConfig:
     stop_column: Optional[str] = None  # a string or a list of strings, added to sampling.stop
     choice_column: Optional[str] = None  # a list of strings: the row's choice constraint
     schema_column: Optional[str] = None  # a name from sampling.schemas: the row's JSON schema
+    top_p_column: Optional[str] = None  # a number in (0, 1]
+    seed_column: Optional[str] = None  # an integer: the row's samples' seeds derive from it instead of sampling.seed
+    n_column: Optional[str] = None  # samples for the row, 1..128 (else sampling.n)
+    response_format_column: Optional[str] = None  # an OpenAI response_format (object or JSON text): text,
+    # json_object or json_schema, the row's constraint
     split: Optional[str] = None  # format=hf: split of a DatasetDict or hub dataset
     batch_rows: int = 2048  # rows per read batch (memory bound of the reader)
     max_line_bytes: int = 8 * 1024 * 1024  # JSONL: a longer line is a too_large error row, never parsed

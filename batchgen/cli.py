@@ -169,6 +169,10 @@ def main() -> None:
         from batchgen.plan import main as plan_main
 
         sys.exit(plan_main(sys.argv[2:], compose_checked))
+    if len(sys.argv) > 1 and sys.argv[1] == "report":
+        from batchgen.report import main as report_main
+
+        sys.exit(report_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "retry":
         from batchgen.retry import main as retry_main
 

@@ -48,6 +48,11 @@ def status_name(shard: int, num_shards: int) -> str:
     return "_status.json" if num_shards == 1 else f"_status.shard-{shard:05d}.json"
 
 
+def history_name(shard: int, num_shards: int) -> str:
+    """The shard's history: one JSON line per part committed, appended by every run (progress.Progress)."""
+    return "_history.jsonl" if num_shards == 1 else f"_history.shard-{shard:05d}.jsonl"
+
+
 def write_heartbeat(output_dir: Path, beat: Heartbeat) -> None:
     """Atomically replace the shard's status file (a failed write raises OutputWriteError naming it)."""
     path = output_dir / status_name(beat.shard, beat.num_shards)

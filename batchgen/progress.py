@@ -4,6 +4,7 @@ closing summary (Summary). Knows counts and the heartbeat record, not engines or
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import socket
@@ -17,7 +18,7 @@ from tqdm import tqdm
 
 from batchgen.committer import Committer, PartStats
 from batchgen.errors import BatchgenError
-from batchgen.heartbeat import Heartbeat, write_heartbeat
+from batchgen.heartbeat import Heartbeat, history_name, write_heartbeat
 from batchgen.job import JobConfig
 from batchgen.outdir import shard_rows
 from batchgen.stopping import GracefulStop
@@ -94,6 +95,7 @@ class Progress:
         self.duplicate_ids = 0
         self.parts: dict[int, dict[str, int]] = {}  # parts in flight: index, samples planned, journaled, reused
         self.written_at = 0.0
+        self.opened: dict[int, float] = {}  # parts in flight: when this run opened them (their time in the history)
         self.engine: Any = None  # once loaded: its counters (OOM backoffs, decode steps) go into the status
         self.bar = tqdm(total=self.total, initial=min(done.rows, self.total or done.rows), unit="row",
                         disable=not cfg.run.progress, dynamic_ncols=True)
@@ -102,6 +104,7 @@ class Progress:
     def start_part(self, index: int, planned: int, reused: int) -> None:
         self.parts[index] = {"index": index, "samples_planned": planned, "samples_journaled": reused,
                              "samples_reused": reused}
+        self.opened.setdefault(index, time.time())
         self.write("running")
 
     def journaled(self, index: int, count: int) -> None:
@@ -109,7 +112,8 @@ class Progress:
         if time.monotonic() - self.written_at >= self.HEARTBEAT_S:
             self.write("running")
 
-    def committed(self, index: int, stats: PartStats, generated_tokens: int) -> None:
+    def committed(self, index: int, stats: PartStats, generated_tokens: int, worker: Optional[str] = None) -> None:
+        self._history(index, stats, generated_tokens, worker)
         self.done.add(stats)
         self.run_rows += stats.rows
         self.run_tokens += generated_tokens
@@ -117,6 +121,21 @@ class Progress:
         self.bar.update(stats.rows)
         self.bar.set_postfix(tok_s=f"{self.rate():.1f}", errors=self.done.error_rows)
         self.write("running")
+
+    def _history(self, index: int, stats: PartStats, generated_tokens: int, worker: Optional[str]) -> None:
+        """Append the committed part to the shard's history (`_history*.jsonl`, read by `batchgen report`): one line
+        per part, appended; a line torn by a kill is skipped by its reader. A failed write costs the line only."""
+        opened = self.opened.pop(index, None)
+        record = {"t": round(time.time(), 3), "part": index, "rows": stats.rows, "samples": stats.samples,
+                  "generated_tokens": generated_tokens, "prompt_tokens": stats.prompt_tokens,
+                  "errors": stats.error_rows, "part_s": None if opened is None else round(time.time() - opened, 3),
+                  "shard": self.cfg.run.shard, "pid": os.getpid(), "host": socket.gethostname(), "worker": worker}
+        name = history_name(self.cfg.run.shard, self.cfg.run.num_shards)
+        try:
+            with self.stop.shielded(), open(self.committer.output_dir / name, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as exc:
+            log.warning("could not append to %s: %s", name, exc)
 
     def rate(self) -> float:
         return self.run_tokens / max(time.time() - self.start, 1e-9)

@@ -218,7 +218,7 @@ def _drive(cfg: JobConfig, render_row: Optional[RenderRow], committer: Committer
                 summary.totals.add(out["stats"])
                 summary.generated_tokens += out["generated"]
                 summary.reused_samples += out.get("reused", 0)
-                progress.committed(k, out["stats"], out["generated"])
+                progress.committed(k, out["stats"], out["generated"], worker=f"ray worker {i}")
                 check_error_rate(cfg, summary.totals)
             if not ready:
                 progress.write("running")

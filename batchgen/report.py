@@ -1,0 +1,225 @@
+"""`batchgen report OUTPUT_DIR [--out FILE]`: one self-contained HTML page of what a run did, from the files on
+disk: throughput over time (the runs' history, `_history*.jsonl`), prompt and generation length histograms, finish
+reasons, error kinds with example rows, per-shard and per-worker progress, retries, the config and the model.
+
+The plots are inline SVG (matplotlib, `pip install 'batchgen[plot]'`; without it the page has the tables only) and
+the page loads nothing from the network. Written to OUTPUT_DIR/_report.html by default. The rows are read through
+the latest-attempt view, a column at a time (lengths, finish reasons and errors only, never the generations).
+Knows the output layout, not engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import io
+import json
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any, Optional
+
+from batchgen.heartbeat import read_heartbeats
+from batchgen.manifest import MANIFEST
+from batchgen.view import attempt_dir, attempts, latest_batches
+
+REPORT = "_report.html"
+HISTORY_GLOB = "_history*.jsonl"
+EXAMPLES = 3  # rows shown per error kind
+COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860")
+
+
+def history(output_dir: Path) -> list[dict[str, Any]]:
+    """Every committed part's history record, all runs and shards, in time order (a torn last line skipped)."""
+    out = []
+    for path in sorted(output_dir.glob(HISTORY_GLOB)):
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a run killed while appending: its last line is torn
+    return sorted(out, key=lambda r: r.get("t", 0))
+
+
+def gather(output_dir: Path) -> dict[str, Any]:
+    """The facts the page shows."""
+    manifest = json.loads((output_dir / MANIFEST).read_text())
+    prompt, generated, reasons = [], [], Counter()
+    errors: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    counts: Counter = Counter()
+    rows = 0
+    for table in latest_batches(output_dir, columns=["id", "sample_index", "finish_reason", "num_prompt_tokens",
+                                                     "num_generated_tokens", "error"]):
+        cols = {c: table.column(c).to_pylist() for c in table.column_names}
+        for i in range(table.num_rows):
+            reasons[cols["finish_reason"][i]] += 1
+            generated.append(cols["num_generated_tokens"][i])
+            if cols["sample_index"][i] == 0:
+                rows += 1
+                if cols["error"][i] is None or not cols["error"][i].startswith(("too_long", "empty", "bad_")):
+                    prompt.append(cols["num_prompt_tokens"][i])
+            error = cols["error"][i]
+            if error is not None:
+                kind = error.split(":", 1)[0]
+                counts[kind] += 1
+                if len(errors[kind]) < EXAMPLES:
+                    errors[kind].append((cols["id"][i], error))
+    retries = []
+    for a in attempts(output_dir)[1:]:
+        here = attempt_dir(output_dir, a)
+        recorded = json.loads((here / "_retry.json").read_text()) if (here / "_retry.json").exists() else {}
+        retries.append({"attempt": a, "complete": (here / "_SUCCESS").exists(), **recorded})
+    return {"manifest": manifest, "rows": rows, "samples": len(generated), "prompt": prompt, "generated": generated,
+            "reasons": reasons, "errors": errors, "error_counts": counts, "history": history(output_dir),
+            "beats": [(p.name, b) for p, b in read_heartbeats(output_dir)], "retries": retries,
+            "complete": (output_dir / "_SUCCESS").exists()}
+
+
+def _svg(fig: Any) -> str:
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    text = buf.getvalue()
+    return text[text.index("<svg"):]  # inline: without the XML prolog
+
+
+def plots(facts: dict[str, Any]) -> dict[str, str]:
+    """Inline SVGs by name; empty without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return {}
+    out = {}
+    hist = facts["history"]
+    if hist:
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
+        t0 = hist[0]["t"]
+        by_worker: dict[str, list[dict]] = defaultdict(list)
+        for h in hist:
+            by_worker[_worker(h)].append(h)
+        for k, (worker, items) in enumerate(sorted(by_worker.items())):
+            total, xs, ys = 0, [], []
+            for h in items:
+                total += h.get("generated_tokens", 0)
+                xs.append(h["t"] - t0)
+                ys.append(total)
+            ax1.plot(xs, ys, marker="o", ms=3, color=COLORS[k % len(COLORS)], label=worker)
+        ax1.set_title("generated tokens (cumulative)")
+        ax1.set_xlabel("seconds since the first commit")
+        if len(by_worker) > 1:
+            ax1.legend(fontsize=7)
+        rates = [(h["t"] - t0, h["generated_tokens"] / h["part_s"]) for h in hist if h.get("part_s")]
+        if rates:
+            ax2.bar([x for x, _ in rates], [y for _, y in rates], width=max(1.0, (rates[-1][0] or 1) / 60),
+                    color=COLORS[0])
+        ax2.set_title("tok/s per part (generated / part's time in flight)")
+        ax2.set_xlabel("seconds since the first commit")
+        out["throughput"] = _svg(fig)
+    for name, values, title in (("prompt", facts["prompt"], "prompt tokens per row"),
+                                ("generated", facts["generated"], "generated tokens per sample")):
+        if values:
+            fig, ax = plt.subplots(figsize=(5, 3))
+            ax.hist(values, bins=min(30, max(len(set(values)), 1)), color=COLORS[0 if name == "prompt" else 2])
+            ax.set_title(title)
+            ax.set_ylabel("count")
+            out[name] = _svg(fig)
+    if facts["reasons"]:
+        fig, ax = plt.subplots(figsize=(5, 3))
+        names = sorted(facts["reasons"])
+        ax.bar(names, [facts["reasons"][n] for n in names], color=COLORS[1])
+        ax.set_title("finish reasons (samples)")
+        out["reasons"] = _svg(fig)
+    return out
+
+
+def _worker(h: dict[str, Any]) -> str:
+    return h.get("worker") or f"{h.get('host', '?')}:{h.get('pid', '?')}"
+
+
+def _table(head: list[str], rows: list[list[Any]]) -> str:
+    cells = "".join(f"<th>{html.escape(str(h))}</th>" for h in head)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table>{f'<tr>{cells}</tr>' if any(head) else ''}{body}</table>"
+
+
+def render(output_dir: Path, facts: dict[str, Any]) -> str:
+    m = facts["manifest"]
+    svg = plots(facts)
+    hist = facts["history"]
+    span = hist[-1]["t"] - hist[0]["t"] + (hist[0].get("part_s") or 0) if hist else 0
+    tokens = sum(h.get("generated_tokens", 0) for h in hist)
+    errors_total = sum(facts["error_counts"].values())
+    summary = [["state", "complete" if facts["complete"] else "incomplete"], ["rows", facts["rows"]],
+               ["samples", facts["samples"]], ["error samples", errors_total],
+               ["generated tokens (history)", tokens],
+               ["generation time (first to last commit)", f"{span:.1f} s"],
+               ["batchgen", m.get("batchgen_version")], ["config hash", m.get("config_hash")]]
+    workers: dict[str, dict[str, float]] = defaultdict(lambda: {"parts": 0, "rows": 0, "tokens": 0})
+    for h in hist:
+        w = workers[_worker(h)]
+        w["parts"] += 1
+        w["rows"] += h.get("rows", 0)
+        w["tokens"] += h.get("generated_tokens", 0)
+    shard_rows = [[name, b.state, f"{b.rows_done}/{b.rows_total if b.rows_total is not None else '?'}",
+                   b.rows_failed, b.generated_tokens, b.updated_at] for name, b in facts["beats"]]
+    sections = [
+        "<h2>Summary</h2>" + _table(["", ""], summary),
+        "<h2>Throughput over time</h2>" + (svg.get("throughput") or "<p>no history recorded (a run older than the "
+                                                                   "history file, or no part committed yet)</p>"),
+        "<h2>Lengths</h2><div class='row'>" + svg.get("prompt", "") + svg.get("generated", "") + "</div>",
+        "<h2>Finish reasons</h2><div class='row'>" + svg.get("reasons", "") + _table(
+            ["finish_reason", "samples"], sorted(facts["reasons"].items())) + "</div>",
+        "<h2>Errors</h2>" + (_table(["kind", "samples", "examples (id: error)"],
+                                    [[k, n, " | ".join(f"{i}: {e[:160]}" for i, e in facts["errors"][k])]
+                                     for k, n in facts["error_counts"].most_common()]) if errors_total
+                             else "<p>none</p>"),
+        "<h2>Shards</h2>" + _table(["status file", "state", "rows done", "error rows", "generated tokens",
+                                    "updated"], shard_rows),
+        "<h2>Workers</h2>" + _table(["worker (host:pid or Ray worker)", "parts", "rows", "generated tokens"],
+                                    [[k, int(v["parts"]), int(v["rows"]), int(v["tokens"])]
+                                     for k, v in sorted(workers.items())]),
+        "<h2>Retries</h2>" + (_table(["attempt", "complete", "kinds", "overrides", "rows"],
+                                     [[r["attempt"], r["complete"], ",".join(r.get("kinds", [])),
+                                       " ".join(r.get("overrides", [])), r.get("rows")] for r in facts["retries"]])
+                              if facts["retries"] else "<p>none</p>"),
+        "<h2>Model</h2><pre>" + html.escape(json.dumps({"model": m.get("model"), "engine": m.get("engine_resolved")},
+                                                       indent=2)) + "</pre>",
+        "<h2>Config</h2><pre>" + html.escape(json.dumps(m.get("config"), indent=2, default=str)) + "</pre>",
+    ]
+    title = html.escape(f"batchgen report: {output_dir}")
+    style = ("body{font-family:sans-serif;margin:24px;max-width:1100px} table{border-collapse:collapse;margin:8px 0}"
+             "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:left} pre{background:#f5f5f5;"
+             "padding:8px;font-size:12px;overflow:auto} .row{display:flex;gap:16px;align-items:flex-start}"
+             " svg{max-width:100%;height:auto}")
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}</title><style>{style}</style></head>"
+            f"<body><h1>{title}</h1>{''.join(sections)}</body></html>")
+
+
+def write_report(output_dir: Path, out: Optional[Path] = None) -> Path:
+    from batchgen.fsutil import write_bytes_atomic
+
+    path = out or output_dir / REPORT
+    write_bytes_atomic(path, render(output_dir, gather(output_dir)).encode("utf-8"))
+    return path
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="batchgen report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("output_dir", type=Path)
+    parser.add_argument("--out", type=Path, help=f"the page's path (default OUTPUT_DIR/{REPORT})")
+    args = parser.parse_args(argv)
+    if not (args.output_dir / MANIFEST).exists():
+        print(f"batchgen report: error: {args.output_dir}: no batchgen output here (no {MANIFEST})", file=sys.stderr)
+        return 2
+    try:
+        path = write_report(args.output_dir, args.out)
+    except FileNotFoundError as exc:
+        print(f"batchgen report: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"batchgen report: {path}")
+    return 0

@@ -101,11 +101,7 @@ def validate(cfg: JobConfig) -> JobConfig:
                                                        cfg.sampling.max_reasoning_tokens)
     problems += cfg.engine.problems() + cfg.dataset.problems() + sampling_problems + _run_problems(cfg.run)
     problems += _per_row_problems(cfg) + cfg.launcher.problems()
-    if cfg.output.format not in ("parquet", "openai_batch"):
-        problems.append(f"output.format must be parquet or openai_batch (got {cfg.output.format!r})")
-    if cfg.output.format == "openai_batch" and (cfg.launcher.name == "ray" or "://" in cfg.output_dir):
-        problems.append("output.format=openai_batch is written on a local output_dir by launcher=local (run "
-                        "batchgen finalize on the shared output after a Ray job)")
+    problems += _engine_feature_problems(cfg)
     if cfg.launcher.name == "ray" and "://" in cfg.output_dir:
         problems.append("launcher=ray writes output_dir from every worker: use a shared filesystem path, not a URL")
     if cfg.launcher.name == "ray" and cfg.run.num_shards != 1:
@@ -116,6 +112,21 @@ def validate(cfg: JobConfig) -> JobConfig:
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+def _engine_feature_problems(cfg: JobConfig) -> list[str]:
+    """Beam search and the OpenAI batch output against the engine and launcher."""
+    out = []
+    if cfg.sampling.num_beams > 1 and cfg.engine.name == "dummy":
+        out.append("sampling.num_beams > 1: engine=dummy has no beam search; use engine=hf or engine=vllm")
+    if cfg.sampling.num_beams > 1 and cfg.engine.name == "vllm" and cfg.sampling.early_stopping is not False:
+        out.append("sampling.early_stopping: vLLM's beam search has none; leave it false with engine=vllm")
+    if cfg.output.format not in ("parquet", "openai_batch"):
+        out.append(f"output.format must be parquet or openai_batch (got {cfg.output.format!r})")
+    if cfg.output.format == "openai_batch" and (cfg.launcher.name == "ray" or "://" in cfg.output_dir):
+        out.append("output.format=openai_batch is written on a local output_dir by launcher=local (run "
+                   "batchgen finalize on the shared output after a Ray job)")
+    return out
 
 
 def _slurm_defaults(run: RunConfig) -> list[str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any, NamedTuple, Optional
 
 import pyarrow as pa
@@ -163,8 +164,9 @@ class Planner:
             if errors[row] is not None:
                 continue
             params = self._params(settings[row], self._thinks(rendered[row]))
-            requests += [Request(key=row * n + s, prompt_ids=fitted, params=params, seed=seeds[row * n + s])
-                         for s in range(counts[row])]
+            requests += [Request(key=row * n + s, prompt_ids=fitted, seed=seeds[row * n + s],
+                                 params=params if params.num_beams == 1 else replace(
+                                     params, beam_rank=s, beam_count=counts[row])) for s in range(counts[row])]
         return PlannedPart(part=part, requests=requests, errors=errors, seeds=seeds, n=n, skipped=skipped,
                            counts=None if set(counts) == {n} else counts)
 
@@ -206,7 +208,8 @@ class Planner:
         return SampleParams(max_new_tokens=row.max_new_tokens, temperature=row.temperature, top_p=row.top_p,
                             top_k=s.top_k, stop=row.stop, ignore_eos=s.ignore_eos, constraint=row.constraint,
                             choice_scores=s.choice_scores and row.constraint is not None
-                            and row.constraint.kind == "choice", logprobs=s.logprobs, reasoning=reasoning)
+                            and row.constraint.kind == "choice", logprobs=s.logprobs, reasoning=reasoning,
+                            num_beams=s.num_beams, length_penalty=s.length_penalty, early_stopping=s.early_stopping)
 
 
 def share(cfg: JobConfig) -> tuple[int, int]:

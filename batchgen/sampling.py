@@ -35,6 +35,10 @@ class SamplingConfig:
     reasoning_start: str = "<think>"
     reasoning_end: str = "</think>"
     max_reasoning_tokens: Optional[int] = None  # past this many thinking tokens, reasoning_end is forced
+    # beam search: num_beams > 1 searches that many beams per row; its best n hypotheses are the samples, best first
+    num_beams: int = 1
+    length_penalty: float = 1.0  # a finished hypothesis scores sum(logprobs) / length ** length_penalty
+    early_stopping: Any = False  # false (transformers' heuristic), true (once num_beams are finished), "never"
 
     @property
     def greedy(self) -> bool:
@@ -71,9 +75,31 @@ class SamplingConfig:
         if self.max_reasoning_tokens is not None and (self.max_reasoning_tokens < 1 or self.reasoning == "off"):
             out.append(f"sampling.max_reasoning_tokens must be >= 1 and needs sampling.reasoning=split or auto "
                        f"(got {self.max_reasoning_tokens}, reasoning={self.reasoning})")
+        out += self._beam_problems(constraint)
         for name, schema in self.schemas.items():
             out += [p.replace("sampling.json_schema", f"sampling.schemas.{name}")
                     for p in from_sampling(SamplingConfig(json_schema=schema))[1]]
+        return out
+
+    def _beam_problems(self, constraint: Optional[Constraint]) -> list[str]:
+        if self.num_beams < 1:
+            return [f"sampling.num_beams must be >= 1 (got {self.num_beams}); 1 = no beam search"]
+        if self.early_stopping not in (True, False, "never"):
+            return [f"sampling.early_stopping must be true, false or never (got {self.early_stopping!r})"]
+        if self.num_beams == 1:
+            return []
+        out = []
+        if self.n > self.num_beams:
+            out.append(f"sampling.n={self.n} > sampling.num_beams={self.num_beams}: beam search returns at most "
+                       f"num_beams hypotheses per row")
+        if self.temperature != 0.0:
+            out.append("sampling.num_beams > 1 is deterministic beam search: set sampling.temperature=0 (beam "
+                       "sampling is not supported)")
+        taken = [k for k, v in (("a constraint", constraint), ("sampling.choice_scores", self.choice_scores),
+                                ("sampling.logprobs", self.logprobs is not None), ("sampling.stop", self.stop),
+                                ("sampling.reasoning", self.reasoning != "off")) if v]
+        if taken:
+            out.append(f"sampling.num_beams > 1 cannot go with {', '.join(taken)}")
         return out
 
     def constraint(self) -> Optional[Constraint]:
@@ -113,6 +139,11 @@ class SampleParams:
     logprobs: Optional[int] = None  # return each generated token's log-probability and the top k (sampling.logprobs)
     reasoning: Optional[Reasoning] = None  # this sample thinks first (sampling.reasoning)
     forced: tuple[int, ...] = ()  # tokens fed in instead of sampled, one per step (a choice being scored)
+    num_beams: int = 1  # beam search (sampling.num_beams): this request is hypothesis `beam_rank` of `beam_count`
+    length_penalty: float = 1.0
+    early_stopping: Any = False
+    beam_rank: int = 0
+    beam_count: int = 1
 
     @property
     def greedy(self) -> bool:

@@ -18,7 +18,7 @@ import itertools
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -209,6 +209,11 @@ class VLLMEngine:
         """vLLM's request queue topped up from `source` before every engine step, so its scheduler always has the
         next parts' requests to admit as rows finish; each result goes to `on_result` the step it finishes."""
         engine = self.llm.llm_engine
+        first, done = take(source)
+        if any(r.params.num_beams > 1 for r in first):  # sampling.num_beams: the whole job is beam search
+            self._stream_beams(first, done, source, on_result)
+            return
+        source = _replay(first, done, source)
         if not all(hasattr(engine, name) for name in ("add_request", "step", "has_unfinished_requests")):
             stream_windows(self._generate_at_once, source, on_result)  # an older vLLM: results at each batch's end
             return
@@ -240,6 +245,43 @@ class VLLMEngine:
             if pending and hasattr(engine, "abort_request"):
                 engine.abort_request(list(pending))
             raise
+
+    def _stream_beams(self, new: list[Request], exhausted: bool, source: Source,
+                      on_result: Callable[[Result], None]) -> None:
+        """A beam-search job (sampling.num_beams > 1): each batch of rows through vLLM's `LLM.beam_search`, which
+        drives the engine itself; a row's best `n` beams are its samples (ranks 0..n-1), best first."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import BeamSearchParams
+
+        eos = {self.tokenizer.eos_token_id}
+        while True:
+            if not new:
+                if exhausted:
+                    return
+                raise starved()
+            groups: dict[tuple, list[Request]] = {}
+            for req in new:
+                groups.setdefault((tuple(req.prompt_ids), replace(req.params, beam_rank=0)), []).append(req)
+            by_params: dict[Any, list[list[Request]]] = {}
+            for (_, params), reqs in groups.items():
+                by_params.setdefault(params, []).append(sorted(reqs, key=lambda r: r.params.beam_rank))
+            for p, rows in by_params.items():
+                outs = self.llm.beam_search(
+                    [TokensPrompt(prompt_token_ids=list(reqs[0].prompt_ids)) for reqs in rows],
+                    BeamSearchParams(beam_width=p.num_beams, max_tokens=p.max_new_tokens, ignore_eos=p.ignore_eos,
+                                     length_penalty=p.length_penalty))
+                self.stats.steps += 1
+                for reqs, out in zip(rows, outs, strict=True):
+                    for req in reqs:
+                        seq = out.sequences[min(req.params.beam_rank, len(out.sequences) - 1)]
+                        ids = list(seq.tokens[len(req.prompt_ids):])
+                        ended = bool(ids) and ids[-1] in eos and not p.ignore_eos
+                        on_result(Result(key=req.key, text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                                         finish_reason="stop" if ended else "length",
+                                         num_prompt_tokens=len(req.prompt_ids), num_generated_tokens=len(ids)))
+            if exhausted:
+                return
+            new, exhausted = take(source)
 
     def _generate_at_once(self, requests: list[Request], on_result: Optional[Callable[[Result], None]]
                           ) -> list[Result]:
@@ -291,6 +333,18 @@ class VLLMEngine:
         return result
 
 
+
+
+def _replay(first: list[Request], exhausted: bool, source: Source) -> Source:
+    """`source`, with `first` (taken from it already) given again first."""
+    pending = [first] if first else []
+
+    def replayed() -> Optional[list[Request]]:
+        if pending:
+            return pending.pop()
+        return None if exhausted else source()
+
+    return replayed
 
 
 def logprobs_of(ids: list[int], positions: list[dict[int, Any]], k: int) -> tuple[list[float], list[list[list]]]:

@@ -16,6 +16,7 @@ import torch
 
 from batchgen.engines.base import EngineConfig, Source, generate_by_stream, stream_windows
 from batchgen.engines.hf import device, prefix, quant
+from batchgen.engines.hf.beam import BeamSearcher, with_beams
 from batchgen.engines.hf.cpu import kernels, onednn, runtime
 from batchgen.engines.hf.generic import GenericGenerator
 from batchgen.engines.hf.sampler import Sampler, eos_ids
@@ -71,6 +72,7 @@ class HFEngine:
         self.prefixes = prefix.for_config(cfg.prefix_cache, cfg.prefix_cache_mb)  # kept across windows
         self.pad_id = _first(tokenizer.pad_token_id, *sorted(self.eos_ids), 0)
         self._scorer: Optional[ChoiceScorer] = None
+        self._beams: Optional[BeamSearcher] = None
         between = "" if self.activation_dtype == self.dtype else f" (activations in {self.activation_dtype})"
         log.info("hf engine: %s on %s in %s%s, max_batch_tokens=%d, max_batch_size=%d, %d linears prepacked for "
                  "oneDNN, %d fused q/k/v or gate/up projections", cfg.model, self.device, self.dtype, between,
@@ -105,7 +107,7 @@ class HFEngine:
                  ) -> list[Result]:
         if not requests:
             return []
-        if any(self.scorer.wants(r) for r in requests):
+        if any(self.scorer.wants(r) or BeamSearcher.wants(r) for r in requests):
             return generate_by_stream(self.stream, requests, on_result)  # scored rows answered, the rest decoded
         max_len = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
         if self.fast and supports(self.model, max_len):
@@ -122,10 +124,17 @@ class HFEngine:
         otherwise one window at a time through the generic path. Rows that want choice scores are scored as they
         arrive (score.py)."""
         source, on_result = with_choice_scores(self.scorer, source, on_result)
+        source = with_beams(self.beams, source, on_result)
         if self.fast and supports(self.model, self.max_model_len):
             self._continuous(lambda scheduler: scheduler.stream(source, on_result))
         else:
             stream_windows(self.generate, source, on_result)
+
+    @property
+    def beams(self) -> BeamSearcher:
+        if self._beams is None:
+            self._beams = BeamSearcher(self.model, self.tokenizer, self.eos_ids, self.device)
+        return self._beams
 
     @property
     def scorer(self) -> ChoiceScorer:

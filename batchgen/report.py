@@ -156,6 +156,8 @@ def render(output_dir: Path, facts: dict[str, Any]) -> str:
     errors_total = sum(facts["error_counts"].values())
     summary = [["state", "complete" if facts["complete"] else "incomplete"], ["rows", facts["rows"]],
                ["samples", facts["samples"]], ["error samples", errors_total],
+               ["rows skipped (run.skip_existing)", sum(b.rows_skipped for _, b in facts["beats"])],
+               ["invalid outputs", sum(b.invalid_outputs for _, b in facts["beats"])],
                ["generated tokens (history)", tokens],
                ["generation time (first to last commit)", f"{span:.1f} s"],
                ["batchgen", m.get("batchgen_version")], ["config hash", m.get("config_hash")]]

@@ -55,6 +55,7 @@ def test_the_page_holds_every_section_and_loads_nothing_from_the_network(reporte
     assert "empty_prompt" in text and "r03" in text  # an error kind with its example row
     assert "_status.shard-00000.json" in text and "_status.shard-00001.json" in text
     assert "run.too_long=truncate_left" in text  # the retry
+    assert "rows skipped (run.skip_existing)" in text
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", text)  # no remote resource
     assert "<script" not in text and "<link" not in text
     workers = {(h["host"], h["pid"]) for h in history(out)}

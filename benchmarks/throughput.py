@@ -61,22 +61,37 @@ def build(workdir: Path, *, size: str, rows: int, seed: int) -> tuple[Path, Path
     return model, data
 
 
+DEVICE = os.environ.get("BATCHGEN_BENCH_DEVICE", "cpu")  # --device, handed to every runner's process
+
+
+def sync() -> None:
+    if DEVICE.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def calibrate(dtype_name: str) -> dict:
-    """GEMM FLOP/s in the engine's dtype and read bandwidth, measured now, on this machine."""
+    """GEMM FLOP/s in the engine's dtype and read bandwidth, measured now, on this machine (on --device)."""
     import torch
 
     dtype = getattr(torch, dtype_name)
-    a, b = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
+    n = 1024 if DEVICE == "cpu" else 8192
+    a, b = torch.randn(n, n, dtype=dtype, device=DEVICE), torch.randn(n, n, dtype=dtype, device=DEVICE)
     a @ b
+    sync()
     t = time.perf_counter()
     for _ in range(10):
         a @ b
-    flops = 10 * 2 * 1024**3 / (time.perf_counter() - t)
-    big = torch.ones(128 * 1024 * 1024 // 4, dtype=torch.float32)  # 512 MiB
+    sync()
+    flops = 10 * 2 * n**3 / (time.perf_counter() - t)
+    big = torch.ones(128 * 1024 * 1024 // 4, dtype=torch.float32, device=DEVICE)  # 512 MiB
     big.sum()
+    sync()
     t = time.perf_counter()
     for _ in range(5):
         big.sum()
+    sync()
     bandwidth = 5 * big.numel() * 4 / (time.perf_counter() - t)
     return {"gemm_flops": flops, "read_bytes_per_s": bandwidth}
 
@@ -97,8 +112,9 @@ def load_hf(model: Path, dtype: str, **kwargs):
     from transformers import AutoModelForCausalLM
 
     t = time.perf_counter()
-    m = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype), **kwargs).eval()
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype), **kwargs).to(DEVICE).eval()
     m.generation_config.eos_token_id = None  # ignore EOS: every row runs to its cap
+    sync()
     return m, time.perf_counter() - t
 
 
@@ -112,9 +128,10 @@ def run_b0(model: Path, data: Path, dtype: str, subset: int) -> dict:
     t = time.perf_counter()
     with torch.inference_mode():
         for p, cap in list(zip(ids, caps))[:subset]:
-            m.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=cap,
-                       min_new_tokens=cap, do_sample=False)
+            m.generate(torch.tensor([p], device=DEVICE), attention_mask=torch.ones(1, len(p), dtype=torch.long,
+                       device=DEVICE), max_new_tokens=cap, min_new_tokens=cap, do_sample=False)
             useful += cap
+    sync()
     return {"useful_tokens": useful, "gen_s": time.perf_counter() - t, "load_s": load_s, "row_steps": useful}
 
 
@@ -131,11 +148,12 @@ def run_b1(model: Path, data: Path, dtype: str, batch: int = 16) -> dict:
         for start in range(0, len(ids), batch):
             chunk, chunk_caps = ids[start:start + batch], caps[start:start + batch]
             width = max(len(p) for p in chunk)
-            x = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            x = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=DEVICE)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=DEVICE)
             m.generate(x, attention_mask=mask, max_new_tokens=max(chunk_caps), min_new_tokens=max(chunk_caps),
                        do_sample=False, pad_token_id=pad)
             row_steps += len(chunk) * max(chunk_caps)
+    sync()
     return {"useful_tokens": sum(caps), "gen_s": time.perf_counter() - t, "load_s": load_s, "row_steps": row_steps}
 
 
@@ -191,7 +209,7 @@ def run_engine(model: Path, data: Path, dtype: str) -> dict:
 
     ids, caps = load_workload(data, model)
     t = time.perf_counter()
-    engine = HFEngine(EngineConfig(model=str(model), dtype=dtype), AutoTokenizer.from_pretrained(model))
+    engine = HFEngine(EngineConfig(model=str(model), dtype=dtype, device=DEVICE), AutoTokenizer.from_pretrained(model))
     load_s = time.perf_counter() - t
     reqs = [Request(key=i, prompt_ids=p, seed=None, params=SampleParams(max_new_tokens=c, temperature=0.0, top_p=1.0,
                     top_k=0, stop=(), ignore_eos=True)) for i, (p, c) in enumerate(zip(ids, caps))]
@@ -213,7 +231,7 @@ def run_e(model: Path, data: Path, dtype: str, out: Path, rows: int, *extra: str
     args = [sys.executable, "-m", "batchgen", "name=bench", f"output_dir={out}", f"dataset.path={data}",
             "dataset.max_new_tokens_column=max_new_tokens", "sampling.max_new_tokens=256", "sampling.ignore_eos=true",
             f"engine.model={model}", f"engine.dtype={dtype}", f"run.rows_per_part={rows}", "run.progress=false",
-            *extra]
+            f"engine.device={DEVICE}", *extra]
     t = time.perf_counter()
     proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - t
@@ -281,6 +299,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=ROOT / ".bench")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the medians here")
+    parser.add_argument("--device", default=None, help="cpu (default) or cuda: every runner on that device (B3, "
+                                                       "vLLM's CPU build, is CPU only)")
     parser.add_argument("--run", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
@@ -288,6 +308,9 @@ def main() -> None:
     if args.run:
         child(args)
         return
+    if args.device:
+        global DEVICE
+        DEVICE = os.environ["BATCHGEN_BENCH_DEVICE"] = args.device  # the runners' processes inherit it
     if args.quick:
         args.rows, args.repeats = min(args.rows, 48), 2
         args.runners = args.runners or "B1,E"
@@ -308,7 +331,7 @@ def auto_dtype(model: Path) -> str:
 
     from batchgen.engines.hf.device import resolve_dtype
 
-    return str(resolve_dtype("auto", torch.device("cpu"), AutoConfig.from_pretrained(model))).removeprefix("torch.")
+    return str(resolve_dtype("auto", torch.device(DEVICE), AutoConfig.from_pretrained(model))).removeprefix("torch.")
 
 
 def report(args: argparse.Namespace, model: Path, data: Path, size: str) -> None:
@@ -352,6 +375,11 @@ def print_table(args: argparse.Namespace, med: dict, calib: dict, model: Path, s
     cfg = _json.loads((model / "config.json").read_text())
     params = _count_params(cfg)
     print(f"\n{describe_cpu()}")
+    if DEVICE != "cpu":
+        import torch
+
+        print(f"device: {DEVICE} ({torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA "
+              f"{torch.version.cuda})")
     print(f"model: random-weight Llama '{size}' ({params / 1e6:.0f}M params), E in {args.dtype}, baselines in "
           f"{args.baseline_dtype}, {args.rows} rows, {args.repeats} repeats (medians)")
     print(f"calibration: GEMM {calib['gemm_flops'] / 1e9:.0f} GFLOP/s ({args.dtype}), read bandwidth "

@@ -79,7 +79,7 @@ def prepare(output_dir: Path, kinds: Optional[list[str]], overrides: list[str],
             raise ConfigError([f"{attempt_dir(output_dir, last)} is an unfinished retry started as `{started}`: "
                                f"run that (or `batchgen retry {output_dir}` alone) to finish it first"])
         log.info("finishing attempt %d (kinds %s, overrides %s)", last, recorded["kinds"], recorded["overrides"])
-        return _job(output_dir, last, recorded["overrides"], original, config_from)
+        return _job(output_dir, last, recorded["overrides"], manifest, config_from)
     attempt = last if last and recorded is None else last + 1  # an attempt whose input was never completed: anew
     kinds = list(kinds or DEFAULT_KINDS)
     base = config_from(original, [])
@@ -93,7 +93,7 @@ def prepare(output_dir: Path, kinds: Optional[list[str]], overrides: list[str],
     write_json_atomic(here / RETRY_FILE, {"attempt": attempt, "kinds": kinds, "overrides": overrides,
                                           "ids": len(failed), "rows": rows})
     log.info("attempt %d: %d rows erred with %s; their input is in %s", attempt, rows, ", ".join(kinds), here)
-    return _job(output_dir, attempt, overrides, original, config_from)
+    return _job(output_dir, attempt, overrides, manifest, config_from)
 
 
 def _recorded(output_dir: Path, attempt: int) -> Optional[dict[str, Any]]:
@@ -149,12 +149,15 @@ def write_input(cfg: JobConfig, manifest: dict[str, Any], ids: set[str], path: P
     return rows
 
 
-def _job(output_dir: Path, attempt: int, overrides: list[str], original: dict[str, Any],
+def _job(output_dir: Path, attempt: int, overrides: list[str], manifest: dict[str, Any],
          config_from: Callable[[dict[str, Any], list[str]], JobConfig]) -> tuple[JobConfig, dict]:
     """The attempt's job: the original config, its input and output the attempt's, then the overrides."""
     here = attempt_dir(output_dir, attempt)
-    resolved = json.loads(json.dumps(original))
+    resolved = json.loads(json.dumps(manifest["config"]))
     dataset, run = resolved.setdefault("dataset", {}), resolved.setdefault("run", {})
+    if dataset.get("format") == "openai_batch":  # its columns as the job resolved them (reader/openai_batch.py)
+        used = (manifest.get("output_config") or {}).get("dataset") or {}
+        dataset.update({k: v for k, v in used.items() if k.endswith("_column") and v is not None})
     dataset.update(path=str(here / INPUT_FILE), format="parquet", limit=None, id_column=ID_COLUMN,
                    passthrough_columns=passthrough_of(output_dir))
     run.update(attempt=attempt, resume=True, shard=0, num_shards=1, skip_existing=None)

@@ -126,3 +126,16 @@ def test_a_bad_output_format_and_a_template_are_refused(tiny_model, tmp_path):
     with pytest.raises(Exception, match="dataset.template: an openai_batch request carries"):
         compose_job(job_overrides(tiny_model, data, tmp_path / "o", "dataset.format=openai_batch",
                                   "dataset.template='Q: {prompt}'"))
+
+
+def test_a_retry_of_an_openai_batch_job_rewrites_its_results_file(tiny_model, tmp_path):
+    lines = [chat(f"r{i}", t * (8 if i % 3 == 0 else 1), max_tokens=6, temperature=0) for i, t in enumerate(TEXTS)]
+    _, out = run(tiny_model, tmp_path, lines, "run.too_long=skip", "engine.max_model_len=96",
+                 "run.max_error_rate=0.9")
+    codes = [json.loads(x)["response"]["status_code"] for x in (out / RESULTS).read_text().splitlines()]
+    assert 400 in codes
+    done = run_cli(["retry", str(out), "--kinds", "too_long", "run.too_long=truncate_left"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = [json.loads(x) for x in (out / RESULTS).read_text().splitlines()]
+    assert [x["custom_id"] for x in results] == [f"r{i}" for i in range(len(TEXTS))]
+    assert all(x["response"]["status_code"] == 200 for x in results)  # the latest attempts, every request answered

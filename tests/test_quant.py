@@ -175,9 +175,10 @@ def test_int8_weight_only_linear_matches_nn_linear(kernel, rows, bias):
     assert q.qweight.dtype == torch.int8 and q.scale.shape == (96,)
     # int8 weights, one scale per output channel: about 1% relative error on random weights; bfloat16
     # activations and output in aten's kernel add about 0.3%; the native kernel and the dequantized GEMM
-    # compute the int8 weights' product in float32
+    # compute the int8 weights' product in float32; where batchgen's kernel does not run, the dequantized GEMM rounds
+    # its input and output to bf16 as aten's kernel does (a row reads the same whatever its batch's size)
     assert (got - ref).norm() / ref.norm() < 0.02
-    if kernel == "aten":
+    if kernel == "aten" or kernel == "dequant" and q.native is None:
         assert torch.allclose(got, exact, rtol=2e-2, atol=2e-2 * exact.abs().max().item())
     else:
         assert torch.allclose(got, exact, rtol=1e-4, atol=1e-5)

@@ -91,6 +91,12 @@ class Int8WeightOnlyLinear(nn.Module):
             dtype = self.gemm_dtype or x.dtype
             weight = self.qweight.to(dtype).mul_(self.scale.to(dtype)[:, None])  # [N, K], freed on return
             bias = None if self.bias is None else self.bias.to(dtype)
+            if self.native is None and x.dtype != torch.bfloat16:
+                # without batchgen's kernel, fewer rows go through aten's int8 GEMM, which takes bf16 inputs and
+                # gives bf16 outputs: round the same here, so that a row reads the same whatever its batch's size
+                # (a prefill cut by the prefix cache, a shrinking decode batch)
+                y = F.linear(x.to(torch.bfloat16).to(dtype), weight, None).to(torch.bfloat16).to(x.dtype)
+                return y if bias is None else y + bias.to(x.dtype)
             return F.linear(x.to(dtype), weight, bias).to(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         a = x2.to(torch.bfloat16).contiguous()

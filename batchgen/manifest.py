@@ -43,7 +43,8 @@ def output_config(cfg: JobConfig) -> dict[str, Any]:
 # sampling keys added after the first release: left out of the hash at their defaults, so that an output written
 # before they existed resumes under the same hash
 LATER_SAMPLING_KEYS = ("json_schema", "regex", "choice", "grammar", "choice_scores", "schemas", "logprobs",
-                       "reasoning", "reasoning_start", "reasoning_end", "max_reasoning_tokens")
+                       "reasoning", "reasoning_start", "reasoning_end", "max_reasoning_tokens", "num_beams",
+                       "length_penalty", "early_stopping")
 LATER_DATASET_KEYS = ("temperature_column", "stop_column", "choice_column", "schema_column", "top_p_column",
                       "seed_column", "n_column", "response_format_column")
 

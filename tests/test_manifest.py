@@ -257,3 +257,18 @@ def test_diff_reports_a_list_of_another_length_whole():
     old = {"input": [{"path": "a"}]}
     new = {"input": [{"path": "a"}, {"path": "b"}]}
     assert diff(old, new) == [f"input: was {old['input']!r}, now {new['input']!r}"]
+
+
+def test_keys_added_later_stay_out_of_the_hash_at_their_defaults():
+    """An output written before beam search, the per-row columns, retry attempts and the OpenAI output existed
+    resumes under the same hash: those keys enter the output config only when set (a real resume of the demo output
+    was refused once for sampling.num_beams)."""
+    from batchgen.manifest import output_config
+
+    out = output_config(job())
+    later = {"num_beams", "length_penalty", "early_stopping", "top_p_column", "n_column", "seed_column",
+             "response_format_column", "attempt", "output"}
+    keys = set(out["sampling"]) | set(out["dataset"]) | set(out["run"]) | set(out)
+    assert not keys & later
+    beams = output_config(set_key(job(), "sampling.num_beams", 4))
+    assert beams["sampling"]["num_beams"] == 4

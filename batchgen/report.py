@@ -56,7 +56,7 @@ def gather(output_dir: Path) -> dict[str, Any]:
             generated.append(cols["num_generated_tokens"][i])
             if cols["sample_index"][i] == 0:
                 rows += 1
-                if cols["error"][i] is None or not cols["error"][i].startswith(("too_long", "empty", "bad_")):
+                if cols["finish_reason"][i] != "error":  # an error row was never tokenized for the engine
                     prompt.append(cols["num_prompt_tokens"][i])
             error = cols["error"][i]
             if error is not None:

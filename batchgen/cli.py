@@ -9,11 +9,12 @@ Exit codes (docs/contract.md section 7): 0 done, 1 runtime failure or error rate
 
 from __future__ import annotations
 
-import os
+from batchgen.engines import prepare_process
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: no 40x stall on shared cores
+prepare_process()  # before torch loads: OpenMP's threads spin briefly, then sleep (engines/hf/cpu/runtime.py)
 
 import logging  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 

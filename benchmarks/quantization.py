@@ -39,9 +39,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from batchgen.engines import prepare_process  # noqa: E402
+
+prepare_process()  # batchgen's OpenMP defaults, before torch loads
 CONFIGS = {  # name: (engine.quantization, engine.dtype)
     "none": (None, "auto"),
     "bf16": (None, "bfloat16"),

@@ -22,8 +22,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from batchgen.engines import prepare_process  # noqa: E402
+
+prepare_process()  # batchgen's OpenMP defaults, before torch loads; every runner inherits them (the same for all)
 RUNNERS = ("B0", "B1", "B2", "B3", "E", "Eoff")  # Eoff: E with engine.prefix_cache=off (not run by default)
 DEFAULT_RUNNERS = ("B0", "B1", "B2", "B3", "E")
 WORDS = ("the river town market opened closed with many people after rain sun night lamp bread clock train "
@@ -262,7 +265,7 @@ def spawn(name: str, args: argparse.Namespace, model: Path, data: Path, python: 
     dtype = dtype or (args.dtype if name in ("E", "Eoff", "ENG") else args.baseline_dtype)
     cmd = [python, __file__, "--run", name, "--model", str(model), "--data", str(data), "--dtype", dtype,
            "--workdir", str(args.workdir), "--rows", str(args.rows), "--b0-rows", str(args.b0_rows)]
-    env = os.environ | {"OMP_WAIT_POLICY": "PASSIVE", "VLLM_CPU_KVCACHE_SPACE": "2",
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "2",
                         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1")}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=3600)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -375,6 +378,8 @@ def print_table(args: argparse.Namespace, med: dict, calib: dict, model: Path, s
     cfg = _json.loads((model / "config.json").read_text())
     params = _count_params(cfg)
     print(f"\n{describe_cpu()}")
+    print("openmp (every runner): " + ", ".join(f"{k}={os.environ.get(k, 'unset')}"
+                                                 for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")))
     if DEVICE != "cpu":
         import torch
 

@@ -64,3 +64,11 @@ def structured_output_problems(cfg: EngineConfig, kind: Optional[str], choice_sc
     if choice_scores and cfg.name != "hf":
         out.append(f"sampling.choice_scores=true is computed by engine=hf only (got engine={cfg.name})")
     return out
+
+
+def prepare_process() -> None:
+    """Process-wide settings the engines want before torch loads (OpenMP's waiting: hf/cpu/runtime.py). The CLI
+    calls it first thing; it imports nothing heavy."""
+    from batchgen.engines.hf.cpu.runtime import set_openmp_defaults
+
+    set_openmp_defaults()

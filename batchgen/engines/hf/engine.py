@@ -17,7 +17,7 @@ import torch
 from batchgen.engines.base import EngineConfig, Source, generate_by_stream, stream_windows
 from batchgen.engines.hf import device, prefix, quant
 from batchgen.engines.hf.beam import BeamSearcher, with_beams
-from batchgen.engines.hf.cpu import kernels, onednn, runtime
+from batchgen.engines.hf.cpu import kernels, onednn, runtime, threads
 from batchgen.engines.hf.generic import GenericGenerator
 from batchgen.engines.hf.sampler import Sampler, eos_ids
 from batchgen.engines.hf.scheduler import Scheduler, SchedulerStats
@@ -61,6 +61,9 @@ class HFEngine:
             quant.set_gemm_dtype(self.model, torch.bfloat16)
         if self.device.type == "cpu":  # after loading: memory freed while loading or quantizing goes back to the OS
             runtime.keep_freed_memory()
+        # fewer threads while other work holds the cores (cpu/threads.py); kept across windows
+        self.governor = (threads.for_engine(torch.get_num_threads(), torch.set_num_threads)
+                         if self.device.type == "cpu" else None)
         self.max_batch_tokens, self.max_batch_size = device.batch_defaults(self.device, cfg.max_batch_tokens,
                                                                            cfg.max_batch_size)
         self.eos_ids = eos_ids(self.model, tokenizer)
@@ -100,6 +103,8 @@ class HFEngine:
                 **mixed, **quantization, **prepacked}
 
     def close(self) -> None:
+        if self.governor is not None and self.governor.threads != self.governor.full:
+            torch.set_num_threads(self.governor.full)  # the process's setting as the engine found it
         del self.model
 
     @torch.inference_mode()
@@ -150,7 +155,8 @@ class HFEngine:
             log.info("hf engine decode step: %s", self._stepper.describe())
         scheduler = Scheduler(self.sampler, self._stepper, max_batch_tokens=self.max_batch_tokens,
                               max_batch_size=self.max_batch_size, prefixes=self.prefixes,
-                              stats=self.stats)  # the engine's counters, counted as they happen (the status)
+                              stats=self.stats,  # the engine's counters, counted as they happen (the status)
+                              governor=self.governor)
         try:
             return run(scheduler)
         finally:

@@ -13,9 +13,11 @@ Sampler (token choice, finishing) and a stepper (prefill and decode on the cache
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Optional, TypeVar
 
@@ -61,13 +63,16 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, sampler: Sampler, stepper: Any, *, max_batch_tokens: int, max_batch_size: int,
-                 prefixes: Optional[PrefixCache] = None, stats: Optional[SchedulerStats] = None):
+                 prefixes: Optional[PrefixCache] = None, stats: Optional[SchedulerStats] = None,
+                 governor: Optional[AbstractContextManager[Any]] = None):
         self.sampler = sampler  # picks tokens and decides finishing (sampling, EOS, stop strings)
         self.stepper = stepper  # prefill / decode on a SlotKVCache
         self.prefixes = prefixes  # shared prompt prefixes computed once (engine.prefix_cache); None: off
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_size = max_batch_size
         self.stats = stats if stats is not None else SchedulerStats()  # the engine's own: live in the status
+        # entered around every prefill and decode call: on CPU, cpu/threads.py's governor, which times them
+        self.governor = governor if governor is not None else contextlib.nullcontext()
 
     def run(self, requests: list[Request], on_result: Optional[Callable[[Result], None]]) -> list[Result]:
         """One window: its Results in request order."""
@@ -97,7 +102,8 @@ class Scheduler:
                               finish)
             if live:
                 tokens = torch.tensor([s.generated[-1] for s in live], device=self.stepper.device)
-                logits = self.stepper.decode(cache, tokens)
+                with self.governor:
+                    logits = self.stepper.decode(cache, tokens)
                 self.stats.decode_steps += 1
                 self.stats.decode_row_steps += len(live)
                 self._advance(logits, list(live), 0, cache, live, finish)
@@ -168,7 +174,8 @@ class Scheduler:
         assert self.prefixes is not None
         per_token = cache.k[:, 0, :, 0].numel() * cache.k.element_size() * 2  # keys and values, every layer
         for ids in self.prefixes.shared([s.request.prompt_ids for s in admitted], per_token):
-            self.stepper.prefill(cache, first_slot, [list(ids)])
+            with self.governor:
+                self.stepper.prefill(cache, first_slot, [list(ids)])
             self.prefixes.add(ids, *cache.prefix_of(first_slot, len(ids)))
             self.stats.prefix_tokens_computed += len(ids)
             self.stats.prefill_tokens += len(ids)
@@ -190,8 +197,9 @@ class Scheduler:
             prompts = [s.request.prompt_ids for s in rows]
             starts = [s.start for s in rows]
             slot = first_slot + start
-            logits = (self.stepper.prefill(cache, slot, prompts, starts) if any(starts)
-                      else self.stepper.prefill(cache, slot, prompts))
+            with self.governor:
+                logits = (self.stepper.prefill(cache, slot, prompts, starts) if any(starts)
+                          else self.stepper.prefill(cache, slot, prompts))
             self.stats.prefill_rows += len(rows)
             self.stats.prefill_tokens += sum(s.suffix for s in rows)
             self.stats.prefill_padded_tokens += len(rows) * max(s.suffix for s in rows)

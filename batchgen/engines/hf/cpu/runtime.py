@@ -7,6 +7,13 @@ blocks in the heap for reuse, as tcmalloc or jemalloc would (vLLM's CPU build as
 through LD_PRELOAD). Measured: an RMSNorm over a 1600-token prefill went from ~7-10 ms to ~1.2 ms.
 The cost is that the process keeps its peak heap instead of returning it to the system; the engine
 sets this after the model is loaded (and quantized), so the load's transient copies are returned.
+
+OpenMP's waiting (set_openmp_defaults, before torch loads): a thread that finishes its share of a
+parallel region either spins or sleeps until the next. Sleeping at once (OMP_WAIT_POLICY=PASSIVE)
+makes every GEMM of a decode step pay a wake-up through the kernel, ~75 us on the virtual machines
+measured, some 70 times a step; spinning forever (OpenMP's default) stalls when other work holds
+the cores. The default here spins briefly (GOMP_SPINCOUNT) and lets cpu/threads.py take threads away
+while other work holds the cores.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
+from collections.abc import MutableMapping
 from functools import lru_cache
 
 log = logging.getLogger(__name__)
@@ -21,6 +30,10 @@ log = logging.getLogger(__name__)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
 KEEP_BYTES = 1 << 30
 _done = False
+# Spin iterations before a waiting OpenMP thread sleeps: about 0.1-0.2 ms, longer than the gaps between a decode
+# step's parallel regions. Measured on a 2-core Zen 5 EPYC, a 64-row decode step of the benchmark model: 26.0 ms
+# with PASSIVE, 22.6 with 1000, 21.0 with 10000; at 1 row 10.2, 6.4, 6.1 ms (benchmarks/threads.py for a job).
+SPIN_COUNT = "10000"
 
 
 def keep_freed_memory() -> bool:
@@ -40,18 +53,26 @@ def keep_freed_memory() -> bool:
 
 @lru_cache(maxsize=1)
 def _cpuinfo() -> tuple[str, frozenset[str]]:
-    """(model name, feature flags) of the first CPU in /proc/cpuinfo, read once; ("", {}) where unreadable."""
-    model, flags = "", ""
+    """(model, feature flags) of the first CPU in /proc/cpuinfo, read once; ("", {}) where unreadable. The model is
+    its name with the family and model numbers where they are given: a virtual machine names a Zen 4 and a Zen 5
+    EPYC alike ("AMD EPYC"), and what is cached per CPU model (kernels, the dtype calibration) must tell them apart."""
+    fields: dict[str, str] = {}
+    flags = ""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name") and not model:
-                    model = line.partition(":")[2].strip()
-                elif line.startswith("flags"):
-                    flags = line.partition(":")[2]
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+                elif key == "flags":
+                    flags = value
                     break
     except OSError:
         pass
+    model = fields.get("model name", "")
+    if model and "cpu family" in fields and "model" in fields:
+        model = f"{model} (family {fields['cpu family']}, model {fields['model']})"
     return model, frozenset(flags.split())
 
 
@@ -70,3 +91,21 @@ def has_native_bf16() -> bool:
     A flag, not a measurement: engine.dtype=auto asks cpu/calibration.py instead."""
     flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def set_openmp_defaults(environ: MutableMapping[str, str] = os.environ) -> None:
+    """A short spin, then sleep, for OpenMP's waiting threads, unless the environment says otherwise (either
+    variable set): read when torch loads OpenMP, so call it before. The CLI and the benchmarks call it."""
+    if "OMP_WAIT_POLICY" not in environ and "GOMP_SPINCOUNT" not in environ:
+        environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        environ["GOMP_SPINCOUNT"] = SPIN_COUNT
+
+
+def openmp_spins(environ: MutableMapping[str, str] = os.environ) -> bool:
+    """True where OpenMP's waiting threads spin (a GOMP_SPINCOUNT above 0, ACTIVE, or OpenMP's default): then a
+    thread's CPU time over a parallel step tells how much of its core it got (cpu/threads.py)."""
+    count = environ.get("GOMP_SPINCOUNT", "").strip().lower()
+    if count:  # libgomp reads a number, with an optional k/M/G/T suffix, or infinite
+        digits = count.rstrip("kmgt")
+        return count in ("infinite", "infinity") or (digits.isdigit() and int(digits) > 0)
+    return environ.get("OMP_WAIT_POLICY", "").strip().upper() != "PASSIVE"

@@ -150,7 +150,7 @@ def calibrate(cfg: JobConfig, plan: dict[str, Any], rows: list[tuple[int, list[i
     samples = plan["generable_rows"] * s.n
     return {"load_s": round(load_s, 1), "probe_rows": len(results), "probe_s": round(probe_s, 2),
             "probe_tok_s": round(generated / probe_s, 1) if results else None,
-            "eta_s": round(samples / rows_per_s, 1) if rows_per_s else None}
+            "eta_s": round(samples / rows_per_s, 3) if rows_per_s else None}
 
 
 def render(plan: dict[str, Any]) -> str:

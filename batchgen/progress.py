@@ -68,8 +68,8 @@ class Summary:
             lines.append(f"  streamed: up to {self.max_parts_in_flight} parts in flight (run.lookahead_parts="
                          f"{self.lookahead_parts})")
         if self.state != "already_done":
-            lines.append(f"  this run: {self.generated_tokens} generated tokens in {self.wall_s:.1f}s (start-up and "
-                         f"model load {self.load_s:.1f}s), {self.generated_tokens / gen_s:.1f} generated tok/s after "
+            lines.append(f"  this run: {self.generated_tokens} generated tokens in {self.wall_s:.2f}s (start-up and "
+                         f"model load {self.load_s:.2f}s), {self.generated_tokens / gen_s:.1f} generated tok/s after "
                          f"load")
         return "\n".join(lines)
 

@@ -3,10 +3,14 @@ HF generate in fixed batches of 16, as a ratio measured side by side in the same
 
 E runs in what engine.dtype=auto picks for the tiny model, float32 on every CPU (its linears are too small to
 prepack; measured on the Zen 4 EPYC: E 5990 tok/s in float32, 5354 in bf16). B1 runs in float32 and in bf16 and
-the faster counts (--baseline-dtype best): HF at its best dtype on this CPU. Measured on a 2-core AMD EPYC Zen 4
-(AVX-512 BF16): B1 2592 tok/s in bf16 (1971 in float32), E/B1 2.24; E/B1 was 3.45 against B1 in float32. On the
-2-core AVX2-only EPYC, where bf16 is emulated and B1 runs in float32, the guard passed in every clean-clone CI run
-(the figure was not recorded)."""
+the faster counts (--baseline-dtype best): HF at its best dtype on this CPU. Figures, each of one run:
+- 2-core AMD EPYC Zen 4 (AVX-512 BF16), 48 rows then, OpenMP threads sleeping at once (PASSIVE): B1 2592 tok/s in
+  bf16 (1971 in float32), E/B1 2.24; E/B1 was 3.45 against B1 in float32.
+- 2-core AMD EPYC Zen 5 (family 26, AVX-512 BF16), with the short spin every runner has now: at 48 rows E took
+  0.5 s and the job's times were printed to 0.1 s, so E/B1 read 1.43 and, in one suite run, 0.88; at 128 rows (the
+  quick mode's since) B1 6878.5 tok/s (float32), E 24321.7, E/B1 3.54.
+- 2-core AVX2-only EPYC, where bf16 is emulated and B1 runs in float32: the guard passed in every clean-clone CI
+  run (the figure was not recorded; not re-measured at 128 rows)."""
 
 from __future__ import annotations
 

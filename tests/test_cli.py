@@ -100,7 +100,9 @@ def test_sigkill_after_first_part_then_resume_equals_an_uninterrupted_run(tiny_m
 def test_second_writer_is_refused_and_a_dead_holder_lock_is_taken_over(tiny_model, tmp_path):
     data = write_parquet(tmp_path / "in.parquet", [{"prompt": t} for t in corpus(60)])
     out = tmp_path / "out"
-    extra = ("run.rows_per_part=5", "sampling.max_new_tokens=160", "sampling.ignore_eos=true",
+    # one row at a time, 600 tokens each: the first run must outlive the second's start-up (60 x 160 tokens took
+    # under 3 s on the Zen 5 EPYC)
+    extra = ("run.rows_per_part=5", "sampling.max_new_tokens=600", "sampling.ignore_eos=true",
              "engine.max_batch_size=1")
     first = subprocess.Popen([sys.executable, "-m", "batchgen", *job_overrides(tiny_model, data, out, *extra)],
                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

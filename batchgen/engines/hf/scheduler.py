@@ -8,16 +8,16 @@ requests are prefilled together as one bucket under the token budget; every step
 live sequences together. A sequence leaves the batch the step it finishes (EOS, stop string or its own
 cap) and its slot goes to a waiting one, so no step is spent on a finished row. The KV cache grows (slots
 up to engine.max_batch_size, positions to the longest request seen) as requests arrive. Knows requests, a
-Sampler (token choice, finishing) and a stepper (prefill and decode on the cache), not model internals.
+Sampler (token choice, finishing), a stepper (prefill and decode on the cache) and a context it enters around
+each of their calls (on CPU, the thread governor that times them), not model internals.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections import deque
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Optional, TypeVar
 
@@ -72,7 +72,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.stats = stats if stats is not None else SchedulerStats()  # the engine's own: live in the status
         # entered around every prefill and decode call: on CPU, cpu/threads.py's governor, which times them
-        self.governor = governor if governor is not None else contextlib.nullcontext()
+        self.governor = governor if governor is not None else nullcontext()
 
     def run(self, requests: list[Request], on_result: Optional[Callable[[Result], None]]) -> list[Result]:
         """One window: its Results in request order."""

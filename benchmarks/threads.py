@@ -32,22 +32,13 @@ BUSY = "while True: pass"
 
 
 def job(model: Path, data: Path, out: Path, rows: int, setting: dict[str, str]) -> dict:
-    """One job through the CLI; its generation seconds (model load excluded) and whether the governor acted."""
-    import shutil
+    """One job through the CLI (throughput.py's E) under `setting`: its figures, and whether the governor acted."""
+    from throughput import run_job
 
-    shutil.rmtree(out, ignore_errors=True)
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
                                                              "BATCHGEN_ADAPT_THREADS")} | setting
-    args = [sys.executable, "-m", "batchgen", "name=threads", f"output_dir={out}", f"dataset.path={data}",
-            "dataset.max_new_tokens_column=max_new_tokens", "sampling.max_new_tokens=256", "sampling.ignore_eos=true",
-            f"engine.model={model}", f"run.rows_per_part={rows}", "run.progress=false"]
-    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env, timeout=3600)
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stderr[-2000:])
-    line = next(x for x in proc.stdout.splitlines() if "this run:" in x)
-    job_s = float(line.split(" in ")[1].split("s")[0])
-    load_s = float(line.split("model load ")[1].split("s")[0])
-    return {"gen_s": job_s - load_s, "governed": "other work holds the cores" in proc.stderr + proc.stdout}
+    result, log = run_job(model, data, "auto", out, rows, env=env)
+    return result | {"governed": "other work holds the cores" in log}
 
 
 def main() -> None:
@@ -57,13 +48,14 @@ def main() -> None:
     parser.add_argument("--busy", type=int, default=1, help="busy processes beside the job in the 'busy' runs")
     parser.add_argument("--workdir", type=Path, default=ROOT / ".bench")
     args = parser.parse_args()
+    import pyarrow.parquet as pq
     from throughput import build  # the throughput benchmark's model and workload
 
     from batchgen.engines.hf.cpu.kernels import describe_cpu
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     model, data = build(args.workdir, size="bench", rows=args.rows, seed=0)
-    useful = sum(__import__("pyarrow.parquet").parquet.read_table(data).column("max_new_tokens").to_pylist())
+    useful = sum(pq.read_table(data).column("max_new_tokens").to_pylist())
     times: dict[tuple[str, str], list[float]] = {}
     governed: dict[tuple[str, str], int] = {}
     for repeat in range(args.repeats):

@@ -226,6 +226,12 @@ def run_engine(model: Path, data: Path, dtype: str) -> dict:
 
 def run_e(model: Path, data: Path, dtype: str, out: Path, rows: int, *extra: str) -> dict:
     """A real batchgen job: Parquet in, Parquet out, through the CLI."""
+    return run_job(model, data, dtype, out, rows, *extra)[0]
+
+
+def run_job(model: Path, data: Path, dtype: str, out: Path, rows: int, *extra: str,
+            env: Optional[dict[str, str]] = None) -> tuple[dict, str]:
+    """run_e's job in `env` (default this process's): its figures, and its log (stdout and stderr)."""
     import shutil
 
     import pyarrow.dataset as ds
@@ -236,7 +242,7 @@ def run_e(model: Path, data: Path, dtype: str, out: Path, rows: int, *extra: str
             f"engine.model={model}", f"engine.dtype={dtype}", f"run.rows_per_part={rows}", "run.progress=false",
             f"engine.device={DEVICE}", *extra]
     t = time.perf_counter()
-    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env)
     wall = time.perf_counter() - t
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-2000:])
@@ -244,7 +250,8 @@ def run_e(model: Path, data: Path, dtype: str, out: Path, rows: int, *extra: str
     job_s = float(line.split(" in ")[1].split("s")[0])  # the job's own wall time, model load included
     load_s = float(line.split("model load ")[1].split("s")[0])  # start-up: imports, tokenizer, checks, model
     useful = sum(ds.dataset(str(out)).to_table(columns=["num_generated_tokens"]).column(0).to_pylist())
-    return {"useful_tokens": useful, "gen_s": job_s - load_s, "load_s": load_s, "process_s": wall}
+    return ({"useful_tokens": useful, "gen_s": job_s - load_s, "load_s": load_s, "process_s": wall},
+            proc.stdout + proc.stderr)
 
 
 def child(args: argparse.Namespace) -> None:

@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable
 from typing import Optional
 
+from batchgen.engines.hf.cpu.runtime import openmp_spins
+
 log = logging.getLogger(__name__)
 WINDOW_S = 0.25  # timed step wall time per decision
 SHARE = 0.75  # below this share of their cores the threads are contended (idle: 0.9-1.0; one busy neighbour of 2
@@ -88,8 +90,6 @@ class ThreadGovernor:
 def for_engine(threads: int, set_threads: Callable[[int], None]) -> Optional[ThreadGovernor]:
     """A governor for an engine on CPU with `threads` OpenMP threads, where it can tell contention (threads spin
     while they wait) and is not turned off (BATCHGEN_ADAPT_THREADS=0); None otherwise."""
-    from batchgen.engines.hf.cpu.runtime import openmp_spins
-
     if threads < 2 or not openmp_spins() or os.environ.get("BATCHGEN_ADAPT_THREADS", "1") == "0":
         return None
     return ThreadGovernor(threads, set_threads)

@@ -141,10 +141,13 @@ def test_a_job_beside_busy_processes_on_its_cores_gives_up_a_thread(tmp_path: Pa
     assert pq.read_table(tmp_path / "out").num_rows == 48
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
+    not runtime.has_native_bf16(), reason="bf16 is checked where it is native (where engine.dtype=auto picks it); "
+                                          "an emulating CPU's torch bf16 model was not measured for this"))])
 def test_outputs_do_not_depend_on_the_thread_count(tmp_path: Path, dtype: str) -> None:
     """What the governor changes must not change a row: prefill and decode logits, 2 threads against 1, bit for bit
-    (the 'small' toy model: oneDNN GEMMs and batchgen's kernels, each output element computed by one thread)."""
+    (the 'small' toy model: oneDNN GEMMs and batchgen's kernels, each output element computed by one thread).
+    Measured to hold on the Zen 5 EPYC, in float32 and bf16, and there with the flags narrowed to avx2 and noavx2."""
     import torch
     from transformers import AutoTokenizer
 

@@ -35,6 +35,7 @@ FRAME = struct.Struct("<II")  # payload length in bytes, crc32 of the payload
 MAX_FRAME = 64 << 20  # a larger length field is a torn or foreign frame, not a record
 FSYNC_INTERVAL_S = 1.0  # default: fsync the journal at most once a second (and on close)
 CRASH_WINDOW_ENV = "BATCHGEN_TEST_CRASH_WINDOW_S"  # test hook only: see crash_window()
+KILL_AT_ENV = "BATCHGEN_TEST_KILL_AT"  # test hook only: see kill_point()
 
 
 def journal_path(output_dir: Path, index: int) -> Path:
@@ -57,6 +58,17 @@ def crash_window(where: str, *, per_part: bool = True) -> None:
     if delay:
         log.debug("crash-test window: %s", where)
         time.sleep(float(delay) * (10 if per_part else 1))
+
+
+def kill_point(where: str) -> None:
+    """Test hook: SIGKILL this process at the named point when BATCHGEN_TEST_KILL_AT names it (a comma-separated
+    list), so that a test lands a kill exactly between two writes. Never set it in production."""
+    points = os.environ.get(KILL_AT_ENV)
+    if points and where in points.split(","):
+        import signal
+
+        log.debug("test kill point: %s", where)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def encode_frame(obj: Any) -> bytes:

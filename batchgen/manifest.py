@@ -13,13 +13,39 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchgen.engines.base import WEIGHT_FILES
-from batchgen.errors import ResumeMismatchError
+from batchgen.errors import ConfigError, ResumeMismatchError
 from batchgen.fsutil import content_digest, write_json_atomic
 from batchgen.job import JobConfig
 from batchgen.version import __version__
 
 log = logging.getLogger(__name__)
 MANIFEST = "_manifest.json"
+
+
+def read_manifest(output_dir: Path | str) -> Optional[dict[str, Any]]:
+    """output_dir's manifest, None where there is none; a manifest that is not a JSON object (torn by a crash of
+    a batchgen before atomic writes, or edited by hand) is a ConfigError (exit 2) naming the file."""
+    path = Path(output_dir) / MANIFEST
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"{path}: cannot read the manifest ({exc}); restore it or write to a new output_dir"])
+    return parse_manifest(text, str(path))
+
+
+def parse_manifest(text: str | bytes, where: str) -> dict[str, Any]:
+    try:
+        manifest = json.loads(text)
+    except ValueError as exc:
+        manifest, reason = None, f"not valid JSON ({exc})"
+    else:
+        reason = "not a JSON object"
+    if not isinstance(manifest, dict):
+        raise ConfigError([f"{where}: the manifest is {reason}: it was torn or edited. Restore it from a backup, "
+                           f"or write to a new output_dir (the parts there are kept as they are)"])
+    return manifest
 
 
 def output_config(cfg: JobConfig) -> dict[str, Any]:

@@ -1,25 +1,35 @@
-"""Nightly increments (run.skip_existing=PATH): the ids an earlier output already generated, so that a job over
-yesterday's rows plus today's generates only today's.
+"""Nightly increments (run.skip_existing=PATH): the ids a chain of earlier outputs already generated, so that a job
+over yesterday's rows plus today's generates only today's.
 
-Only the earlier output's `id` and `error` columns are read (pyarrow's column projection), and its ids are kept as
-8-byte hashes (about 40 bytes a row in a Python set; 10 million rows: about 400 MB). An id counts as generated when
-every one of its samples there has no error: rows that erred are generated again. The earlier output must have been
-made under the same output config, the input aside (its _manifest.json is compared); otherwise the job is refused,
-naming the keys that differ. Knows Parquet outputs and manifests, not engines.
+PATH is the newest earlier night; its manifest records the night before it (its own run.skip_existing), and so on:
+the chain is followed to its first night, so that a row generated three nights ago and skipped since is not
+generated again. An id counts as generated when some night of the chain holds it with no erring sample (read
+through that night's latest-attempt view); rows that erred everywhere are generated again. Every night of the chain
+must be finished (`_SUCCESS`), made under the same output config (the input aside) and by the same model (its
+manifest's weight digests): otherwise the job is refused (exit 2), naming the night and why. A night that no longer
+exists (a retention policy removed it) ends the chain, with a warning: its rows are generated again, once.
+
+Only each night's `id` and `error` columns are read (pyarrow's column projection), and ids are kept as 8-byte hashes
+(about 40 bytes a row in a Python set; 10 million rows: about 400 MB). The union of a chain's outputs, each id once,
+is the README's query ("Nightly increments"). Knows Parquet outputs and manifests, not engines.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from batchgen.errors import ConfigError
-from batchgen.manifest import MANIFEST, diff, output_config
+from batchgen.manifest import MANIFEST, diff, model_identity, output_config, read_manifest
 
+log = logging.getLogger(__name__)
 INPUT_KEYS = ("path", "limit")  # dataset keys that may differ between nights: the input itself
+SUCCESS = "_SUCCESS"
+MAX_CHAIN = 100_000  # nights; a longer chain is a cycle (a manifest edited by hand)
 
 
 def id_hash(row_id: str) -> int:
@@ -36,30 +46,72 @@ def comparable(config: dict[str, Any]) -> dict[str, Any]:
 
 
 class Existing:
-    """The earlier output's generated ids (hashed)."""
+    """The generated ids (hashed) of run.skip_existing's output and of every earlier night of its chain."""
 
     def __init__(self, path: str, cfg: Any):
-        self.path = os.path.realpath(path) if "://" not in path else path
-        manifest = Path(self.path) / MANIFEST
-        if not manifest.exists():
-            raise ConfigError([f"run.skip_existing: {path} holds no batchgen output (no {MANIFEST})"])
-        earlier = json.loads(manifest.read_text()).get("output_config", {})
-        changes = diff({"output_config": comparable(earlier)}, {"output_config": comparable(output_config(cfg))})
+        if "://" in path:
+            raise ConfigError([f"run.skip_existing={path}: an earlier output on object storage is not read yet; "
+                               f"point run.skip_existing at a local or mounted copy of it"])
+        self.config = comparable(output_config(cfg))
+        self.model = json.loads(json.dumps(model_identity(cfg.engine.model), default=str))
+        self.chain = self._chain(os.path.realpath(path))
+        self.ids: set[int] = set()
+        for night in self.chain:
+            self.ids |= self._generated(night)
+        log.info("run.skip_existing: %d ids generated in %d earlier night(s), newest %s", len(self.ids),
+                 len(self.chain), self.chain[0])
+
+    def _chain(self, newest: str) -> list[str]:
+        """The nights from `newest` back to the first, each checked; newest first."""
+        chain: list[str] = []
+        path: Optional[str] = newest
+        while path is not None:
+            if path in chain or len(chain) >= MAX_CHAIN:
+                raise ConfigError([f"run.skip_existing: the chain of earlier outputs loops at {path}; fix the "
+                                   f"manifests' run.skip_existing or start a new chain"])
+            manifest = read_manifest(path) if os.path.isdir(path) else None
+            if manifest is None:
+                if not chain:
+                    raise ConfigError([f"run.skip_existing: {path} holds no batchgen output (no {MANIFEST})"])
+                log.warning("run.skip_existing: %s (named by %s) no longer holds an output; the chain ends there and "
+                            "the ids it generated are generated again", path, chain[-1])
+                break
+            self._check(path, manifest, named_by=chain[-1] if chain else None)
+            chain.append(path)
+            path = (manifest.get("output_config", {}).get("run") or {}).get("skip_existing")
+        return chain
+
+    def _check(self, path: str, manifest: dict[str, Any], named_by: Optional[str]) -> None:
+        where = f"{path} (named by {named_by}'s manifest)" if named_by else path
+        if not Path(path, SUCCESS).is_file():
+            raise ConfigError([f"run.skip_existing: {where} is not finished (no {SUCCESS}): its job is running, or "
+                               f"was killed; rerun that job to finish it (batchgen status {path}), then this one"])
+        changes = diff({"output_config": comparable(manifest.get("output_config", {}))},
+                       {"output_config": self.config})
         if changes:
-            raise ConfigError([f"run.skip_existing: {path} was generated under another output config ("
+            raise ConfigError([f"run.skip_existing: {where} was generated under another output config ("
                                f"{'; '.join(changes[:5])}); its rows would not be what this job generates. Point it "
                                f"at an output of the same job, or leave it unset"])
-        self.ids = self._generated()
+        model = diff({"model": manifest.get("model")}, {"model": self.model})
+        if model:
+            raise ConfigError([f"run.skip_existing: {where} was generated by another model at "
+                               f"engine.model ({'; '.join(model[:3])}); its rows would not be what this model "
+                               f"generates. Start a new chain (leave run.skip_existing unset) for the new model"])
 
-    def _generated(self) -> set[int]:
-        """Ids with no erring sample in the earlier output's latest-attempt view (batchgen retry's attempts)."""
+    @staticmethod
+    def _generated(night: str) -> set[int]:
+        """Ids with no erring sample in the night's latest-attempt view (batchgen retry's attempts)."""
         from batchgen.view import latest_batches
 
         seen: set[int] = set()
         erred: set[int] = set()
-        for batch in latest_batches(self.path, columns=["id", "error"]):
-            for row_id, error in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()):
-                (erred if error is not None else seen).add(id_hash(row_id))
+        try:
+            batches = latest_batches(night, columns=["id", "error"])
+            for batch in batches:
+                for row_id, error in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()):
+                    (erred if error is not None else seen).add(id_hash(row_id))
+        except FileNotFoundError:  # an empty input's night: no part, nothing generated
+            return set()
         return seen - erred
 
     def __contains__(self, row_id: str) -> bool:

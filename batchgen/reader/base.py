@@ -18,7 +18,8 @@ from batchgen.records import InputBatch
 class Reader:
     """Base: resolves files, numbers rows across files, applies `limit`, makes ids."""
 
-    seekable = False  # True: iter_range reads any rows [start, stop) without reading the rows before them
+    seekable = False  # True: iter_range reads rows [start, stop) without reading the rows before them (Parquet:
+    # before their row group)
 
     def __init__(self, cfg: DatasetConfig, files: list[str], fs: fsspec.AbstractFileSystem, root: str):
         self.cfg = cfg

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -20,12 +20,21 @@ class ParquetReader(Reader):
     """Parquet files under one schema: the files' schemas unified up front (a column missing from a file reads as
     nulls there; integer and float widths promote), or the job refused before any generation naming the file and
     the column. Read row group by row group: a row group that fails mid-job (a corrupt page) costs its unread
-    rows, which become `unreadable` error rows naming the file and row group; the rest of the input goes on."""
+    rows, which become `unreadable` error rows naming the file and row group; the rest of the input goes on.
+
+    Memory: one decoded batch (dataset.batch_rows rows) at a time, however large a row group is (pyarrow writes one
+    row group per file up to about a million rows). A row group is never held whole; a seeking run (iter_range)
+    instead keeps its place in the row group between parts (_Cursor), so parts asked for in order read each row group
+    once. The price: a cursor moves forward only, and Parquet cannot start mid row group, so the rows between this
+    worker's parts inside one row group (other shards' parts, committed parts) are decoded and dropped, each once.
+    All columns are read: the job passes through every column unless dataset.passthrough_columns narrows it."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._schema: Optional[pa.Schema] = None
         self._groups: Optional[list[tuple[str, list[int]]]] = None
+        self._span_list: Optional[list[_Span]] = None  # every row group's place in the input (iter_range)
+        self._cursor: Optional[_Cursor] = None  # where the last iter_range stopped reading
 
     def _open(self, path: str) -> pq.ParquetFile:
         try:
@@ -81,7 +90,7 @@ class ParquetReader(Reader):
                              "these files, or set dataset.verify=footers to record their rows as errors and go on")
 
     def count_rows(self) -> Optional[int]:
-        total = sum(self._open(p).metadata.num_rows for p in self.files)
+        total = sum(sum(sizes) for _, sizes in self.row_groups())  # footers read once, not once per part
         return total if self.cfg.limit is None else min(total, self.cfg.limit)
 
     def _file_batches(self, path: str) -> Iterator[tuple[pa.Table, list[str | None]]]:
@@ -103,7 +112,7 @@ class ParquetReader(Reader):
             error = f"unreadable: {path} row group {group}: {_one_line(exc)}"
             yield _nulls(schema, size - done), [error] * (size - done)
 
-    # -- seeking: parts from footers, a worker reads only its own row groups --------------------------------------
+    # -- seeking: parts from footers, a worker reads only its own row groups, each once --------------------------
 
     seekable = True
 
@@ -118,34 +127,81 @@ class ParquetReader(Reader):
 
     def iter_range(self, start: int, stop: int) -> Iterator[InputBatch]:
         """Input rows [start, stop) (numbered across files in order, after dataset.limit), opening only the files
-        and row groups that hold them; a row group straddling the range is read whole and sliced."""
+        and row groups that hold them. A row group is read through a forward cursor (_Cursor) kept between calls,
+        so that parts asked for in order (the planner's) read each row group once, however many parts it holds."""
         stop = min(stop, self.count_rows() or 0)
-        offset = 0  # the current file's first row in the input
-        for path, sizes in self.row_groups():
-            n = sum(sizes)
-            if offset >= stop:
+        for span in self._spans():
+            if span.first >= stop:
                 return
-            if offset + n > start:
-                yield from self._range_in_file(path, sizes, offset, start, stop)
-            offset += n
+            if span.first + span.size > start:
+                yield from self._range_in_group(span, max(start, span.first), min(stop, span.first + span.size))
 
-    def _range_in_file(self, path: str, sizes: list[int], offset: int, start: int, stop: int) -> Iterator[InputBatch]:
-        pf, label, group_start = self._open(path), self._label(path), offset
-        for group, size in enumerate(sizes):
-            lo, hi = max(start, group_start), min(stop, group_start + size)
-            pos = group_start
-            if lo < hi:
-                for table, errors in self._group_batches(pf, path, group):
-                    self.rows_read += table.num_rows
-                    a, b = max(lo, pos), min(hi, pos + table.num_rows)
-                    if a < b:
-                        piece = table.slice(a - pos, b - a)
-                        yield InputBatch(start=a, table=piece, ids=self._ids(piece, label, a - offset),
-                                         read_errors=errors[a - pos:b - pos])
-                    pos += table.num_rows
-                    if pos >= hi:
-                        break
-            group_start += size
+    def _spans(self) -> list[_Span]:
+        """Every row group with its first input row and its file's first input row."""
+        if self._span_list is None:
+            self._span_list, offset = [], 0
+            for path, sizes in self.row_groups():
+                first = offset
+                for group, size in enumerate(sizes):
+                    self._span_list.append(_Span(path, group, offset, size, first))
+                    offset += size
+        return self._span_list
+
+    def _range_in_group(self, span: _Span, lo: int, hi: int) -> Iterator[InputBatch]:
+        cursor = self._cursor
+        if cursor is None or cursor.span != span or cursor.pos > lo:  # another row group, or behind: start it over
+            if cursor is not None:
+                cursor.batches.close()
+            pf = self._open(span.path)
+            cursor = self._cursor = _Cursor(span, span.first, self._group_batches(pf, span.path, span.group))
+        label = self._label(span.path)
+        while cursor.pos < hi:
+            pos, (table, errors) = cursor.pos, cursor.next_batch(self)
+            cursor.advance(table, errors, hi)  # before handing rows out: a consumer may stop at any yield
+            a, b = max(lo, pos), min(hi, pos + table.num_rows)
+            if a < b:
+                piece = table.slice(a - pos, b - a)
+                yield InputBatch(start=a, table=piece, ids=self._ids(piece, label, a - span.file_first),
+                                 read_errors=errors[a - pos:b - pos])
+
+
+class _Span(NamedTuple):
+    path: str
+    group: int  # the row group's number in its file
+    first: int  # its first row's number in the input
+    size: int
+    file_first: int  # its file's first row's number in the input (generated ids count from there)
+
+
+class _Cursor:
+    """Where reading stopped inside one row group: its batches still to decode, and the decoded rows of the last
+    batch that a part ending mid-batch left over (`held`, starting at input row `pos`). It holds at most one
+    decoded batch (dataset.batch_rows rows) and only moves forward."""
+
+    def __init__(self, span: _Span, pos: int, batches: Iterator[tuple[pa.Table, list[str | None]]]):
+        self.span, self.pos, self.batches = span, pos, batches
+        self.held: Optional[tuple[pa.Table, list[str | None]]] = None
+
+    def next_batch(self, reader: Reader) -> tuple[pa.Table, list[str | None]]:
+        """The rows from `pos` on: what is held, else the next batch decoded (counted in reader.rows_read)."""
+        if self.held is not None:
+            return self.held
+        try:
+            table, errors = next(self.batches)
+        except StopIteration:  # fewer rows than the footer says: never hand out a short part as if whole
+            raise InputError(f"{self.span.path} row group {self.span.group}: its footer says {self.span.size} rows "
+                             f"but it ended after {self.pos - self.span.first}; the file is damaged: rewrite it "
+                             f"or drop it from dataset.path") from None
+        reader.rows_read += table.num_rows
+        return table, errors
+
+    def advance(self, table: pa.Table, errors: list[str | None], hi: int) -> None:
+        """Past `table` (which starts at `pos`), or only up to input row `hi`, holding the rest for the next part."""
+        if self.pos + table.num_rows <= hi:
+            self.pos, self.held = self.pos + table.num_rows, None
+        else:
+            k = hi - self.pos
+            self.pos, self.held = hi, (table.slice(k), errors[k:])
 
 
 def _one_line(exc: BaseException) -> str:

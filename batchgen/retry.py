@@ -4,8 +4,9 @@ engine.max_model_len, run.too_long=truncate_left, another sampling.seed...).
 
 Each retry is an attempt: attempt N writes `OUTPUT_DIR/_attempts/attempt-NNN/`, a job of its own (manifest, journals,
 parts, _SUCCESS, so resumable and exactly-once like any job), whose input is `_input.parquet` there: the erring rows
-of the job's input, read once, with their original ids. Its parts carry an `attempt` column. The job's own parts
-are never touched; `batchgen.view` gives the latest successful attempt per (id, sample_index).
+of the job's input, read once, with their original ids and which row of their id each is (view.OCCURRENCE: ids
+may repeat). Its parts carry an `attempt` column and that occurrence. The job's own parts are never touched;
+`batchgen.view` gives the latest successful attempt per row.
 
 A retry killed at any point is finished by running the same command again (or `batchgen retry OUTPUT_DIR` alone,
 which takes the unfinished attempt's recorded kinds and overrides); a new attempt starts only once the last one is
@@ -19,7 +20,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,7 +32,7 @@ from batchgen.errors import BatchgenError, ConfigError
 from batchgen.fsutil import replace_durably, write_json_atomic
 from batchgen.job import JobConfig
 from batchgen.manifest import MANIFEST, diff
-from batchgen.view import attempt_dir, attempts, latest_batches, part_files
+from batchgen.view import OCCURRENCE, attempt_dir, attempts, keyed_batches, latest_batches, part_files
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def prepare(output_dir: Path, kinds: Optional[list[str]], overrides: list[str],
     attempt = last if last and recorded is None else last + 1  # an attempt whose input was never completed: anew
     kinds = list(kinds or DEFAULT_KINDS)
     base = config_from(original, [])
-    failed = failed_ids(output_dir, kinds)
+    failed = failed_rows(output_dir, kinds)
     if not failed:
         return None
     config_from(original, overrides)  # a bad override refused before anything is written
@@ -101,19 +102,30 @@ def _recorded(output_dir: Path, attempt: int) -> Optional[dict[str, Any]]:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def failed_ids(output_dir: Path, kinds: list[str]) -> set[str]:
-    """Ids whose latest attempt of some sample erred with one of `kinds`."""
-    out: set[str] = set()
-    for table in latest_batches(output_dir, columns=["id", "error"]):
-        for row_id, error in zip(table.column("id").to_pylist(), table.column("error").to_pylist()):
-            if error is not None and error_kind(error) in kinds:
-                out.add(row_id)
+def failed_rows(output_dir: Path, kinds: list[str]) -> dict[str, set[int]]:
+    """Per id, its rows (occurrences: 0-based, in the job's output order; ids may repeat) with a sample whose latest
+    attempt erred with one of `kinds`. Two passes over the view's id and error: the erring ids, then their rows'
+    occurrences, counted for those ids alone (memory stays with the erring rows)."""
+    ids = {values[0] for values in _erring(latest_batches(output_dir, columns=["id", "error"]), kinds)}
+    out: dict[str, set[int]] = {}
+    if ids:
+        for row_id, _, occurrence in _erring(keyed_batches(output_dir, ["id", "error"], ids), kinds):
+            out.setdefault(row_id, set()).add(occurrence)
     return out
 
 
-def write_input(cfg: JobConfig, manifest: dict[str, Any], ids: set[str], path: Path) -> int:
-    """The job's input rows whose id is in `ids`, streamed from the job's own input (refused if it changed since),
-    with each row's original id in ID_COLUMN; written under a temp name, then renamed."""
+def _erring(tables: Iterator[pa.Table], kinds: list[str]) -> Iterator[tuple]:
+    """The values of each row (columns id, error, ...) that erred with one of `kinds`."""
+    for table in tables:
+        for values in zip(*(column.to_pylist() for column in table.columns)):
+            if values[1] is not None and error_kind(values[1]) in kinds:
+                yield values
+
+
+def write_input(cfg: JobConfig, manifest: dict[str, Any], failed: dict[str, set[int]], path: Path) -> int:
+    """The job's input rows in `failed` (id and occurrence), streamed from the job's own input (refused if it changed
+    since), with each row's original id in ID_COLUMN and its occurrence in OCCURRENCE (the view matches the retry's
+    rows to the job's by both); written under a temp name, then renamed."""
     from batchgen.reader import open_reader
 
     reader = open_reader(cfg.dataset)
@@ -123,15 +135,15 @@ def write_input(cfg: JobConfig, manifest: dict[str, Any], ids: set[str], path: P
                            f"rows it retries from that input: restore it, or run a new job"])
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     writer: Optional[pq.ParquetWriter] = None
-    rows = 0
+    rows, seen = 0, {}
     try:
         for batch in reader.iter_batches():
-            keep = [i for i, (row_id, err) in enumerate(zip(batch.ids, batch.read_errors))
-                    if row_id in ids and err is None]
+            keep, occurrences = _pick(batch, failed, seen)
             if not keep:
                 continue
             table = batch.table.take(pa.array(keep, pa.int64()))
             table = table.append_column(pa.field(ID_COLUMN, pa.string()), pa.array([batch.ids[i] for i in keep]))
+            table = table.append_column(pa.field(OCCURRENCE, pa.int64()), pa.array(occurrences, pa.int64()))
             if writer is None:
                 writer = pq.ParquetWriter(tmp, table.schema)
             writer.write_table(table.cast(writer.schema))
@@ -145,8 +157,22 @@ def write_input(cfg: JobConfig, manifest: dict[str, Any], ids: set[str], path: P
             writer.close()
         tmp.unlink(missing_ok=True)
     if not rows:
-        raise ConfigError([f"none of the {len(ids)} erring ids was found in the job's input {cfg.dataset.path}"])
+        raise ConfigError([f"none of the {len(failed)} erring ids was found in the job's input {cfg.dataset.path}"])
     return rows
+
+
+def _pick(batch: Any, failed: dict[str, set[int]], seen: dict[str, int]) -> tuple[list[int], list[int]]:
+    """The batch's rows to retry and their occurrences. Every input row is an output row in the same order (a read
+    error too), so counting the erring ids' rows here gives the view's occurrences; `seen` carries the counts."""
+    keep, occurrences = [], []
+    for i, (row_id, err) in enumerate(zip(batch.ids, batch.read_errors)):
+        if row_id not in failed:
+            continue
+        occurrence = seen[row_id] = seen.get(row_id, -1) + 1
+        if occurrence in failed[row_id] and err is None:
+            keep.append(i)
+            occurrences.append(occurrence)
+    return keep, occurrences
 
 
 def _job(output_dir: Path, attempt: int, overrides: list[str], manifest: dict[str, Any],
@@ -158,8 +184,10 @@ def _job(output_dir: Path, attempt: int, overrides: list[str], manifest: dict[st
     if dataset.get("format") == "openai_batch":  # its columns as the job resolved them (reader/openai_batch.py)
         used = (manifest.get("output_config") or {}).get("dataset") or {}
         dataset.update({k: v for k, v in used.items() if k.endswith("_column") and v is not None})
+    # the rows' occurrences go through to the attempt's parts (none in an input written before they were recorded)
+    hidden = [OCCURRENCE] if OCCURRENCE in pq.read_schema(here / INPUT_FILE).names else []
     dataset.update(path=str(here / INPUT_FILE), format="parquet", limit=None, id_column=ID_COLUMN,
-                   passthrough_columns=passthrough_of(output_dir))
+                   passthrough_columns=passthrough_of(output_dir) + hidden)
     run.update(attempt=attempt, resume=True, shard=0, num_shards=1, skip_existing=None)
     resolved["output_dir"] = str(here)
     cfg = config_from(resolved, overrides)

@@ -1,11 +1,15 @@
-"""The latest-attempt view of an output: exactly one row per (id, sample_index), whatever `batchgen retry` added.
+"""The latest-attempt view of an output: exactly one row per row of the job's own parts, whatever `batchgen retry`
+added.
 
 An output holds the job's parts (attempt 0, `part-*.parquet`) and, after retries, each retry's parts in
 `_attempts/attempt-NNN/` beside them, with an `attempt` column. Reading the directory itself still gives the job's
-own rows (its `_` names are skipped by every Parquet reader); this view is how to read the latest. It takes, per
-(id, sample_index), the latest attempt whose row has no error; where every attempt erred, the latest attempt.
-Rows keep the job's input order: a retried row stands where its original stood. Only committed parts are read;
-the retried rows (few, by construction) are held in memory, the job's parts streamed batch by batch.
+own rows (its `_` names are skipped by every Parquet reader); this view is how to read the latest. Ids may repeat
+(README "Duplicate ids"), so a row is keyed by (id, occurrence, sample_index), occurrence being which row of its id
+it is (0-based, in the job's output order): counted here for the job's parts, recorded by the retry in its parts'
+hidden OCCURRENCE column (a retry written before that column existed matches by id alone). Per key it takes the
+latest attempt whose row has no error; where every attempt erred, the latest attempt. Rows keep the job's input
+order: a retried row stands where its original stood. Only committed parts are read; the retried rows (few, by
+construction) are held in memory, the job's parts streamed batch by batch.
 
     from batchgen.view import latest
     table = latest("data/outputs/job")          # pyarrow Table; .to_pandas(); datasets.Dataset(table)
@@ -18,7 +22,7 @@ Knows the output layout and Parquet, not engines or configs.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -32,6 +36,11 @@ ATTEMPT_RE = re.compile(r"^attempt-(\d{3,})$")
 
 
 ATTEMPTS = "_attempts"  # '_': reading output_dir (or output_dir/*.parquet) gives the job's own rows, as before
+# a retry's parts: which row of its id (0-based, in the job's output order) each row retries. Ids may repeat, so the
+# view's key is (id, occurrence, sample_index), unique by construction; never a column of the view itself
+OCCURRENCE = "_batchgen_occurrence"
+Key = tuple[str, Optional[int], int]  # (id, occurrence: None in a retry written before occurrences were recorded, s)
+Winner = tuple[int, bool, dict]  # (attempt, without error, its row)
 
 
 def attempt_dir(output_dir: Path, attempt: int) -> Path:
@@ -49,7 +58,8 @@ def attempts(output_dir: Path) -> list[int]:
 def part_files(directory: Path) -> list[Path]:
     if not directory.is_dir():
         return []
-    return sorted((p for p in directory.iterdir() if PART_RE.match(p.name)), key=lambda p: p.name)
+    found = ((m, p) for p in directory.iterdir() if (m := PART_RE.match(p.name)))
+    return [p for m, p in sorted(found, key=lambda mp: int(mp[0].group(1)))]  # part-100000 after part-99999
 
 
 def _schema(output_dir: Path, columns: Optional[list[str]]) -> pa.Schema:
@@ -59,6 +69,8 @@ def _schema(output_dir: Path, columns: Optional[list[str]]) -> pa.Schema:
     if not schemas:
         raise FileNotFoundError(f"{output_dir} holds no committed part (part-*.parquet)")
     schema = pa.unify_schemas(schemas)
+    if OCCURRENCE in schema.names:  # the view's key, not its data
+        schema = schema.remove(schema.get_field_index(OCCURRENCE))
     if "attempt" not in schema.names:
         schema = schema.append(pa.field("attempt", pa.int32()))
     if columns is not None:
@@ -95,54 +107,91 @@ def _read(table_of, names: list[str], schema: pa.Schema, attempt: int) -> pa.Tab
     return _conform(table_of([c for c in schema.names if c in names]), schema, attempt)
 
 
-def _winners(output_dir: Path, schema: pa.Schema) -> dict[tuple[str, int], tuple[int, dict]]:
-    """Per retried (id, sample_index): the winning attempt and its row (a dict over `schema`). A later attempt
-    replaces an earlier row unless it erred where that one had not; the job's own row (attempt 0) wins where it had
-    no error and every retry erred."""
-    best: dict[tuple[str, int], tuple[int, bool, dict]] = {}
+def _winners(output_dir: Path, schema: pa.Schema) -> dict[Key, Winner]:
+    """Per (id, occurrence, sample_index) that a retry wrote: its latest attempt without error, else its latest
+    attempt, with its row (a dict over `schema`). A retry written before occurrences were recorded has None there."""
+    best: dict[Key, Winner] = {}
     for a in attempts(output_dir)[1:]:
         for path in part_files(attempt_dir(output_dir, a)):
             names = pq.read_schema(path).names
-            for row in _read(lambda cols, p=path: pq.read_table(p, columns=cols), names, schema, a).to_pylist():
-                key, ok = (row["id"], row["sample_index"]), row["error"] is None
+            hidden = [OCCURRENCE] if OCCURRENCE in names else []
+            table = pq.read_table(path, columns=[c for c in schema.names if c in names] + hidden)
+            occurrences = table.column(OCCURRENCE).to_pylist() if hidden else [None] * table.num_rows
+            for row, occurrence in zip(_conform(table, schema, a).to_pylist(), occurrences):
+                key, ok = (row["id"], occurrence, row["sample_index"]), row["error"] is None
                 if key not in best or ok or not best[key][1]:
                     best[key] = (a, ok, row)
-    if best:
-        ids = pa.array(sorted({k[0] for k in best}), pa.string())
-        for path in part_files(output_dir):  # the job's own rows of the retried ids: did they succeed?
-            table = pq.read_table(path, columns=["id", "sample_index", "error"], filters=pc.field("id").isin(ids))
-            for row_id, s, error in zip(*(table.column(c).to_pylist() for c in ("id", "sample_index", "error"))):
-                if error is None and (row_id, s) in best and not best[(row_id, s)][1]:
-                    best[(row_id, s)] = (0, True, {})
-    return {k: (a, row) for k, (a, _, row) in best.items()}
+    return best
+
+
+def _view(output_dir: Path, columns: Optional[list[str]], track: Collection[str]
+          ) -> Iterator[tuple[pa.Table, Optional[list[Optional[int]]]]]:
+    """The view's tables, each with its rows' occurrences where a row's id was retried or is in `track` (None for
+    a table with no such row). Occurrences are counted for those ids only: memory stays with the retried rows."""
+    schema = _schema(output_dir, columns)
+    wide = _with_keys(schema)
+    winners = _winners(output_dir, wide)
+    keyed = {k[0] for k in winners} | set(track)
+    value_set = pa.array(sorted(keyed), pa.string())
+    seen: dict[str, int] = {}
+    for path in part_files(output_dir):
+        pf = pq.ParquetFile(path)
+        for g in range(pf.num_row_groups):
+            table = _read(lambda cols, g=g, pf=pf: pf.read_row_group(g, columns=cols), pf.schema_arrow.names, wide, 0)
+            occurrences = None
+            if keyed and pc.any(pc.is_in(table.column("id"), value_set=value_set)).as_py():
+                occurrences = _occurrences(table, keyed, seen)
+                table = _replace(table, winners, occurrences)
+            yield table.select(schema.names), occurrences
 
 
 def latest_batches(output_dir: str | Path, columns: Optional[list[str]] = None) -> Iterator[pa.Table]:
     """The latest-attempt view, one table per row group of the job's parts, in the job's output order. `columns`:
     the columns to read (default all; `attempt` is always available)."""
-    output_dir = Path(output_dir)
-    schema = _schema(output_dir, columns)
-    wide = _with_keys(schema)
-    winners = _winners(output_dir, wide)
-    retried = pa.array(sorted({k[0] for k, (a, _) in winners.items() if a != 0}), pa.string())
-    for path in part_files(output_dir):
-        pf = pq.ParquetFile(path)
-        for g in range(pf.num_row_groups):
-            table = _read(lambda cols, g=g, pf=pf: pf.read_row_group(g, columns=cols), pf.schema_arrow.names, wide, 0)
-            if len(retried) and pc.any(pc.is_in(table.column("id"), value_set=retried)).as_py():
-                table = _replace(table, winners)
-            yield table.select(schema.names)
+    for table, _ in _view(Path(output_dir), columns, ()):
+        yield table
 
 
-def _replace(table: pa.Table, winners: dict[tuple[str, int], tuple[int, dict]]) -> pa.Table:
-    """`table` with each retried row replaced, in place, by its winning attempt's row."""
+def keyed_batches(output_dir: str | Path, columns: list[str], ids: Collection[str]) -> Iterator[pa.Table]:
+    """latest_batches with an OCCURRENCE column last: which row of its id each row is (0-based, in the job's output
+    order) where its id is in `ids`, else null. What `batchgen retry` records of the rows it retries."""
+    for table, occurrences in _view(Path(output_dir), columns, ids):
+        values = pa.array(occurrences or [None] * table.num_rows, pa.int64())
+        yield table.append_column(pa.field(OCCURRENCE, pa.int64()), values)
+
+
+def _occurrences(table: pa.Table, keyed: set[str], seen: dict[str, int]) -> list[Optional[int]]:
+    """Each row's occurrence where its id is in `keyed`, else None. A row's samples are consecutive and start at
+    sample_index 0, so a sample 0 starts the id's next row; `seen` carries the last occurrence per id across tables."""
+    out: list[Optional[int]] = []
+    for row_id, s in zip(table.column("id").to_pylist(), table.column("sample_index").to_pylist()):
+        if row_id not in keyed:
+            out.append(None)
+            continue
+        if s == 0:
+            seen[row_id] = seen.get(row_id, -1) + 1
+        out.append(seen.get(row_id, 0))
+    return out
+
+
+def _best(winners: dict[Key, Winner], row_id: str, occurrence: int, s: int) -> Optional[Winner]:
+    """The retries' winner for this row of the job's: its occurrence's, or (a retry written before occurrences were
+    recorded: matched by id alone) its id's, whichever is better by the view's rule."""
+    found = [w for w in (winners.get((row_id, occurrence, s)), winners.get((row_id, None, s))) if w is not None]
+    return max(found, key=lambda w: (w[1], w[0]), default=None)
+
+
+def _replace(table: pa.Table, winners: dict[Key, Winner], occurrences: list[Optional[int]]) -> pa.Table:
+    """`table` with each retried row replaced, in place, by its winning attempt's row; the job's own row stays where
+    it had no error and every retry of it erred."""
     order, extra = list(range(table.num_rows)), []
-    keys = zip(table.column("id").to_pylist(), table.column("sample_index").to_pylist())
-    for i, key in enumerate(keys):
-        won = winners.get(key)
-        if won is not None and won[0] != 0:
+    keys = zip(table.column("id").to_pylist(), table.column("sample_index").to_pylist(),
+               table.column("error").to_pylist(), occurrences)
+    for i, (row_id, s, error, occurrence) in enumerate(keys):
+        won = None if occurrence is None else _best(winners, row_id, occurrence, s)
+        if won is not None and (won[1] or error is not None):
             order[i] = table.num_rows + len(extra)
-            extra.append(won[1])
+            extra.append(won[2])
     replacement = pa.Table.from_pylist(extra, schema=table.schema)
     return pa.concat_tables([table, replacement]).take(pa.array(order, pa.int64()))
 
@@ -157,9 +206,32 @@ def duckdb_sql(output_dir: str | Path) -> str:
     """A duckdb query giving the latest-attempt view straight from the Parquet files (the same rows as `latest`;
     order by your own key, SQL keeps none): `duckdb.sql(duckdb_sql(path)).df()`."""
     output_dir = Path(output_dir)
-    files = [str(p) for a in attempts(output_dir) for p in part_files(attempt_dir(output_dir, a))]
-    listed = ", ".join("'" + f.replace("'", "''") + "'" for f in files)
-    return ("SELECT * EXCLUDE (batchgen_rank) REPLACE (coalesce(attempt, 0)::INTEGER AS attempt) FROM ("
-            "SELECT *, row_number() OVER (PARTITION BY id, sample_index ORDER BY (error IS NULL) DESC, "
-            f"coalesce(attempt, 0) DESC) AS batchgen_rank FROM read_parquet([{listed}], union_by_name = true)) "
-            "WHERE batchgen_rank = 1")
+    files = [(a, i, p) for a in attempts(output_dir) for i, p in enumerate(part_files(attempt_dir(output_dir, a)))]
+    if not files:
+        raise FileNotFoundError(f"{output_dir} holds no committed part (part-*.parquet)")
+    listed = ", ".join(_quoted(str(p)) for _, _, p in files)
+    if not any(a for a, _, _ in files):  # never retried: the job's own rows
+        return f"SELECT *, 0::INTEGER AS attempt FROM read_parquet([{listed}], union_by_name = true)"
+    recorded = any(OCCURRENCE in pq.read_schema(p).names for a, _, p in files if a)
+    table = ", ".join(f"({_quoted(str(p))}, {a}, {i})" for a, i, p in files)
+    matched = f"(r.{OCCURRENCE} IS NULL OR r.{OCCURRENCE} = o.batchgen_occurrence)" if recorded else "true"
+    internal = "batchgen_rank, batchgen_occurrence, batchgen_file, batchgen_attempt, batchgen_order, file_row_number"
+    return (
+        f"WITH batchgen_files (batchgen_file, batchgen_attempt, batchgen_order) AS (VALUES {table}), "
+        f"src AS (SELECT * FROM read_parquet([{listed}], union_by_name = true, filename = 'batchgen_file', "
+        "file_row_number = true) JOIN batchgen_files USING (batchgen_file)), "
+        # the job's own rows, each with its occurrence: a row's samples start at sample_index 0
+        "own AS (SELECT *, sum((sample_index = 0)::BIGINT) OVER (PARTITION BY id ORDER BY batchgen_order, "
+        "file_row_number ROWS UNBOUNDED PRECEDING) - 1 AS batchgen_occurrence FROM src WHERE batchgen_attempt = 0), "
+        # a retry's rows, each at the row it retries (by id alone where it recorded no occurrence)
+        "retried AS (SELECT r.*, o.batchgen_occurrence FROM src AS r JOIN own AS o ON r.id = o.id AND "
+        f"r.sample_index = o.sample_index AND {matched} WHERE r.batchgen_attempt > 0), "
+        "ranked AS (SELECT *, row_number() OVER (PARTITION BY id, batchgen_occurrence, sample_index ORDER BY "
+        "(error IS NULL) DESC, batchgen_attempt DESC, batchgen_order DESC, file_row_number DESC) AS batchgen_rank "
+        "FROM (SELECT * FROM own UNION ALL BY NAME SELECT * FROM retried)) "
+        f"SELECT * EXCLUDE ({internal}{', ' + OCCURRENCE if recorded else ''}) "
+        "REPLACE (coalesce(attempt, 0)::INTEGER AS attempt) FROM ranked WHERE batchgen_rank = 1")
+
+
+def _quoted(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"

@@ -26,6 +26,7 @@ from batchgen.errors import BatchgenError
 from batchgen.fsutil import fsync_dir, link_durably, replace_durably
 from batchgen.journal import JOURNAL_RE, crash_window
 from batchgen.records import OutputRow, Part, PlannedPart, Result
+from batchgen.trust import check_part
 
 log = logging.getLogger(__name__)
 
@@ -199,8 +200,12 @@ class Committer:
         return {int(m.group(1)) for p in self.output_dir.iterdir() if (m := PART_RE.match(p.name))}
 
     def read_stats(self, index: int) -> PartStats:
-        meta = pq.read_metadata(self.part_path(index)).metadata or {}
-        raw = meta.get(b"batchgen.stats")
+        """A committed part's counts, once its metadata shows it is this job's (trust.check_part)."""
+        return self.stats_from(self.part_path(index), pq.read_metadata(self.part_path(index)).metadata, index)
+
+    def stats_from(self, path: Any, meta: Optional[dict[bytes, bytes]], index: int) -> PartStats:
+        check_part(path, meta, index, self.metadata.get("batchgen.config_hash", ""))
+        raw = (meta or {}).get(b"batchgen.stats")
         return PartStats(**json.loads(raw)) if raw else PartStats()
 
     def commit(self, part: Part, rows: list[OutputRow]) -> PartStats:
@@ -273,7 +278,8 @@ class Committer:
         """An empty dataset still yields a readable result: one part with the schema and no rows. It has no row
         group at all (an empty row group makes `datasets.load_dataset("parquet")` fail on a batch size of 0)."""
         optional = [OPTIONAL_FIELDS[name] for name in self.optional] + [ATTEMPT_FIELD] * bool(self.attempt)
-        schema = pa.schema(OUTPUT_FIELDS + optional + (schema_fields or []), metadata=self.metadata)
+        schema = pa.schema(OUTPUT_FIELDS + optional + (schema_fields or []),
+                           metadata=self.metadata | {"batchgen.part": "0"})
         path = self.part_path(0)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:

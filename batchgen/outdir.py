@@ -16,12 +16,15 @@ from batchgen.fsutil import write_json_atomic
 from batchgen.job import JobConfig
 from batchgen.manifest import build_manifest, check_or_write, config_hash, model_identity, record_layout
 from batchgen.reader import Reader
+from batchgen.trust import refuse_strays
 
 log = logging.getLogger(__name__)
 
 
 def prepare_output_dir(cfg: JobConfig, output_dir: Path, reader: Reader, resolved: dict[str, Any]) -> None:
     started = (output_dir / "_manifest.json").exists()
+    if not started:
+        refuse_strays(output_dir)  # a _SUCCESS or part without this job's manifest is nobody's to trust
     if started and not cfg.run.resume:
         raise ConfigError([f"run.resume=false but {output_dir} already holds a run; set run.resume=true to "
                            f"continue it, or choose a new output_dir"])

@@ -131,8 +131,10 @@ class Progress:
                   "errors": stats.error_rows, "part_s": None if opened is None else round(time.time() - opened, 3),
                   "shard": self.cfg.run.shard, "pid": os.getpid(), "host": socket.gethostname(), "worker": worker}
         name = history_name(self.cfg.run.shard, self.cfg.run.num_shards)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW  # never through a symlink out of output_dir
         try:
-            with self.stop.shielded(), open(self.committer.output_dir / name, "a", encoding="utf-8") as f:
+            with self.stop.shielded(), open(os.open(self.committer.output_dir / name, flags, 0o644), "a",
+                                            encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
         except OSError as exc:
             log.warning("could not append to %s: %s", name, exc)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.committer import PART_RE, SUCCESS, Committer, OutputWriteError, PartStats
+from batchgen.journal import kill_point
 from batchgen.manifest import MANIFEST
 
 log = logging.getLogger(__name__)
@@ -51,19 +52,70 @@ class RemoteOutput:
         return f"{self.root}/{name}"
 
     def pull(self) -> None:
-        """Reconcile the staging directory with the bucket before the run looks at either."""
+        """Bring the bucket's manifest and `_SUCCESS` into the staging directory before the run checks them. The
+        staging directory is trusted only as the staging of the bucket's own run: where the bucket holds no manifest,
+        or another one than the staging directory's, what is staged was left by a run whose output is gone or is
+        another job's, and it is cleared (the locks aside) before anything is uploaded. Staged parts go up only
+        after the manifest check (`reconcile`). A bucket prefix holding outputs' files but no manifest is refused."""
         self.staging.mkdir(parents=True, exist_ok=True)
-        for name in PUSHED:
-            local = self.staging / name
-            if self.fs.exists(self.key(name)):
-                self.fs.get_file(self.key(name), str(local))
-            elif name == SUCCESS:
-                local.unlink(missing_ok=True)
+        manifest = self.fs.cat(self.key(MANIFEST)) if self.fs.exists(self.key(MANIFEST)) else None
+        local = self.staging / MANIFEST
+        if manifest is None:
+            self._refuse_strays()
+        if manifest is None or not local.exists() or local.read_bytes() != manifest:
+            self._clear_staging()
+        if manifest is not None:
+            local.write_bytes(manifest)
+        if self.fs.exists(self.key(SUCCESS)):
+            self.fs.get_file(self.key(SUCCESS), str(self.staging / SUCCESS))
+        else:
+            (self.staging / SUCCESS).unlink(missing_ok=True)
+
+    def reconcile(self, config_hash: str) -> None:
+        """After the manifest check: upload the parts a killed run committed here but could not upload; a staged
+        part that is not this job's (trust.check_part) is removed, never uploaded."""
+        import pyarrow.parquet as pq
+
+        from batchgen.errors import ResumeMismatchError
+        from batchgen.trust import check_part
+
         remote = self.committed()
         for path in sorted(self.staging.glob("part-*.parquet")):
-            if int(PART_RE.match(path.name).group(1)) not in remote:
+            index = int(PART_RE.match(path.name).group(1))
+            try:
+                check_part(path, pq.read_metadata(path).metadata, index, config_hash)
+            except (ResumeMismatchError, OSError, ValueError) as exc:
+                log.warning("removing staged %s: %s", path.name, exc)
+                path.unlink()
+                continue
+            if index not in remote:
                 log.info("uploading %s, committed before an interrupted run could upload it", path.name)
                 self.upload(path)
+            else:
+                path.unlink()
+
+    def _refuse_strays(self) -> None:
+        from batchgen.errors import ResumeMismatchError
+        from batchgen.trust import OWN_NAME
+
+        try:
+            names = [p.rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False, refresh=True)]
+        except FileNotFoundError:
+            return
+        found = sorted(n for n in names if OWN_NAME.match(n) and n != MANIFEST)
+        if found:
+            raise ResumeMismatchError(f"{self.url} holds {', '.join(found[:8])} but no {MANIFEST}: not an output of "
+                                      f"this job. Remove them, or choose an empty prefix")
+
+    def _clear_staging(self) -> None:
+        stale = [p for p in self.staging.iterdir() if not p.name.startswith(("_lock", "_logs"))]
+        if stale:
+            log.info("clearing %d files staged by an earlier run of another output at %s", len(stale), self.url)
+        for path in stale:
+            if path.is_dir() and not path.is_symlink():
+                import shutil
+
+                shutil.rmtree(path)
             else:
                 path.unlink()
 
@@ -100,16 +152,16 @@ class RemoteCommitter(Committer):
         return self.remote.committed() | super().committed()
 
     def read_stats(self, index: int) -> PartStats:
-        import json
-
         import pyarrow.parquet as pq
 
-        with self.remote.fs.open(self.remote.key(self.part_path(index).name), "rb") as f:
-            raw = (pq.read_metadata(f).metadata or {}).get(b"batchgen.stats")
-        return PartStats(**json.loads(raw)) if raw else PartStats()
+        key = self.remote.key(self.part_path(index).name)
+        with self.remote.fs.open(key, "rb") as f:
+            meta = pq.read_metadata(f).metadata
+        return self.stats_from(f"{self.remote.url}/{self.part_path(index).name}", meta, index)
 
     def commit(self, part: Any, rows: Any) -> PartStats:
         stats = super().commit(part, rows)
+        kill_point("part committed in staging before its upload")
         self.remote.upload(self.part_path(part.index))
         for status in self.output_dir.glob("_status*.json"):
             self.remote.push(status.name)

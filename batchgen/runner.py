@@ -19,7 +19,7 @@ from batchgen.feed import Feed, auto_lookahead, check_error_rate
 from batchgen.heartbeat import status_name
 from batchgen.job import JobConfig, validate
 from batchgen.lock import OutputLock
-from batchgen.manifest import MANIFEST, check_engine
+from batchgen.manifest import MANIFEST, check_engine, config_hash
 from batchgen.openai_out import RESULTS, write_if_wanted
 from batchgen.outdir import committed_totals, file_metadata, load_input_index, prepare_output_dir
 from batchgen.planner import Planner, shard_holds
@@ -29,6 +29,7 @@ from batchgen.reader import open_reader
 from batchgen.remote import RemoteCommitter, RemoteOutput, is_remote
 from batchgen.render import Renderer, RenderRow
 from batchgen.stopping import GracefulStop
+from batchgen.trust import refuse_links
 
 log = logging.getLogger(__name__)
 DEFAULT_BATCH_SLOTS = 256  # an engine that does not say how many rows it decodes together (vLLM's max_num_seqs)
@@ -75,6 +76,7 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
     shown: Any = remote.url if remote else output_dir  # what the summary names
     with writing(output_dir):
         output_dir.mkdir(parents=True, exist_ok=True)
+    refuse_links(output_dir)
     lock = OutputLock.for_shard(output_dir, cfg.run.shard, cfg.run.num_shards)
     with lock:
         with lock.layout():
@@ -83,6 +85,7 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
             prepare_output_dir(cfg, output_dir, reader, resolved or {})
             if remote:
                 remote.push(MANIFEST)
+                remote.reconcile(config_hash(cfg))  # only now: a staged part goes up once the manifest matched
         kwargs = {"passthrough": passthrough, "metadata": file_metadata(cfg),
                   "optional": optional_columns(cfg.sampling, cfg.dataset), "attempt": cfg.run.attempt}
         committer = RemoteCommitter(remote, **kwargs) if remote else Committer(output_dir, **kwargs)

@@ -86,3 +86,32 @@ def run_cli(args: list[str], timeout: float = 300, **kwargs) -> subprocess.Compl
     env = os.environ | {"PYTHONUNBUFFERED": "1"} | kwargs.pop("env", {})
     return subprocess.run([sys.executable, "-m", "batchgen", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=kwargs.pop("cwd", REPO), env=env, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A local S3 endpoint on 127.0.0.1 and the environment that points fsspec/s3fs at it (this process and the
+    jobs it starts)."""
+    moto_server = pytest.importorskip("moto.server", reason="the S3 tests need moto[server]")
+    pytest.importorskip("s3fs", reason="the S3 tests need s3fs")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+           "FSSPEC_S3_ENDPOINT_URL": f"http://{host}:{port}",
+           "BATCHGEN_STAGING_DIR": str(tmp_path_factory.mktemp("staging"))}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import fsspec.config
+
+    fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = env["FSSPEC_S3_ENDPOINT_URL"]  # read at import
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    fs.mkdir("bucket")
+    yield fs, env
+    fsspec.config.conf.get("s3", {}).pop("endpoint_url", None)
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    server.stop()

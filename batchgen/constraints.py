@@ -6,6 +6,11 @@ into the manifest, and is compiled by whichever engine runs it (the hf engine th
 structured-output parameters). The check after generation is the engine's independent judge: a row whose text
 does not parse or validate gets `invalid_output: ...` and keeps its text (docs/contract.md sections 4 and 7).
 Knows JSON Schema, regexes and grammars; nothing about torch or engines.
+
+A setting from the job's config may name a file (a schema's .json, a grammar's .ebnf); a value from a row
+(`from_row`) is data and never names one. No schema reaches outside itself: a `$ref` must point into the schema
+(`#`, `#/...`), which neither engine's grammar nor the output check would otherwise follow the same way, and the
+check never fetches anything.
 """
 
 from __future__ import annotations
@@ -15,9 +20,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import unquote
 
 KINDS = ("json_schema", "regex", "choice", "grammar")
 INVALID = "invalid_output"
+REF_KEYS = ("$ref", "$dynamicRef", "$recursiveRef")
+DATA_KEYS = ("const", "enum", "default", "examples")  # their values are instances, not schemas: no $ref there
+NAMED_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+PROBES = (None, {}, [], "", 0)  # instances a schema is tried on when built: a $ref loop shows on one of them
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +63,7 @@ def from_sampling(sampling: Any) -> tuple[Optional[Constraint], list[str]]:
     kind = given[0]
     value = getattr(sampling, kind)
     stamp = _file_stamp(value)  # a schema or grammar file edited between two jobs of one process is read again
-    constraint, problem = _checked(kind, json.dumps(value, sort_keys=True, default=str), stamp)
+    constraint, problem = _checked(kind, json.dumps(value, sort_keys=True, default=str), stamp, True)
     return (constraint, []) if problem is None else (None, [f"sampling.{kind}: {problem}"])
 
 
@@ -66,29 +76,35 @@ def _file_stamp(value: Any) -> Optional[tuple[int, int]]:
 
 
 @lru_cache(maxsize=64)
-def _checked(kind: str, value: str, stamp: Optional[tuple[int, int]]) -> tuple[Optional[Constraint], Optional[str]]:
-    """The constraint built and compiled once per process for each setting (a schema file read once): validation,
-    the manifest's hash and the planner all ask."""
+def _checked(kind: str, value: str, stamp: Optional[tuple[int, int]], files: bool
+             ) -> tuple[Optional[Constraint], Optional[str]]:
+    """The constraint built and compiled once per process for each setting (a schema file read once, where `files`
+    allows one): validation, the manifest's hash and the planner all ask."""
     try:
-        constraint = _build(kind, json.loads(value))
+        constraint = _build(kind, json.loads(value), files)
     except ValueError as exc:
         return None, str(exc)
+    except RecursionError:  # a row's deeply nested schema is that row's problem, never the job's end
+        return None, "nested too deeply to check"
     problem = compile_problem(constraint)
     return (None, problem) if problem else (constraint, None)
 
 
-def checked(kind: str, value: str) -> tuple[Optional[Constraint], Optional[str]]:
-    """A constraint from its JSON-text value (a schema, a choice list...), built and compiled once per process:
-    (the constraint, None), or (None, why it cannot be used)."""
-    return _checked(kind, value, None)
+def from_row(kind: str, value: str) -> tuple[Optional[Constraint], Optional[str]]:
+    """A row's own constraint from its JSON-text value (a schema, a choice list...), built and compiled once per
+    process: (the constraint, None), or (None, why it cannot be used). A row's value is data: a string schema is
+    refused, never opened as a file."""
+    return _checked(kind, value, None, False)
 
 
-def _build(kind: str, value: Any) -> Constraint:
+def _build(kind: str, value: Any, files: bool) -> Constraint:
     if kind == "json_schema":
-        if isinstance(value, str):
+        if isinstance(value, str) and files:
             value = _read_json(value)
         if not isinstance(value, dict):
-            raise ValueError(f"a JSON schema is a mapping or the path of a .json file holding one (got {value!r})")
+            what = ("a mapping or the path of a .json file holding one" if files
+                    else "an object (a row's value is data, never the path of a file)")
+            raise ValueError(f"a JSON schema is {what} (got {_shown(value)})")
         _check_schema(value)
         return Constraint(kind, json.dumps(value, sort_keys=True, ensure_ascii=False))
     if kind == "choice":
@@ -99,7 +115,7 @@ def _build(kind: str, value: Any) -> Constraint:
         return Constraint(kind, json.dumps(list(value), ensure_ascii=False))
     if not isinstance(value, str):
         raise ValueError(f"a string (got {value!r})")
-    if kind == "grammar" and value.endswith((".ebnf", ".gbnf")) and "::=" not in value:
+    if kind == "grammar" and files and value.endswith((".ebnf", ".gbnf")) and "::=" not in value:
         try:
             value = Path(value).read_text(encoding="utf-8")
         except OSError as exc:
@@ -125,6 +141,52 @@ def _check_schema(schema: dict[str, Any]) -> None:
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.path) or "the top level"
         raise ValueError(f"not a valid JSON schema at {where}: {exc.message}") from exc
+    _check_refs(schema, schema, "")
+    validator = _validator(json.dumps(schema, sort_keys=True, ensure_ascii=False))
+    try:
+        for probe in PROBES:
+            next(iter(validator.iter_errors(probe)), None)
+    except RecursionError:
+        raise ValueError("its $refs loop without end (a schema that refers to itself must add a constraint at "
+                         "each turn)") from None
+
+
+def _check_refs(root: dict[str, Any], node: Any, where: str) -> None:
+    """Every $ref under `node` points into `root`; names under properties, $defs... are names, not keywords."""
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            _check_refs(root, item, f"{where}/{i}")
+        return
+    if not isinstance(node, dict):
+        return
+    for key, value in node.items():
+        if key in REF_KEYS and isinstance(value, str) and not _resolves(root, value):
+            raise ValueError(f"{key} {_shown(value)} at {where or 'the top level'} points outside the schema: "
+                             f"only references into it are followed (#, #/$defs/NAME); put the referenced schema "
+                             f"under $defs")
+        if key in NAMED_KEYS and isinstance(value, dict):
+            for name, sub in value.items():
+                _check_refs(root, sub, f"{where}/{key}/{name}")
+        elif key not in DATA_KEYS and key not in REF_KEYS:
+            _check_refs(root, value, f"{where}/{key}")
+
+
+def _resolves(root: dict[str, Any], ref: str) -> bool:
+    """Whether `ref` is `#` or a JSON pointer `#/...` that finds a schema in `root` (nothing else is resolved)."""
+    if ref == "#":
+        return True
+    if not ref.startswith("#/"):
+        return False
+    node: Any = root
+    for part in ref[2:].split("/"):
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return False
+    return isinstance(node, (dict, bool))
 
 
 def compile_problem(constraint: Constraint) -> Optional[str]:
@@ -165,6 +227,8 @@ def check(constraint: Constraint, text: str, finish_reason: str) -> tuple[Option
             value = json.loads(text, strict=False)  # `parsed` then holds it escaped: parsed is always strict JSON
         except ValueError as exc:
             return None, f"{INVALID}: not JSON: {exc}"
+        except RecursionError:  # `[[[[...` to the token cap: the sample's problem, never the job's end
+            return None, f"{INVALID}: JSON nested too deeply to check"
         problem = schema_problem(constraint.spec, value)
         if problem:
             return None, f"{INVALID}: {problem}"
@@ -187,7 +251,12 @@ def accepts(constraint: Constraint, text: str) -> bool:
 
 
 def schema_problem(spec: str, value: Any) -> Optional[str]:
-    error = next(iter(_validator(spec).iter_errors(value)), None)
+    from referencing.exceptions import Unresolvable
+
+    try:
+        error = next(iter(_validator(spec).iter_errors(value)), None)
+    except (Unresolvable, RecursionError) as exc:  # a schema built here has neither; an output never kills the job
+        return f"schema: cannot be checked: {type(exc).__name__}: {exc}"[:300]
     if error is None:
         return None
     where = "/".join(str(p) for p in error.absolute_path) or "the top level"
@@ -196,7 +265,15 @@ def schema_problem(spec: str, value: Any) -> Optional[str]:
 
 @lru_cache(maxsize=64)
 def _validator(spec: str) -> Any:
+    """The schema's validator, with a registry that retrieves nothing: jsonschema's default fetches a remote $ref
+    (file:// included) through urllib."""
     import jsonschema
+    from referencing import Registry
 
     schema = json.loads(spec)
-    return jsonschema.validators.validator_for(schema)(schema)
+    return jsonschema.validators.validator_for(schema)(schema, registry=Registry())
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

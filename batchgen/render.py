@@ -45,6 +45,8 @@ class Renderer:
         self.tokenizer = tokenizer
         self.render_row = render_row
         self.chat = cfg.messages_column is not None or cfg.system_prompt is not None
+        if cfg.template is not None and cfg.messages_column is None:
+            _check_template(cfg.template)
         if self.chat and not getattr(tokenizer, "chat_template", None):
             key = "dataset.messages_column" if cfg.messages_column else "dataset.system_prompt"
             raise ConfigError([f"{key} asks for chat rendering, but the model's tokenizer has no chat template; "
@@ -111,6 +113,19 @@ class Renderer:
         except Exception as exc:  # jinja errors from a user's template are row errors, not job failures
             return None, f"bad_template: chat template: {type(exc).__name__}: {exc}"
         return _check_prompt(text)
+
+
+def _check_template(template: str) -> None:
+    """A template fills row values in as text: a field inside a format spec (`{text:{width}}`) would make a row's
+    value the spec (`>2000000000` asks for gigabytes), so the spec is written in the template itself."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ConfigError([f"dataset.template {template!r} is not a valid {{column}} template: {exc}"]) from exc
+    nested = [f"{{{field}:{spec}}}" for _, field, spec, _ in parsed if spec and "{" in spec]
+    if nested:
+        raise ConfigError([f"dataset.template: {nested[0]} takes its format spec from a row's value; row values "
+                           f"are data: write the spec in the template (e.g. {{{nested[0][1:].split(':')[0]}:>8}})"])
 
 
 def _format(template: str, row: dict) -> tuple[Optional[str], Optional[str]]:

@@ -1,7 +1,9 @@
 """Per-row sampling from columns: a row's own max_new_tokens, temperature, stop strings and constraint (a choice
 list, or the name of one of sampling.schemas), each value checked per row. A bad value makes that row an error row
 (`bad_max_new_tokens`, `bad_temperature`, `bad_stop`, `bad_choice`, `bad_schema`), never a dead job; a null value
-takes the job's setting. Knows columns and values; the planner turns the settings into SampleParams.
+takes the job's setting. A row's value is data: a schema is an object, never the path of a file to read, and a
+schema name only picks one of sampling.schemas. Knows columns and values; the planner turns the settings into
+SampleParams.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Optional
 
 import pyarrow as pa
 
-from batchgen.constraints import Constraint, checked, compile_problem
+from batchgen.constraints import Constraint, compile_problem, from_row
 from batchgen.reader import column_values
 
 
@@ -56,7 +58,10 @@ class RowParams:
                     value = None  # pandas' NaN for a missing number
                 if value is None:
                     continue
-                problem = check(rows[row], value)
+                try:
+                    problem = check(rows[row], value)
+                except RecursionError:  # JSON text nested past what Python walks: its row's problem, not the job's
+                    problem = f"bad_value: column {column!r}: {_shown(value)} is nested too deeply to read"
                 if problem and errors[row] is None:
                     errors[row] = problem
         return rows
@@ -142,7 +147,10 @@ class RowParams:
         else:
             return (f"bad_schema: response_format {_shown(value)} is not text, json_object or json_schema with a "
                     f"json_schema object (dataset.response_format_column)")
-        constraint, problem = checked("json_schema", json.dumps(schema, sort_keys=True))
+        if not isinstance(schema, dict):  # a string is not read as a path: a row's values are data
+            return (f"bad_schema: response_format json_schema.schema must be a JSON schema object, not "
+                    f"{type(schema).__name__} {_shown(schema)} (dataset.response_format_column)")
+        constraint, problem = from_row("json_schema", json.dumps(schema, sort_keys=True))
         if problem:
             return f"bad_schema: response_format: {problem}"
         row.constraint = constraint

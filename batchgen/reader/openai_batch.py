@@ -8,8 +8,9 @@ as per-row columns: `max_tokens` (or `max_completion_tokens`), `temperature`, `t
 them. A file holds one endpoint, as OpenAI requires: its first request's url decides chat or completions.
 
 A line that is not such a request, or whose body asks for what batchgen does not do (tools, logit_bias, penalties,
-streaming), is a `bad_request` error row naming the line and the key, never a silently different generation. Keys
-that do not change the output (`model`, `user`, `metadata`, `store`, `service_tier`) are ignored.
+streaming), or whose message has a role the API does not have, is a `bad_request` error row naming the line and the
+key, never a silently different generation. Keys that do not change the output (`model`, `user`, `metadata`,
+`store`, `service_tier`) are ignored.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ IGNORED = ("model", "user", "metadata", "store", "service_tier", "stream_options
 NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "stream": False, "echo": False,
            "best_of": 1, "suffix": None, "tools": None, "tool_choice": None, "functions": None, "logit_bias": None,
            "top_logprobs": None}  # allowed only at these values: any other would change what is generated
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # the API's: it answers any other with a 400
 COLUMNS = {"id_column": "custom_id", "max_new_tokens_column": "max_tokens", "temperature_column": "temperature",
            "top_p_column": "top_p", "stop_column": "stop", "n_column": "n", "seed_column": "seed",
            "response_format_column": "response_format"}
@@ -161,6 +163,8 @@ def _messages(value: Any) -> list[dict[str, Any]] | str:
     for i, m in enumerate(value):
         if not isinstance(m, dict):
             return f"body.messages[{i}] must be an object"
+        if m.get("role") not in ROLES:  # a made-up role would render as a turn of its own in the chat template
+            return f"body.messages[{i}].role {json.dumps(m.get('role'))[:60]} is not one of {', '.join(ROLES)}"
         content = m.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)

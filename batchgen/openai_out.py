@@ -67,11 +67,13 @@ def write(output_dir: Path, manifest: dict[str, Any]) -> Path:
 
 
 def _rows(output_dir: Path) -> Iterator[tuple[str, list[dict[str, Any]]]]:
-    """(id, its samples) in output order: a row's samples are consecutive in every part and in the view."""
+    """(id, its samples) per request, in output order: a row's samples are consecutive in every part and in the view
+    and start at sample_index 0, which is what starts a row; the id alone would merge adjacent requests that share
+    a custom_id (README "Duplicate ids") into one line."""
     current: list[dict[str, Any]] = []
     for table in latest_batches(output_dir, columns=COLUMNS):
         for sample in table.to_pylist():
-            if current and current[0]["id"] != sample["id"]:
+            if current and (sample["sample_index"] == 0 or current[0]["id"] != sample["id"]):
                 yield current[0]["id"], current
                 current = []
             current.append(sample)

@@ -1,6 +1,7 @@
 """Issue 28, round 2: the latest-attempt view and what reads through it. Duplicate ids keep one view row per input
-row through retries of retries (latest() and duckdb_sql agree row for row, retried or not). engine=dummy
-throughout: too_long rows are the planner's, mended by a retry with a larger engine.max_model_len."""
+row through retries of retries (latest() and duckdb_sql agree row for row, retried or not); adjacent duplicate
+custom_ids keep one OpenAI results line per request. engine=dummy throughout: too_long rows are the planner's,
+mended by a retry with a larger engine.max_model_len."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from batchgen.retry import INPUT_FILE
 from batchgen.retry import main as retry_main
 from batchgen.runner import run_job
 from batchgen.view import OCCURRENCE, duckdb_sql, latest
-from tests.conftest import compose_job, corpus, job_overrides, write_parquet
+from tests.conftest import compose_job, corpus, job_overrides, write_jsonl, write_parquet
 
 MAX_LEN, NEW = 64, 6
 # uid per input row; "mid" rows fit max_model_len=400, "long" ones 2000; both are too long for MAX_LEN
@@ -96,3 +97,34 @@ def test_case5_retry_parts_without_occurrences_read_as_before(tiny_model, tmp_pa
     assert {r["attempt"] for r in view if r["id"] in ("a", "b")} == {1}  # id-only: every row of a retried id
     assert {r["attempt"] for r in view if r["id"] not in ("a", "b")} == {0}
     assert as_multiset(sql_rows(out, PICK), PICK) == as_multiset(view, PICK)
+
+
+def test_case6_adjacent_duplicate_custom_ids_keep_one_line_per_request(tiny_model, tmp_path):
+    import json
+
+    from batchgen.openai_out import RESULTS
+
+    def request(cid: str, text: str, **body) -> dict:
+        return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 4, **body}}
+
+    texts = corpus(4, seed=8)
+    lines = [request("dup", texts[0], temperature=0.9, n=2), request("dup", texts[1], temperature=0),
+             request("solo", texts[2], temperature=0), request("dup", texts[3], temperature=0)]
+    data = write_jsonl(tmp_path / "batch.jsonl", lines)
+    out = tmp_path / "out"
+    summary = run_job(compose_job(job_overrides(tiny_model, data, out, "engine=dummy", "dataset.format=openai_batch",
+                                                "output.format=openai_batch", "run.rows_per_part=2")))
+    assert summary.state == "done"
+    results = [json.loads(x) for x in (out / RESULTS).read_text().splitlines()]
+    assert [x["custom_id"] for x in results] == ["dup", "dup", "solo", "dup"]  # one line per request, in order
+    choices = [x["response"]["body"]["choices"] for x in results]
+    assert [[c["index"] for c in cs] for cs in choices] == [[0, 1], [0], [0], [0]]
+    rows = pq.read_table(out).to_pylist()
+    assert [[c["message"]["content"] for c in cs] for cs in choices] == [
+        [rows[0]["generation"], rows[1]["generation"]], [rows[2]["generation"]], [rows[3]["generation"]],
+        [rows[4]["generation"]]]
+    usage = [x["response"]["body"]["usage"] for x in results]
+    assert [u["completion_tokens"] for u in usage] == [rows[0]["num_generated_tokens"] + rows[1][
+        "num_generated_tokens"], rows[2]["num_generated_tokens"], rows[3]["num_generated_tokens"],
+        rows[4]["num_generated_tokens"]]

@@ -149,6 +149,15 @@ def test_case9_row_schema_ref_inside_the_schema_still_works():
         assert row_errors([json.dumps(schema_format(schema))], response_format_column="rf") == [None]
 
 
+def test_case9_row_schema_ref_loop_is_bad_schema():
+    """A schema whose $ref loops without end (`allOf: [{$ref: "#"}]` compiles in xgrammar) made the output check
+    recurse until RecursionError: it is the row's bad_schema, and the check on its own reports instead of raising."""
+    loop = {"allOf": [{"$ref": "#"}]}
+    error = row_errors([json.dumps(schema_format(loop))], response_format_column="rf")[0]
+    assert error is not None and error.startswith("bad_schema: ") and "loop" in error
+    assert schema_problem(json.dumps(loop), {"a": 1}).startswith("schema: cannot be checked: RecursionError")
+
+
 def test_case9_config_schema_ref_outside_the_schema_is_refused_before_anything_loads(tmp_path):
     """sampling.json_schema may name a file (config is not data), but a `$ref` out of the schema is refused there
     too: neither engine can follow it (xgrammar reads it as "any JSON"), and the output check must not fetch it."""

@@ -1,9 +1,9 @@
 """Per-row sampling from columns: a row's own max_new_tokens, temperature, stop strings and constraint (a choice
 list, or the name of one of sampling.schemas), each value checked per row. A bad value makes that row an error row
-(`bad_max_new_tokens`, `bad_temperature`, `bad_stop`, `bad_choice`, `bad_schema`), never a dead job; a null value
-takes the job's setting. A row's value is data: a schema is an object, never the path of a file to read, and a
-schema name only picks one of sampling.schemas. Knows columns and values; the planner turns the settings into
-SampleParams.
+(`bad_max_new_tokens`, `bad_temperature`, `bad_stop`, `bad_choice`, `bad_schema`, `bad_value`, and `bad_n` for an n
+above sampling.num_beams under beam search), never a dead job; a null value takes the job's setting. A row's value
+is data: a schema is an object, never the path of a file to read, and a schema name only picks one of
+sampling.schemas. Knows columns and values; the planner turns the settings into SampleParams.
 """
 
 from __future__ import annotations
@@ -119,6 +119,10 @@ class RowParams:
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_ROW_N:
             return f"bad_value: n {value!r} is not an integer in [1, {MAX_ROW_N}] (dataset.n_column)"
+        beams = self.sampling.num_beams
+        if beams > 1 and value > beams:  # as sampling.n > num_beams is refused: the extra samples would be copies
+            return (f"bad_n: n={value} is more than sampling.num_beams={beams} (beam search returns at most "
+                    f"num_beams hypotheses per row)")
         row.n = value
         return None
 

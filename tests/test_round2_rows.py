@@ -279,3 +279,29 @@ def test_case9_openai_batch_message_roles_outside_the_api_are_bad_request(tiny_m
     for r in rows[4:]:
         assert r["error"].startswith("bad_request: ") and "body.messages[0].role" in r["error"], r["error"]
 
+
+# -- case 13a: a row's own n under beam search --------------------------------------------------------------------
+
+
+def test_case13a_row_n_above_num_beams_is_bad_n(tiny_model, tmp_path):
+    """With sampling.num_beams=2, a row's n (dataset.n_column, or an OpenAI batch body's n) of 3 is that row's
+    `bad_n` error, as sampling.n=3 is refused for the job; never a third sample copied from the second."""
+    beams = ("sampling.num_beams=2", "sampling.max_new_tokens=6", "run.max_error_rate=1")
+    data = write_parquet(tmp_path / "in.parquet", [{"prompt": t, "n": n} for t, n in zip(TEXTS, (1, 2, 3, None, 5))])
+    run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "col", "dataset.n_column=n", *beams)))
+    lines = [chat(f"r{i}", t, n=n) for i, (t, n) in enumerate(zip(TEXTS, (1, 2, 3)))]
+    data = write_jsonl(tmp_path / "batch.jsonl", lines)
+    run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "body", "dataset.format=openai_batch", *beams)))
+    for out, bad in (("col", {2: 3, 4: 5}), ("body", {2: 3})):
+        rows = read_output(tmp_path / out).to_pylist()
+        by_row: dict[str, list] = {}
+        for r in rows:
+            by_row.setdefault(r["id"], []).append(r)
+        for i, samples in enumerate(by_row.values()):
+            if i in bad:
+                assert all(r["error"] == f"bad_n: n={bad[i]} is more than sampling.num_beams=2 (beam search "
+                           f"returns at most num_beams hypotheses per row)" for r in samples), samples
+                assert all(r["generation"] is None for r in samples)
+            else:
+                texts = [r["generation"] for r in samples]
+                assert all(r["error"] is None for r in samples) and len(set(texts)) == len(texts), samples

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 from batchgen.constraints import INVALID, KINDS, Constraint, check
 from batchgen.errors import BatchgenError
 from batchgen.fsutil import fsync_dir, link_durably, replace_durably
-from batchgen.journal import JOURNAL_RE, crash_window
+from batchgen.journal import JOURNAL_RE, crash_window, kill_point
 from batchgen.records import OutputRow, Part, PlannedPart, Result
 from batchgen.trust import check_part
 
@@ -292,14 +292,18 @@ class Committer:
             tmp.unlink(missing_ok=True)
             raise
 
-    def finish(self, total_parts: int) -> bool:
-        """Write _SUCCESS, last, once every part exists (whichever shard finishes last)."""
+    def finish(self, total_parts: int, before_success: Optional[Callable[[], None]] = None) -> bool:
+        """Write _SUCCESS, last, once every part exists (whichever shard finishes last): after `before_success`
+        has written the files derived from the complete output."""
         done = self.committed()
         if any(k not in done for k in range(total_parts)):
             return False
+        if before_success is not None:
+            before_success()
         with writing(self.output_dir / SUCCESS):
             (self.output_dir / SUCCESS).write_text("")
             fsync_dir(self.output_dir)
+        kill_point("output complete")
         return True
 
 

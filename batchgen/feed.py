@@ -17,14 +17,14 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from batchgen.committer import Committer, PartStats, assemble, writing
 from batchgen.errors import BatchgenError, ErrorRateExceeded
 from batchgen.job import JobConfig
-from batchgen.journal import Journal, crash_window, journal_key, journal_path
+from batchgen.journal import Journal, crash_window, journal_key, journal_path, kill_point
 from batchgen.manifest import config_hash
 from batchgen.planner import Planner
 from batchgen.progress import Progress, Summary
@@ -52,6 +52,7 @@ class OpenPart:
     results: list[Result]  # journaled by an earlier run or by this one, keys local to the part
     left: int  # samples not yet finished
     generated_tokens: int = 0  # by this run
+    beams: dict[int, list[Result]] = field(default_factory=dict)  # beam search: a row's hypotheses until all are in
 
 
 class Feed:
@@ -69,7 +70,7 @@ class Feed:
         self.config_hash = config_hash(cfg)
         self.parts = planner.parts(skip=committer.committed())
         self.open: dict[int, OpenPart] = {}  # part index -> in flight
-        self.routes: dict[int, tuple[OpenPart, int]] = {}  # engine key -> (part, key within the part)
+        self.routes: dict[int, tuple[OpenPart, int, int]] = {}  # engine key -> (part, key within it, beam count)
         self.keys = itertools.count()
         self.exhausted = False
         self.max_in_flight = 0  # the most parts held at once, for the look-ahead's memory figure
@@ -103,15 +104,25 @@ class Feed:
             raise self.failure
 
     def on_result(self, result: Result) -> None:
-        """Journal the result in its part; commit the part once its last sample is in."""
-        op, key = self.routes.pop(result.key)
+        """Journal the result in its part; commit the part once its last sample is in. A beam search row's
+        hypotheses are journaled together, once the last of them is in: a row is in the journal whole or not at
+        all, so a resume never asks the engine for part of a row's beams."""
+        op, key, beams = self.routes.pop(result.key)
         result = dataclasses.replace(result, key=key)
+        done = [result]
+        if beams > 1:
+            row = op.beams.setdefault(key // op.planned.n, [])
+            row.append(result)
+            if len(row) < beams:
+                return
+            done = op.beams.pop(key // op.planned.n)
         with self.progress.stop.shielded(), writing(op.path):
-            op.journal.append(result)
-        self.progress.journaled(op.planned.part.index, 1)
-        op.results.append(result)
-        op.generated_tokens += result.num_generated_tokens
-        op.left -= 1
+            op.journal.append_all(done)
+            kill_point("samples journaled")
+        self.progress.journaled(op.planned.part.index, len(done))
+        op.results += done
+        op.generated_tokens += sum(r.num_generated_tokens for r in done)
+        op.left -= len(done)
         if op.left == 0:
             self._commit(op)
 
@@ -133,6 +144,7 @@ class Feed:
         path = journal_path(self.committer.output_dir, part.index)
         with writing(path):
             journal, results = Journal.open(path, key, valid_keys={r.key for r in planned.requests})
+        results = _whole_beam_rows(planned, results)
         self.summary.reused_samples += len(results)
         reused = {r.key for r in results}
         todo = [r for r in planned.requests if r.key not in reused]
@@ -146,7 +158,8 @@ class Feed:
         given = []
         for request in todo:
             engine_key = next(self.keys)
-            self.routes[engine_key] = (op, request.key)
+            self.routes[engine_key] = (op, request.key, request.params.beam_count if request.params.num_beams > 1
+                                       else 1)
             given.append(dataclasses.replace(request, key=engine_key))
         return given
 
@@ -163,6 +176,20 @@ class Feed:
         del self.open[part.index]
         self.progress.committed(part.index, stats, op.generated_tokens)
         self.on_committed(stats, op.generated_tokens)
+
+
+def _whole_beam_rows(planned: PlannedPart, results: list[Result]) -> list[Result]:
+    """The journaled results without a beam search row's hypotheses where not all of them are there (a journal
+    cut inside a row by a power loss, or written by a batchgen that journaled beams one by one): such a row is
+    generated again whole, since beam search cannot produce some of a row's hypotheses alone."""
+    beams = {r.key // planned.n: r.params.beam_count for r in planned.requests if r.params.num_beams > 1}
+    if not beams:
+        return results
+    have: dict[int, int] = {}
+    for r in results:
+        have[r.key // planned.n] = have.get(r.key // planned.n, 0) + 1
+    partial = {row for row, count in have.items() if row in beams and count < beams[row]}
+    return [r for r in results if r.key // planned.n not in partial]
 
 
 def _check_bad_rows(cfg: JobConfig, errors: list[Optional[str]], ids: list[str]) -> None:

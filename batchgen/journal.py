@@ -130,14 +130,19 @@ class Journal:
         return cls(path, fd, fsync_interval_s=fsync_interval_s), results
 
     def append(self, result: Result) -> None:
-        frame = encode_frame(asdict(result))
+        self.append_all([result])
+
+    def append_all(self, results: list[Result]) -> None:
+        """Append the results' frames in one write(): a process kill keeps all of them or, torn, none (a beam
+        search row's hypotheses are journaled together, feed.Feed)."""
+        data = b"".join(encode_frame(asdict(r)) for r in results)
         if os.environ.get(CRASH_WINDOW_ENV):  # test hook: a kill in the window leaves a torn frame
-            os.write(self.fd, frame[: len(frame) // 2])
+            os.write(self.fd, data[: len(data) // 2])
             crash_window("journal frame half written", per_part=False)
-            os.write(self.fd, frame[len(frame) // 2:])
+            os.write(self.fd, data[len(data) // 2:])
         else:
-            os.write(self.fd, frame)
-        self.appended += 1
+            os.write(self.fd, data)
+        self.appended += len(results)
         self._dirty = True
         if time.monotonic() - self._synced_at >= self.fsync_interval_s:
             self.sync()

@@ -171,10 +171,12 @@ class RemoteCommitter(Committer):
         super().write_empty(schema_fields)
         self.remote.upload(self.part_path(0))
 
-    def finish(self, total_parts: int) -> bool:
+    def finish(self, total_parts: int, before_success: Any = None) -> bool:
         done = self.committed()
         if any(k not in done for k in range(total_parts)):
             return False
+        if before_success is not None:
+            before_success()
         (self.output_dir / SUCCESS).write_text("")
         self.remote.push(SUCCESS)
         return True

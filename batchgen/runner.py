@@ -14,6 +14,7 @@ from typing import Any, Optional
 from batchgen.committer import SUCCESS, Committer, PartStats, optional_columns, writing
 from batchgen.engines import build_engine
 from batchgen.engines.base import stream_windows
+from batchgen.errors import BatchgenError
 from batchgen.existing import Existing
 from batchgen.feed import Feed, auto_lookahead, check_error_rate
 from batchgen.heartbeat import status_name
@@ -95,7 +96,7 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
             summary = Summary(shown, "already_done", committed_totals(committer, cfg))
             log.info("%s is already complete; nothing to do", output_dir)
             if cfg.output.format == "openai_batch" and not remote and not (output_dir / RESULTS).exists():
-                write_if_wanted(output_dir)  # a run killed between _SUCCESS and its results file
+                write_derived(cfg, output_dir)  # written by a batchgen that wrote it after _SUCCESS, then killed
             return summary
         summary = Summary(shown, "partial", committed_totals(committer, cfg))
         planner = Planner(cfg, reader, renderer, tokenizer, existing)
@@ -113,8 +114,6 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
                 _generate_parts(cfg, planner, engine, committer, summary, progress)
             finally:
                 engine.close()
-            if summary.state == "done" and cfg.output.format == "openai_batch":
-                log.info("OpenAI batch results: %s", write_if_wanted(output_dir))
         except BaseException as exc:
             summary.state = "failed" if isinstance(exc, Exception) else "stopped"
             progress.duplicate_ids = planner.duplicate_ids
@@ -154,6 +153,22 @@ def _generate_parts(cfg: JobConfig, planner: Planner, engine: Any, committer: Co
     summary.rows_read = planner.reader.rows_read
     if planner.total_rows == 0 and cfg.run.shard == 0:
         committer.write_empty()
-    complete = committer.finish(max(planner.total_parts, 1 if planner.total_rows == 0 else 0))
+    total = max(planner.total_parts, 1 if planner.total_rows == 0 else 0)
+    missing = [k for k in range(total) if k % cfg.run.num_shards == cfg.run.shard and k not in committer.committed()]
+    if missing:  # the engine returned with parts of this shard unfinished: never "partial" with exit 0
+        raise BatchgenError(f"parts {', '.join(map(str, missing[:10]))} of this shard were not committed although "
+                            f"the engine finished; their journaled samples are kept: rerun to resume")
+    complete = committer.finish(total, before_success=partial(write_derived, cfg, committer.output_dir))
     summary.state = "done" if complete else "partial"
     progress.close(summary.state, planner.total_rows)
+
+
+def write_derived(cfg: JobConfig, output_dir: Path) -> None:
+    """The files made from a complete output, written before its _SUCCESS (so a complete output always has them):
+    the OpenAI batch results file, and for a retry's attempt its job's results file, from the latest attempts."""
+    if cfg.output.format != "openai_batch" or is_remote(cfg.output_dir):
+        return
+    log.info("OpenAI batch results: %s", write_if_wanted(output_dir))
+    if cfg.run.attempt:
+        log.info("OpenAI batch results rewritten from the latest attempts: %s",
+                 write_if_wanted(output_dir.parent.parent))  # _attempts/attempt-NNN/ -> the job's output_dir

@@ -167,3 +167,53 @@ def test_case10_symlinks_in_output_dir_are_refused(tiny_model, tmp_path):
         assert proc.returncode == 2, (name, proc.stderr[-2000:])
         assert f"{name} is a symlink" in proc.stderr and "Traceback" not in proc.stderr
         assert outside.read_text() == "precious\n"
+
+
+def test_case3_derived_files_are_written_before_success(tiny_model, tmp_path):
+    import json
+
+    from tests.conftest import run_cli
+    from tests.test_retry import dataset, job_args
+
+    data, long_ids = dataset(tmp_path)
+    out = tmp_path / "out"
+    args = [a for a in job_args(tiny_model, data, out, "output.format=openai_batch") if a != "name=t"]
+    kill = {"BATCHGEN_TEST_KILL_AT": "output complete"}
+    killed = run_cli(["name=t", *args], env=kill)  # killed the moment _SUCCESS is written
+    assert killed.returncode == -9 and (out / "_SUCCESS").exists(), killed.stderr[-2000:]
+    results = out / "_openai_batch_output.jsonl"
+    assert results.exists()  # a complete output has its results file
+    assert sum(json.loads(x)["response"]["status_code"] == 400 for x in results.read_text().splitlines()) == 6
+    retried = run_cli(["retry", str(out), "--kinds", "too_long", "run.too_long=truncate_left"], env=kill)
+    assert retried.returncode == -9 and (out / "_attempts" / "attempt-001" / "_SUCCESS").exists()
+    again = run_cli(["retry", str(out), "--kinds", "too_long", "run.too_long=truncate_left"])
+    assert again.returncode == 0 and "nothing to retry" in again.stdout, again.stderr[-2000:]
+    lines = [json.loads(x) for x in results.read_text().splitlines()]
+    assert len(lines) == 24 and all(x["response"]["status_code"] == 200 for x in lines)  # the retry's rows
+
+
+def test_case4_a_beam_row_cut_in_the_journal_is_generated_again_whole(tiny_model, tmp_path):
+    from batchgen.journal import FORMAT, encode_frame, read_frames
+    from tests.conftest import corpus, run_cli, write_parquet
+
+    data = write_parquet(tmp_path / "in.parquet", [{"prompt": t} for t in corpus(6, seed=5)])
+    cli = ["name=t", f"engine.model={tiny_model}", "engine.dtype=float32", f"dataset.path={data}",
+           "run.progress=false", "sampling.num_beams=3", "sampling.n=3", "sampling.max_new_tokens=6",
+           "run.rows_per_part=6"]
+    assert run_cli([*cli, f"output_dir={tmp_path / 'ref'}"]).returncode == 0
+    out = tmp_path / "out"
+    killed = run_cli([*cli, f"output_dir={out}"], env={"BATCHGEN_TEST_KILL_AT": "samples journaled"})
+    assert killed.returncode == -9
+    journal = out / "_part-00000.journal"
+    frames, _ = read_frames(journal.read_bytes())
+    assert frames[0]["format"] == FORMAT and len(frames) == 1 + 3  # one row's three hypotheses, whole
+    journal.write_bytes(b"".join(encode_frame(f) for f in frames[:2]))  # a power loss cut the row after one frame
+    for extra in ([], ["run.lookahead_parts=0"]):
+        done = run_cli([*cli, f"output_dir={out}", *extra])
+        assert done.returncode == 0 and (out / "_SUCCESS").exists(), done.stderr[-2000:]
+        key = ["id", "sample_index", "generation"]
+        assert read_output(out).select(key).to_pylist() == read_output(tmp_path / "ref").select(key).to_pylist()
+        for p in out.glob("part-*"):
+            p.unlink()
+        (out / "_SUCCESS").unlink()
+        journal.write_bytes(b"".join(encode_frame(f) for f in frames[:2]))

@@ -31,7 +31,7 @@ from batchgen.committer import ATTEMPT_FIELD, OPTIONAL_FIELDS, OUTPUT_COLUMNS, S
 from batchgen.errors import BatchgenError, ConfigError
 from batchgen.fsutil import replace_durably, write_json_atomic
 from batchgen.job import JobConfig
-from batchgen.manifest import MANIFEST, diff
+from batchgen.manifest import MANIFEST, diff, read_manifest
 from batchgen.view import OCCURRENCE, attempt_dir, attempts, keyed_batches, latest_batches, part_files
 
 log = logging.getLogger(__name__)
@@ -46,26 +46,27 @@ INPUT_FILE = "_input.parquet"  # the attempt's input rows ('_': no reader of the
 ID_COLUMN = "_batchgen_id"  # the original row id, the retry's dataset.id_column
 SET_BY_RETRY = ("output_dir", "dataset.path", "dataset.format", "dataset.limit", "dataset.id_column",
                 "run.attempt", "run.shard", "run.num_shards", "run.skip_existing", "run.resume")
+# keys that change how many samples a row has: the view replaces a row's samples one for one, so another count would
+# drop the retry's extra samples from latest() (or keep the old ones past its count) where duckdb_sql does otherwise
+SAMPLE_COUNT_KEYS = ("sampling.n", "dataset.n_column")
 
 
 def prepare(output_dir: Path, kinds: Optional[list[str]], overrides: list[str],
             config_from: Callable[[dict[str, Any], list[str]], JobConfig]) -> Optional[tuple[JobConfig, dict]]:
     """The retry job to run (its config and resolved dict), or None when no row erred with these kinds."""
-    manifest_path = output_dir / MANIFEST
-    if not manifest_path.exists():
+    manifest = read_manifest(output_dir)  # a torn one is a ConfigError naming it
+    if manifest is None:
         raise ConfigError([f"{output_dir}: no batchgen output here (no {MANIFEST})"])
     if not (output_dir / SUCCESS).exists():
         raise ConfigError([f"{output_dir} is not complete (no {SUCCESS}): rerun its job to finish it first, then "
                            f"retry (batchgen status {output_dir} tells what is left)"])
-    manifest = json.loads(manifest_path.read_text())
     original = manifest.get("config") or {}
     if not original:
         raise ConfigError([f"{output_dir}/{MANIFEST} records no config (a job run from Python without `resolved`); "
                            f"retry needs the job's config"])
-    taken = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in SET_BY_RETRY]
-    if taken:
-        raise ConfigError([f"{o.split('=', 1)[0]}: set by batchgen retry (the attempt's own input and output); "
-                           f"leave it out" for o in taken])
+    refused = _refused(overrides)
+    if refused:
+        raise ConfigError(refused)
     unknown = [k for k in kinds or () if k not in RETRYABLE]
     if unknown:
         raise ConfigError([f"--kinds: {', '.join(unknown)} cannot be retried (retryable kinds: {', '.join(RETRYABLE)};"
@@ -95,6 +96,32 @@ def prepare(output_dir: Path, kinds: Optional[list[str]], overrides: list[str],
                                           "ids": len(failed), "rows": rows})
     log.info("attempt %d: %d rows erred with %s; their input is in %s", attempt, rows, ", ".join(kinds), here)
     return _job(output_dir, attempt, overrides, manifest, config_from)
+
+
+def _refused(overrides: list[str]) -> list[str]:
+    """The overrides a retry cannot take, one problem each: the keys it sets itself, and those that change the
+    samples per row; a whole group (`sampling={...}`) is refused where it may set one of them."""
+    problems = []
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        for keys, why in ((SET_BY_RETRY, "set by batchgen retry (the attempt's own input and output)"),
+                          (SAMPLE_COUNT_KEYS, "the samples per row, which a retry keeps (the latest-attempt view "
+                                              "replaces a row's samples one for one)")):
+            hit = _under(key, keys)
+            if hit == [key]:
+                problems.append(f"{key}: {why}; leave it out" + (", or run a new job for another count"
+                                                                  if keys is SAMPLE_COUNT_KEYS else ""))
+            elif hit:
+                problems.append(f"{key}: a whole group may set {', '.join(hit)}: {why}; override the keys under it "
+                                f"one by one")
+            if hit:
+                break
+    return problems
+
+
+def _under(key: str, keys: tuple[str, ...]) -> list[str]:
+    """Those of `keys` that overriding `key` sets: itself, or all under a group."""
+    return [k for k in keys if k == key or k.startswith(key + ".")]
 
 
 def _recorded(output_dir: Path, attempt: int) -> Optional[dict[str, Any]]:

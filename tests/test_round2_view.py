@@ -1,7 +1,8 @@
 """Issue 28, round 2: the latest-attempt view and what reads through it. Duplicate ids keep one view row per input
 row through retries of retries (latest() and duckdb_sql agree row for row, retried or not); adjacent duplicate
-custom_ids keep one OpenAI results line per request. engine=dummy throughout: too_long rows are the planner's,
-mended by a retry with a larger engine.max_model_len."""
+custom_ids keep one OpenAI results line per request; a retry refuses what changes the samples per row, and a torn
+manifest is exit 2 naming it. engine=dummy throughout: too_long rows are the planner's, mended by a retry with a
+larger engine.max_model_len."""
 
 from __future__ import annotations
 
@@ -128,3 +129,25 @@ def test_case6_adjacent_duplicate_custom_ids_keep_one_line_per_request(tiny_mode
     assert [u["completion_tokens"] for u in usage] == [rows[0]["num_generated_tokens"] + rows[1][
         "num_generated_tokens"], rows[2]["num_generated_tokens"], rows[3]["num_generated_tokens"],
         rows[4]["num_generated_tokens"]]
+
+
+def test_case13b_retry_refuses_what_changes_the_samples_per_row(tiny_model, tmp_path, capsys):
+    out = dup_job(tiny_model, tmp_path)
+    for override, key in (("sampling.n=3", "sampling.n"), ("+sampling.n=1", "sampling.n"),
+                          ("dataset.n_column=topic", "dataset.n_column"), ("sampling={n: 3}", "sampling")):
+        assert retry_main([str(out), "--kinds", "too_long", "engine.max_model_len=2000", override], config_from) == 2
+        err = capsys.readouterr().err
+        assert f"{key}: " in err and "samples per row" in err, err
+    assert not (out / "_attempts").exists()  # refused before anything is written
+
+
+def test_case13b_a_torn_manifest_is_exit_2_naming_the_file(tiny_model, tmp_path, capsys):
+    out = dup_job(tiny_model, tmp_path)
+    manifest = out / "_manifest.json"
+    manifest.write_text(manifest.read_text()[:40])  # torn mid-write
+    assert retry_main([str(out), "--kinds", "too_long"], config_from) == 2
+    err = capsys.readouterr().err
+    assert str(manifest) in err and "torn" in err, err
+    manifest.unlink()
+    assert retry_main([str(out)], config_from) == 2
+    assert "no batchgen output here" in capsys.readouterr().err

@@ -217,3 +217,10 @@ def test_case4_a_beam_row_cut_in_the_journal_is_generated_again_whole(tiny_model
             p.unlink()
         (out / "_SUCCESS").unlink()
         journal.write_bytes(b"".join(encode_frame(f) for f in frames[:2]))
+
+
+def test_case13_skip_existing_names_an_s3_path_intact(tiny_model, tmp_path):
+    data = write_jsonl(tmp_path / "in.jsonl", night_rows(4))
+    with pytest.raises(ConfigError, match=r"run.skip_existing=s3://bucket/x: an earlier output on object storage"):
+        run_job(small_job(tiny_model, data, tmp_path / "out", "run.skip_existing=s3://bucket/x"))
+    assert not (tmp_path / "out").exists()

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -10,7 +12,7 @@ from batchgen.job import JobConfig
 from batchgen.planner import Planner
 from batchgen.reader import DatasetConfig, open_reader
 from batchgen.runner import run_job
-from tests.conftest import compose_job, corpus, job_overrides, read_output
+from tests.conftest import compose_job, corpus, job_overrides, read_output, run_cli, write_jsonl
 
 # -- case 14: one large row group, many parts -------------------------------------------------------------------
 
@@ -61,3 +63,44 @@ def test_case14_one_row_group_read_once(tiny_model, tmp_path):
     assert summary.state == "done" and summary.rows_read <= 2 * 600, summary.rows_read
     run_job(compose_job(job_overrides(tiny_model, small, tmp_path / "b", *common, "run.rows_per_part=600")))
     assert read_output(tmp_path / "a").equals(read_output(tmp_path / "b"))
+
+
+# -- case 7: a saved JSONL input index made by another reader ------------------------------------------------------
+
+
+def test_case7_input_index_keyed_by_reader_shape(tiny_model, tmp_path):
+    """`batchgen plan` saves the input's pass (column types, part marks) in output_dir; a job on the same input and
+    output_dir under another dataset.format must not take it: it would read the lines under the other reader's
+    columns (all null), or be refused for columns the file has."""
+    data = write_jsonl(tmp_path / "req.jsonl", [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                                                 "body": {"prompt": t, "max_tokens": 4}}
+                                                for i, t in enumerate(corpus(6, seed=7))])
+    per_format = {"jsonl": ["dataset.prompt_column=custom_id"], "openai_batch": []}
+
+    def args(out, fmt):
+        return job_overrides(tiny_model, data, out, "engine=dummy", "sampling.max_new_tokens=4",
+                             f"dataset.format={fmt}", *per_format[fmt])
+
+    for first, second in (("openai_batch", "jsonl"), ("jsonl", "openai_batch")):
+        out = tmp_path / f"{first}-then-{second}"
+        plan = run_cli(["plan", *args(out, first)])
+        assert plan.returncode == 0, plan.stderr[-2000:]
+        job = run_cli(args(out, second))
+        assert job.returncode == 0, f"{first} plan, then {second} job: {job.stderr[-2000:]}"
+        got = read_output(out)
+        if second == "jsonl":  # every line's own columns, passed through as written
+            assert got.column("url").to_pylist() == ["/v1/completions"] * 6
+            assert [b["max_tokens"] for b in got.column("body").to_pylist()] == [4] * 6
+        else:  # the requests: ids from custom_id, prompts from the bodies
+            assert got.column("id").to_pylist() == [f"r{i}" for i in range(6)]
+            assert got.column("error").to_pylist() == [None] * 6
+        assert json.loads((out / "_input_index.json").read_text())["shape"]["format"] == second  # overwritten
+    # an openai_batch index carries the file's endpoint: a shard starting mid-file judges its lines by the first
+    # request's, as the pass did, not by its own first line
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [
+        {"custom_id": "a", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "hi"}]}},
+        {"custom_id": "b", "url": "/v1/completions", "body": {"prompt": "x"}}])
+    whole, shard = (open_reader(DatasetConfig(path=str(mixed), format="openai_batch")) for _ in range(2))
+    whole.stride = shard.stride = 1
+    assert shard.use_index(json.loads(json.dumps(whole.index())))
+    assert "differs from the file's endpoint" in next(shard.iter_range(1, 2)).read_errors[0]

@@ -31,6 +31,8 @@ class JsonlReader(Reader):
     pass over every line runs once per input, not once per shard.
     """
 
+    format = "jsonl"  # dataset.format: part of the saved pass's shape
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._schema: Optional[pa.Schema] = None
@@ -45,22 +47,28 @@ class JsonlReader(Reader):
         return self.stride is not None and self._schema is not None and not any(
             f.endswith(compressed) for f in self.files)
 
+    def shape(self) -> dict[str, Any]:
+        """Everything besides the input's bytes that decides what the pass finds: the reader (openai_batch turns
+        each line into other columns), the part size (where marks fall), dataset.limit (rows and types stop there),
+        dataset.max_line_bytes and MAX_DEPTH (which lines are error rows, left out of the types). A saved pass of
+        another shape is not used. Not in it: dataset.id_column and the prompt and passthrough columns, which are
+        taken from the rows when they are read (the pass types every column of every line)."""
+        return {"format": self.format, "stride": self.stride, "limit": self.cfg.limit,
+                "max_line_bytes": self.cfg.max_line_bytes, "max_depth": MAX_DEPTH}
+
     def index(self) -> dict[str, Any]:
-        """The pass's result, to be saved beside the output (see use_index)."""
+        """The pass's result and its shape, to be saved beside the output (see use_index)."""
         import base64
 
         self.schema()
-        return {"stride": self.stride, "rows": self._rows, "marks": self._marks, "limit": self.cfg.limit,
-                "max_line_bytes": self.cfg.max_line_bytes,
+        return {"shape": self.shape(), "rows": self._rows, "marks": self._marks,
                 "schema": base64.b64encode(self._schema.serialize().to_pybytes()).decode()}
 
     def use_index(self, saved: dict[str, Any]) -> bool:
-        """Take a saved pass (same input, checked by the caller; same stride, limit and line limit) instead of
-        reading every line again."""
+        """Take a saved pass (same input, checked by the caller; same shape) instead of reading every line again."""
         import base64
 
-        if any(saved.get(k) != v for k, v in (("stride", self.stride), ("limit", self.cfg.limit),
-                                               ("max_line_bytes", self.cfg.max_line_bytes))):
+        if saved.get("shape") != self.shape():
             return False
         self._schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(saved["schema"])))
         self._rows = saved["rows"]

@@ -78,9 +78,23 @@ def configure(cfg: DatasetConfig) -> list[str]:
 class OpenAIBatchReader(JsonlReader):
     """JSONL lines of requests, each turned into a row of plain columns (module doc) before typing and batching."""
 
+    format = "openai_batch"  # its saved pass holds the requests' columns, not the lines' (JsonlReader.shape)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.endpoint: Optional[str] = None
+
+    def index(self) -> dict[str, Any]:
+        """The pass's result and the file's endpoint (its first request's), which judges every line."""
+        return super().index() | {"endpoint": self.endpoint}  # super().index() runs the pass, which sets it
+
+    def use_index(self, saved: dict[str, Any]) -> bool:
+        """A saved pass and its endpoint: a shard that starts mid-file judges its lines by the file's first request,
+        as the pass did, not by its own first line."""
+        if not super().use_index(saved):
+            return False
+        self.endpoint = saved.get("endpoint")
+        return True
 
     def schema(self) -> pa.Schema:
         """The requests' columns, each one present even where no request sets it (a null column)."""

@@ -17,6 +17,7 @@ modules; the engines know nothing of it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -30,13 +31,14 @@ from batchgen.existing import Existing
 from batchgen.feed import Feed, check_error_rate
 from batchgen.heartbeat import status_name
 from batchgen.job import JobConfig
+from batchgen.launch import LauncherConfig
 from batchgen.lock import OutputLock
 from batchgen.outdir import committed_totals, file_metadata, load_input_index, prepare_output_dir
 from batchgen.preflight import check_columns, load_tokenizer
 from batchgen.progress import Progress, Summary
 from batchgen.reader import open_reader
 from batchgen.render import Renderer, RenderRow
-from batchgen.stopping import GracefulStop, StopRequested
+from batchgen.stopping import GracefulStop, Reaper, StopRequested
 
 log = logging.getLogger(__name__)
 FAIL_PART_ENV = "BATCHGEN_TEST_RAY_FAIL_PART"  # test hook only: a worker's engine raises in this part, first attempt
@@ -156,6 +158,33 @@ def run_on_ray(cfg: JobConfig, resolved: Optional[dict[str, Any]], render_row: O
 
 def _drive(cfg: JobConfig, render_row: Optional[RenderRow], committer: Committer, parts: int, summary: Summary,
            progress: Progress, stop: GracefulStop, started: float) -> None:
+    """Join launcher.address or start a local cluster (shut down when the job ends), and run the parts on it."""
+    import ray
+
+    reaper = _init_ray(cfg.launcher, stop) if not ray.is_initialized() else None
+    try:
+        _drive_workers(cfg, render_row, committer, parts, summary, progress, stop, started)
+    finally:
+        if reaper is not None:  # the cluster is this job's: its processes go with it
+            ray.shutdown()
+            reaper.close()
+
+
+def _init_ray(launcher: LauncherConfig, stop: GracefulStop) -> Optional[Reaper]:
+    """Connect to launcher.address, or start a local cluster whose processes are reaped when this driver exits,
+    however it dies (a SIGKILL included: Ray's agents outlive a dead driver otherwise, re-parented to init)."""
+    import ray
+
+    reaper = Reaper().start() if not launcher.address else None
+    local = {} if launcher.address else {"num_cpus": max(launcher.num_workers * launcher.num_cpus, 1)}
+    with reaper.marking() if reaper else contextlib.nullcontext():
+        ray.init(address=launcher.address, include_dashboard=False, log_to_driver=False, **local)
+    stop.rearm()  # ray.init's SIGTERM handler exits at once (then aborts, 134): a stop journals and exits 143
+    return reaper
+
+
+def _drive_workers(cfg: JobConfig, render_row: Optional[RenderRow], committer: Committer, parts: int,
+                   summary: Summary, progress: Progress, stop: GracefulStop, started: float) -> None:
     """Start the workers, hand each free one the next part, requeue a failed part elsewhere, until all are in."""
     import ray
     from ray.exceptions import RayActorError, RayTaskError
@@ -163,9 +192,6 @@ def _drive(cfg: JobConfig, render_row: Optional[RenderRow], committer: Committer
     from batchgen.manifest import check_engine
 
     launcher = cfg.launcher
-    if not ray.is_initialized():
-        local = {} if launcher.address else {"num_cpus": max(launcher.num_workers * launcher.num_cpus, 1)}
-        ray.init(address=launcher.address, include_dashboard=False, log_to_driver=False, **local)
     actor = ray.remote(PartWorker)
     metadata = dict(committer.metadata)
 
@@ -180,7 +206,7 @@ def _drive(cfg: JobConfig, render_row: Optional[RenderRow], committer: Committer
 
     todo = deque(k for k in range(parts) if k not in committer.committed())
     workers = [start(i) for i in range(launcher.num_workers)]
-    identity = ray.get(workers[0].identity.remote())
+    identity = _get(stop, workers[0].identity.remote())
     with OutputLock.for_shard(committer.output_dir, 0, 1).layout():
         check_engine(committer.output_dir, identity)
     summary.load_s = time.perf_counter() - started
@@ -199,11 +225,11 @@ def _drive(cfg: JobConfig, render_row: Optional[RenderRow], committer: Committer
                 idle.remove(i)
                 attempts[k] += 1
                 running[workers[i].run_part.remote(k, attempts[k])] = (i, k)
-            ready, _ = ray.wait(list(running), num_returns=1, timeout=Progress.HEARTBEAT_S)
+            ready = _wait(stop, list(running))
             for ref in ready:
                 i, k = running.pop(ref)
                 try:
-                    out = ray.get(ref)
+                    out = _get(stop, ref)
                 except (RayActorError, RayTaskError) as exc:
                     per_worker[i]["failures"] += 1
                     if isinstance(exc, RayActorError):
@@ -225,6 +251,26 @@ def _drive(cfg: JobConfig, render_row: Optional[RenderRow], committer: Committer
     finally:
         for w in workers:
             ray.kill(w)
+
+
+def _wait(stop: GracefulStop, refs: list[Any]) -> list[Any]:
+    """The refs ready within a heartbeat. A stop signal is held until Ray's wait returns (Ray runs the Python
+    handler inside its C++ wait, where StopRequested would surface as a SystemError), then raised."""
+    import ray
+
+    with stop.shielded():
+        ready, _ = ray.wait(refs, num_returns=1, timeout=Progress.HEARTBEAT_S)
+    return ready
+
+
+def _get(stop: GracefulStop, ref: Any) -> Any:
+    """ray.get, a heartbeat at a time, so that a stop signal is raised within one (see _wait)."""
+    import ray
+
+    while not _wait(stop, [ref]):
+        pass
+    with stop.shielded():
+        return ray.get(ref)
 
 
 def _requeue(k: int, worker: int, exc: BaseException, attempts: Counter[int], failed_on: dict[int, int],

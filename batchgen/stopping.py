@@ -5,6 +5,10 @@ job is inside a `shielded()` section (a journal frame, a part commit, a status w
 raised when that section ends. So the job stops taking new work within one engine step, the
 results already journaled stay on disk, and nothing is left half-written under a final name.
 A second signal exits at once (what is journaled is safe against that too). Knows signals, not jobs.
+
+`Reaper` is the other half of stopping: a small watcher process that, once its parent is gone however it died
+(SIGKILL included), kills every process that inherited the parent's mark, e.g. a local Ray cluster's daemons and
+the agents they start, which outlive a dead driver otherwise. `python -m batchgen.stopping MARK` is that watcher.
 """
 
 from __future__ import annotations
@@ -13,7 +17,11 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
+import uuid
 from collections.abc import Iterator
 from types import FrameType
 from typing import Any, Optional
@@ -48,6 +56,13 @@ class GracefulStop:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
+    def rearm(self) -> None:
+        """Install the handlers again, after a library replaced them (ray.init sets its own SIGTERM handler, which
+        exits without journaling); the handlers restored at the end stay the ones found on entering."""
+        if self._previous and threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                signal.signal(sig, self._handle)
+
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
@@ -75,3 +90,86 @@ class GracefulStop:
             self._pending = True
         else:
             raise StopRequested(signum)
+
+
+MARK_ENV = "BATCHGEN_REAPER_MARK"  # inherited by every process started inside Reaper.marking()
+REAP_GRACE_S = 3.0  # between the SIGTERM and the SIGKILL of a marked process
+
+
+class Reaper:
+    """Leaves no process behind that this one started inside `marking()`: they inherit MARK_ENV, and a watcher
+    process (its own session, so a terminal's Ctrl-C or a group kill does not take it first) waits for the pipe
+    from this process to close (this process exited or died, or `close()`), then SIGTERMs every process carrying
+    the mark, and SIGKILLs those left after REAP_GRACE_S. Linux only (it reads /proc/PID/environ); elsewhere
+    nothing is watched."""
+
+    def __init__(self) -> None:
+        self.mark = f"{os.getpid()}-{uuid.uuid4().hex}"
+        self._watcher: Optional[subprocess.Popen[bytes]] = None
+
+    def start(self) -> Reaper:
+        if os.path.isdir("/proc"):
+            env = {k: v for k, v in os.environ.items() if k != MARK_ENV}
+            # its own stdout/stderr: a pipe reading this job's output (`| tee`) ends with the job, not the sweep
+            self._watcher = subprocess.Popen([sys.executable, "-m", "batchgen.stopping", self.mark], env=env,
+                                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                             stderr=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    @contextlib.contextmanager
+    def marking(self) -> Iterator[None]:
+        """Processes started in this block carry the mark (and pass it on to theirs)."""
+        previous = os.environ.get(MARK_ENV)
+        os.environ[MARK_ENV] = self.mark
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop(MARK_ENV, None)
+            else:
+                os.environ[MARK_ENV] = previous
+
+    def close(self) -> None:
+        """Reap now (what is left of the marked processes), without waiting for the watcher."""
+        if self._watcher is not None and self._watcher.stdin is not None:
+            self._watcher.stdin.close()
+
+
+def marked(mark: str) -> list[int]:
+    """The pids (other than this one) whose environment carries MARK_ENV=mark."""
+    needle = f"{MARK_ENV}={mark}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        pids.append(int(entry))
+            except OSError:  # exited meanwhile, or not ours to read
+                continue
+    return pids
+
+
+def reap(mark: str, grace_s: float = REAP_GRACE_S) -> None:
+    """SIGTERM every marked process, then SIGKILL what still carries the mark after grace_s; each signal is sent
+    again to new marked processes until none is left or grace_s more have passed (a dying process may have started
+    another meanwhile: a worker its compiler)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        signalled: set[int] = set()
+        deadline = time.monotonic() + grace_s
+        while (pids := set(marked(mark))) and time.monotonic() < deadline:
+            for pid in pids - signalled if sig == signal.SIGTERM else pids:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, sig)
+            signalled |= pids
+            time.sleep(0.1)
+
+
+def _watch(mark: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the job, which then closes the pipe
+    sys.stdin.buffer.read()  # returns at EOF: the parent closed the pipe or is gone
+    reap(mark)
+
+
+if __name__ == "__main__":
+    _watch(sys.argv[1])

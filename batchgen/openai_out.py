@@ -54,10 +54,12 @@ def write(output_dir: Path, manifest: dict[str, Any]) -> Path:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     created = int(time.time())
     try:
+        seen: dict[str, int] = {}  # a custom_id's requests so far: a repeated one gets ids of its own
         with open(tmp, "w", encoding="utf-8") as f:
             for row_id, samples in _rows(output_dir):
-                f.write(json.dumps(line(row_id, samples, chat=chat, model=model, created=created),
-                                   ensure_ascii=False) + "\n")
+                occurrence = seen[row_id] = seen.get(row_id, -1) + 1
+                f.write(json.dumps(line(row_id, samples, chat=chat, model=model, created=created,
+                                        occurrence=occurrence), ensure_ascii=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
         replace_durably(tmp, path)
@@ -81,8 +83,11 @@ def _rows(output_dir: Path) -> Iterator[tuple[str, list[dict[str, Any]]]]:
         yield current[0]["id"], current
 
 
-def line(row_id: str, samples: list[dict[str, Any]], *, chat: bool, model: str, created: int) -> dict[str, Any]:
-    digest = hashlib.blake2b(row_id.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+def line(row_id: str, samples: list[dict[str, Any]], *, chat: bool, model: str, created: int,
+         occurrence: int = 0) -> dict[str, Any]:
+    """One results line; `occurrence` > 0 for a later request with the same custom_id (its own response ids)."""
+    key = row_id if occurrence == 0 else f"{row_id}\x00{occurrence}"
+    digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
     out: dict[str, Any] = {"id": f"batch_req_{digest}", "custom_id": row_id, "error": None}
     failed = [s for s in samples if s["error"] is not None and error_kind(s["error"]) != INVALID]
     if failed:  # an input error: every sample of the row has it

@@ -35,7 +35,7 @@ BEFORE_MANIFEST = re.compile(r"^(_lock.*|_logs|_input_index\.json|\._input_index
 def refuse_strays(output_dir: Path) -> None:
     """Call before writing the manifest of a new run (no `_manifest.json` yet)."""
     found = sorted(p.name for p in output_dir.iterdir() if OWN_NAME.match(p.name) and not BEFORE_MANIFEST.match(p.name)
-                   and p.name != "_manifest.json")
+                   and p.name != "_manifest.json" and not p.name.startswith("."))  # a temp file is never trusted
     if found:
         shown = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
         raise ResumeMismatchError(

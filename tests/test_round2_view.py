@@ -119,6 +119,7 @@ def test_case6_adjacent_duplicate_custom_ids_keep_one_line_per_request(tiny_mode
     assert summary.state == "done"
     results = [json.loads(x) for x in (out / RESULTS).read_text().splitlines()]
     assert [x["custom_id"] for x in results] == ["dup", "dup", "solo", "dup"]  # one line per request, in order
+    assert len({x["id"] for x in results}) == 4 and len({x["response"]["request_id"] for x in results}) == 4
     choices = [x["response"]["body"]["choices"] for x in results]
     assert [[c["index"] for c in cs] for cs in choices] == [[0, 1], [0], [0], [0]]
     rows = pq.read_table(out).to_pylist()

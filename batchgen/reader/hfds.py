@@ -42,6 +42,8 @@ class HFReader(Reader):
 
     def _file_batches(self, path: str) -> Iterator[tuple[pa.Table, list[str | None]]]:
         ds = self.dataset()
+        if hasattr(ds, "decode"):  # a streamed dataset: an Image/Audio value's `path` is data, never a file to open
+            ds = ds.decode(False)
         if hasattr(ds, "with_format") and hasattr(ds, "__len__"):
             for table in ds.with_format("arrow").iter(batch_size=self.cfg.batch_rows):
                 yield table, [None] * table.num_rows

@@ -33,6 +33,20 @@ class RowSettings:
 MAX_ROW_N = 128  # a row's own n above this is a bad_value: its samples would crowd out every other row
 
 
+def _beam_problem(row: RowSettings, num_beams: int) -> Optional[str]:
+    """A row's own setting that deterministic beam search cannot honour (the job-level ones are refused by
+    sampling.problems): an error row naming it, never a row generated as if the setting were not there."""
+    why = f"beam search (sampling.num_beams={num_beams}) is deterministic and unconstrained"
+    if row.temperature != 0.0:
+        return f"bad_temperature: a row's temperature={row.temperature:g} under {why}; give it 0 or null"
+    if row.stop:
+        return f"bad_stop: a row's stop strings under {why}; leave them null"
+    if row.constraint is not None:
+        kind = "bad_choice" if row.constraint.kind == "choice" else "bad_schema"
+        return f"{kind}: a row's {row.constraint.kind} constraint under {why}; leave it null"
+    return None
+
+
 class RowParams:
     def __init__(self, dataset: Any, sampling: Any):
         self.ds = dataset
@@ -64,6 +78,9 @@ class RowParams:
                     problem = f"bad_value: column {column!r}: {_shown(value)} is nested too deeply to read"
                 if problem and errors[row] is None:
                     errors[row] = problem
+        if s.num_beams > 1:
+            for row, settings in enumerate(rows):
+                errors[row] = errors[row] or _beam_problem(settings, s.num_beams)
         return rows
 
     def _cap(self, row: RowSettings, value: Any) -> Optional[str]:

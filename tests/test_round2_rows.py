@@ -305,3 +305,17 @@ def test_case13a_row_n_above_num_beams_is_bad_n(tiny_model, tmp_path):
             else:
                 texts = [r["generation"] for r in samples]
                 assert all(r["error"] is None for r in samples) and len(set(texts)) == len(texts), samples
+
+
+def test_case13a_row_settings_beam_search_cannot_honour_are_error_rows():
+    """Under beam search a row's own temperature, stop strings or constraint were ignored (the job-level settings
+    are refused): each is now that row's error, and a row that leaves them at 0 / null is generated."""
+    beams = {"num_beams": 2, "temperature": 0.0}
+    assert row_errors([0.0, 0.7, None], beams, temperature_column="t")[0] is None
+    assert row_errors([0.0, 0.7, None], beams, temperature_column="t")[1].startswith(
+        "bad_temperature: a row's temperature=0.7 under beam search (sampling.num_beams=2)")
+    assert row_errors([["x"], None], beams, stop_column="s") == [
+        "bad_stop: a row's stop strings under beam search (sampling.num_beams=2) is deterministic and unconstrained;"
+        " leave them null", None]
+    assert row_errors([["yes", "no"], None], beams, choice_column="c")[0].startswith("bad_choice: a row's choice")
+    assert row_errors([0.7], {"temperature": 0.0}, temperature_column="t") == [None]  # no beams: a row's own

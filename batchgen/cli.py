@@ -13,6 +13,7 @@ from batchgen.engines import prepare_process
 
 prepare_process()  # before torch loads: OpenMP's threads spin briefly, then sleep (engines/hf/cpu/runtime.py)
 
+import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
@@ -140,7 +141,7 @@ def compose_checked(overrides: list[str]) -> JobConfig:
 def config_from(resolved: dict, overrides: list[str]) -> JobConfig:
     """A job config from an earlier run's resolved config (its manifest's `config`) with `overrides` on top, validated
     (batchgen retry); ConfigError naming every problem."""
-    problems = unknown_keys(overrides)
+    problems = group_switches(overrides, resolved) + unknown_keys(overrides)
     if problems:
         raise ConfigError(problems)
     try:
@@ -148,6 +149,36 @@ def config_from(resolved: dict, overrides: list[str]) -> JobConfig:
     except OmegaConfBaseException as exc:
         raise ConfigError([f"{getattr(exc, 'full_key', None) or 'config'}: {getattr(exc, 'msg', exc)}"]) from exc
     return to_job_config(cfg)  # type: ignore[arg-type]
+
+
+def group_switches(overrides: list[str], resolved: dict) -> list[str]:
+    """A config group picked on top of an earlier run's resolved config (`sampling=sample` on a retry): Hydra picks
+    a group's file when it composes, and that config is composed already. One problem each, naming what to set
+    instead."""
+    problems = []
+    for arg in overrides:
+        key, _, choice = arg.partition("=")
+        group = key.lstrip("+~")
+        if group in GROUPS:
+            problems.append(f"{arg}: a retry cannot switch the config group {group} (it starts from the job's "
+                            f"resolved config); {_instead(group, choice, resolved.get(group))}")
+    return problems
+
+
+def _instead(group: str, choice: str, current: object) -> str:
+    """What to set instead of `group=choice`: the keys of conf/GROUP/CHOICE.yaml whose values differ from the
+    job's (`current`)."""
+    path = Path(CONF_DIR) / group / f"{choice}.yaml"
+    if group == "job":  # a preset of the whole config
+        return "set the keys you want changed one by one, e.g. sampling.temperature=0.7"
+    picked = OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else None
+    if not isinstance(picked, dict) or not isinstance(current, dict):
+        return f"set the keys under {group} one by one, e.g. {group}.KEY=VALUE"
+    changes = " ".join(f"{group}.{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in picked.items()
+                       if not isinstance(v, dict) and current.get(k) != v)  # json: as Hydra's grammar reads it
+    if not changes:
+        return f"the job's config has what {group}/{choice}.yaml sets already: leave it out"
+    return f"set the keys it would change instead: {changes}"
 
 
 def preflight(overrides: list[str]) -> JobConfig:

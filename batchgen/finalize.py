@@ -6,15 +6,15 @@ Reads the manifest and the part names only."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
 from batchgen.committer import PART_RE, SUCCESS
+from batchgen.errors import ConfigError
 from batchgen.fsutil import fsync_dir
-from batchgen.manifest import MANIFEST
+from batchgen.manifest import MANIFEST, parse_manifest, read_manifest
 
 
 def finalize(where: str, manifest: Optional[dict], committed: set[int], write_success: Callable[[], None]) -> int:
@@ -43,16 +43,28 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="batchgen finalize", description=__doc__)
     parser.add_argument("output_dir")
     where = parser.parse_args(argv).output_dir
-    if "://" in where:  # object storage: the manifest and the listing from the bucket
-        from batchgen.remote import RemoteOutput
+    try:
+        return _remote(where) if "://" in where else _local(where)
+    except ConfigError as exc:  # a torn manifest: named, exit 2 (docs/contract.md section 7)
+        for problem in exc.problems:
+            print(f"batchgen finalize: error: {problem}", file=sys.stderr)
+        return 2
 
-        remote = RemoteOutput(where)
-        key = remote.key(MANIFEST)
-        manifest = json.loads(remote.fs.cat(key)) if remote.fs.exists(key) else None
-        return finalize(where, manifest, remote.committed() if manifest else set(),
-                        lambda: remote.fs.pipe(remote.key(SUCCESS), b""))
+
+def _remote(where: str) -> int:
+    """Object storage: the manifest and the listing from the bucket."""
+    from batchgen.remote import RemoteOutput
+
+    remote = RemoteOutput(where)
+    key = remote.key(MANIFEST)
+    manifest = parse_manifest(remote.fs.cat(key), f"{remote.url}/{MANIFEST}") if remote.fs.exists(key) else None
+    return finalize(where, manifest, remote.committed() if manifest else set(),
+                    lambda: remote.fs.pipe(remote.key(SUCCESS), b""))
+
+
+def _local(where: str) -> int:
     out = Path(where)
-    manifest = json.loads((out / MANIFEST).read_text()) if (out / MANIFEST).exists() else None
+    manifest = read_manifest(out)
     committed = {int(m.group(1)) for p in out.iterdir() if (m := PART_RE.match(p.name))} if manifest else set()
 
     def write_success() -> None:

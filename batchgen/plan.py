@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 from batchgen.committer import error_kind
 from batchgen.engines.base import model_max_len
-from batchgen.errors import TooLongError
+from batchgen.errors import ConfigError, TooLongError
 from batchgen.fsutil import write_json_atomic
 from batchgen.job import JobConfig
 from batchgen.outdir import load_input_index, save_input_index
@@ -45,8 +45,25 @@ def model_len(cfg: JobConfig) -> int:
         return cfg.engine.max_model_len
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(cfg.engine.model, trust_remote_code=cfg.engine.trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(cfg.engine.model, trust_remote_code=cfg.engine.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ConfigError([config_problem(cfg, exc)]) from exc
     return model_max_len(getattr(config, "text_config", None) or config)
+
+
+def config_problem(cfg: JobConfig, exc: Exception) -> str:
+    """What to do when the model's config.json does not load: its own code not trusted, or a model type this
+    transformers does not know (transformers' message, in one line, says which)."""
+    said = " ".join(str(exc).split())
+    if "trust_remote_code" in said:
+        return (f"engine.model: {cfg.engine.model} needs its own Python code to load (auto_map in its config.json); "
+                f"set engine.trust_remote_code=true if you trust that code, or use a model transformers supports")
+    first = said.split(". ")[0]
+    if isinstance(exc, OSError):
+        return f"engine.model: cannot read the model config of {cfg.engine.model}: {first}"
+    return (f"engine.model: cannot read the model config of {cfg.engine.model}: {first}; a model type this "
+            f"transformers does not know needs a newer one (pip install -U transformers)")
 
 
 def measure(cfg: JobConfig) -> tuple[dict[str, Any], list[tuple[int, list[int]]]]:
@@ -58,10 +75,10 @@ def measure(cfg: JobConfig) -> tuple[dict[str, Any], list[tuple[int, list[int]]]
     tokenizer = load_tokenizer(cfg)
     renderer = Renderer(cfg.dataset, tokenizer, None)
     check_columns(cfg, reader, renderer)
+    limit = model_len(cfg)  # before anything is written: a config.json that does not load is a ConfigError
     if "://" not in cfg.output_dir:  # a JSONL input's pass, kept for the job's shards (outdir.INPUT_INDEX)
         out.mkdir(parents=True, exist_ok=True)
         save_input_index(out, reader)
-    limit = model_len(cfg)
     planner = Planner(whole, reader, renderer, tokenizer)
     lengths: list[int] = []
     errors: Counter[str] = Counter()

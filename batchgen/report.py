@@ -19,8 +19,9 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Optional
 
+from batchgen.errors import ConfigError
 from batchgen.heartbeat import read_heartbeats
-from batchgen.manifest import MANIFEST
+from batchgen.manifest import MANIFEST, read_manifest
 from batchgen.view import attempt_dir, attempts, latest_batches
 
 REPORT = "_report.html"
@@ -43,7 +44,9 @@ def history(output_dir: Path) -> list[dict[str, Any]]:
 
 def gather(output_dir: Path) -> dict[str, Any]:
     """The facts the page shows."""
-    manifest = json.loads((output_dir / MANIFEST).read_text())
+    manifest = read_manifest(output_dir)
+    if manifest is None:
+        raise ConfigError([f"{output_dir}: no batchgen output here (no {MANIFEST})"])
     prompt, generated, reasons = [], [], Counter()
     errors: dict[str, list[tuple[str, str]]] = defaultdict(list)
     counts: Counter = Counter()
@@ -215,11 +218,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("output_dir", type=Path)
     parser.add_argument("--out", type=Path, help=f"the page's path (default OUTPUT_DIR/{REPORT})")
     args = parser.parse_args(argv)
-    if not (args.output_dir / MANIFEST).exists():
-        print(f"batchgen report: error: {args.output_dir}: no batchgen output here (no {MANIFEST})", file=sys.stderr)
-        return 2
     try:
         path = write_report(args.output_dir, args.out)
+    except ConfigError as exc:  # no manifest, or a torn one: named, exit 2
+        for problem in exc.problems:
+            print(f"batchgen report: error: {problem}", file=sys.stderr)
+        return 2
     except FileNotFoundError as exc:
         print(f"batchgen report: error: {exc}", file=sys.stderr)
         return 2

@@ -4,17 +4,21 @@ from the files on disk (so it tells a killed run's state as well as a live one's
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from batchgen.committer import SUCCESS
+from batchgen.errors import ConfigError
 from batchgen.heartbeat import read_heartbeats, writer_is_gone
 from batchgen.journal import JOURNAL_RE, read_journal
 from batchgen.lock import live_writers
+from batchgen.manifest import MANIFEST, read_manifest
 
 
 def describe(output_dir: Path) -> str:
-    if not (output_dir / "_manifest.json").exists():
-        return f"{output_dir}: no batchgen run here (no _manifest.json)"
+    """The run's state, one line per fact; a torn manifest is a ConfigError naming it."""
+    if read_manifest(output_dir) is None:
+        return f"{output_dir}: no batchgen run here (no {MANIFEST})"
     lines = [f"{output_dir}: {'complete' if (output_dir / SUCCESS).exists() else 'incomplete'}"]
     beats = read_heartbeats(output_dir)
     for path, s in beats:
@@ -89,5 +93,10 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="batchgen status", description=__doc__)
     parser.add_argument("output_dir", type=Path)
     args = parser.parse_args(argv)
-    print(describe(args.output_dir))
-    return 0 if (args.output_dir / "_manifest.json").exists() else 2
+    try:
+        print(describe(args.output_dir))
+    except ConfigError as exc:  # a torn manifest: named, exit 2 (docs/contract.md section 7)
+        for problem in exc.problems:
+            print(f"batchgen status: error: {problem}", file=sys.stderr)
+        return 2
+    return 0 if (args.output_dir / MANIFEST).exists() else 2

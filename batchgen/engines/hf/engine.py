@@ -9,7 +9,10 @@ device.py. It sees token ids and sampling params only; it knows nothing about ro
 from __future__ import annotations
 
 import logging
+import pickle
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -23,6 +26,7 @@ from batchgen.engines.hf.sampler import Sampler, eos_ids
 from batchgen.engines.hf.scheduler import Scheduler, SchedulerStats
 from batchgen.engines.hf.score import ChoiceScorer, with_choice_scores
 from batchgen.engines.hf.step import LlamaStepper, fuse_projections, supports
+from batchgen.errors import ModelLoadError
 from batchgen.records import Request, Result
 
 log = logging.getLogger(__name__)
@@ -42,9 +46,7 @@ class HFEngine:
         if quantized_bf16:  # int8/int4 weights, float32 between them: batchgen's kernels take float32
             self.activation_dtype = torch.float32
         self.tokenizer = tokenizer
-        self.model = quant.load_model(cfg.model, scheme_name=cfg.quantization, device=self.device,
-                                      dtype=self.activation_dtype,
-                                      trust_remote_code=cfg.trust_remote_code)  # from_pretrained, then quantized
+        self.model = _load_model(cfg, self.device, self.activation_dtype)  # from_pretrained, then quantized
         self.max_model_len = cfg.max_model_len or device.model_max_len(self.model.config)
         self.prepacked = self.fused = 0
         serves_all = supports(self.model, self.max_model_len)  # the stepper serves every window: fused GEMMs pay
@@ -162,6 +164,23 @@ class HFEngine:
         finally:
             self.max_batch_tokens = scheduler.max_batch_tokens  # keep an OOM backoff for the next window
             self.max_batch_size = scheduler.max_batch_size
+
+
+def _load_model(cfg: EngineConfig, on: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """quant.load_model; a pickled checkpoint that torch.load refuses under weights_only (the default since torch
+    2.6: a pickled object other than tensors and plain containers) is a ModelLoadError (exit 2) saying what to do."""
+    try:
+        return quant.load_model(cfg.model, scheme_name=cfg.quantization, device=on, dtype=dtype,
+                                trust_remote_code=cfg.trust_remote_code)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"WeightsUnpickler error: (.*?)(?: Please use|$)", str(exc), re.MULTILINE)
+        why = (found.group(1) if found else str(exc)).rstrip(".")
+        files = ", ".join(sorted(p.name for p in Path(cfg.model).glob("*.bin"))) or "its .bin weights"
+        raise ModelLoadError(
+            f"engine.model: {cfg.model}: the pickled weights ({files}) do not load under torch.load(weights_only="
+            f"True), which batchgen keeps on (unpickling can run code): {why}. Convert the checkpoint to safetensors "
+            f"where you trust it (load it with weights_only=False, then save_pretrained(..., safe_serialization="
+            f"True)), or use a safetensors copy of the model") from exc
 
 
 def _first(*values: Optional[int]) -> int:

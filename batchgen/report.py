@@ -5,7 +5,9 @@ reasons, error kinds with example rows, per-shard and per-worker progress, retri
 The plots are inline SVG (matplotlib, `pip install 'batchgen[plot]'`; without it the page has the tables only) and
 the page loads nothing from the network. Written to OUTPUT_DIR/_report.html by default. The rows are read through
 the latest-attempt view, a column at a time (lengths, finish reasons and errors only, never the generations).
-Knows the output layout, not engines.
+An output on object storage (`s3://...`, through fsspec) is read the same way from a local copy of those columns,
+its manifest and status files (status.fetch_remote) and the history its staging directory holds on this machine;
+its page goes where --out says (nothing is written into the bucket). Knows the output layout, not engines.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import argparse
 import html
 import io
 import json
+import shutil
 import sys
+import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Optional
@@ -22,11 +26,13 @@ from typing import Any, Optional
 from batchgen.errors import ConfigError
 from batchgen.heartbeat import read_heartbeats
 from batchgen.manifest import MANIFEST, read_manifest
+from batchgen.remote import RemoteOutput, is_remote
 from batchgen.view import attempt_dir, attempts, latest_batches
 
 REPORT = "_report.html"
 HISTORY_GLOB = "_history*.jsonl"
 EXAMPLES = 3  # rows shown per error kind
+ROW_COLUMNS = ("id", "sample_index", "finish_reason", "num_prompt_tokens", "num_generated_tokens", "error")  # read
 COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860")
 
 
@@ -51,8 +57,7 @@ def gather(output_dir: Path) -> dict[str, Any]:
     errors: dict[str, list[tuple[str, str]]] = defaultdict(list)
     counts: Counter = Counter()
     rows = 0
-    for table in latest_batches(output_dir, columns=["id", "sample_index", "finish_reason", "num_prompt_tokens",
-                                                     "num_generated_tokens", "error"]):
+    for table in latest_batches(output_dir, columns=list(ROW_COLUMNS)):
         cols = {c: table.column(c).to_pylist() for c in table.column_names}
         for i in range(table.num_rows):
             reasons[cols["finish_reason"][i]] += 1
@@ -150,7 +155,7 @@ def _table(head: list[str], rows: list[list[Any]]) -> str:
     return f"<table>{f'<tr>{cells}</tr>' if any(head) else ''}{body}</table>"
 
 
-def render(output_dir: Path, facts: dict[str, Any]) -> str:
+def render(output_dir: str | Path, facts: dict[str, Any]) -> str:
     m = facts["manifest"]
     svg = plots(facts)
     hist = facts["history"]
@@ -213,13 +218,51 @@ def write_report(output_dir: Path, out: Optional[Path] = None) -> Path:
     return path
 
 
+def write_remote_report(url: str, out: Optional[Path]) -> Path:
+    """The page of an output on object storage, from a local copy of what the report reads, written to `out`."""
+    from batchgen.fsutil import write_bytes_atomic
+    from batchgen.status import fetch_remote
+
+    if out is None:
+        raise ConfigError([f"{url} is on object storage: pass --out FILE for the page (batchgen writes nothing into "
+                           f"an output's bucket but the job's own files)"])
+    with tempfile.TemporaryDirectory(prefix="batchgen-report-") as tmp:
+        local = Path(tmp)
+        remote = fetch_remote(url, local)
+        if remote is None:
+            raise ConfigError([f"{url}: no batchgen output here (no {MANIFEST})"])
+        for path in remote.staging.glob(HISTORY_GLOB):  # the history stays in the staging directory of its machine
+            shutil.copyfile(path, local / path.name)
+        _copy_row_columns(remote, local)
+        page = render(remote.url, gather(local))
+    write_bytes_atomic(out, page.encode("utf-8"))
+    return out
+
+
+def _copy_row_columns(remote: RemoteOutput, into: Path) -> None:
+    """Each committed part's ROW_COLUMNS (never the generations) under its own name in `into`."""
+    import pyarrow.parquet as pq
+
+    from batchgen.committer import PART_RE
+
+    for key in remote.fs.ls(remote.root, detail=False, refresh=True):
+        name = key.rsplit("/", 1)[-1]
+        if PART_RE.match(name):
+            with remote.fs.open(key, "rb") as f:
+                part = pq.ParquetFile(f)
+                columns = [c for c in ROW_COLUMNS if c in part.schema_arrow.names]
+                pq.write_table(part.read(columns=columns), into / name)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="batchgen report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("output_dir", type=Path)
-    parser.add_argument("--out", type=Path, help=f"the page's path (default OUTPUT_DIR/{REPORT})")
+    parser.add_argument("output_dir", help="a directory, or an fsspec URL (s3://bucket/prefix)")
+    parser.add_argument("--out", type=Path, help=f"the page's path (default OUTPUT_DIR/{REPORT}; required for an "
+                                                 f"output on object storage)")
     args = parser.parse_args(argv)
+    where = args.output_dir
     try:
-        path = write_report(args.output_dir, args.out)
+        path = write_remote_report(where, args.out) if is_remote(where) else write_report(Path(where), args.out)
     except ConfigError as exc:  # no manifest, or a torn one: named, exit 2
         for problem in exc.problems:
             print(f"batchgen report: error: {problem}", file=sys.stderr)

@@ -1,28 +1,70 @@
 """`batchgen status OUTPUT_DIR`: a run's progress, errors, journaled work in flight and lock holder, read
-from the files on disk (so it tells a killed run's state as well as a live one's)."""
+from the files on disk (so it tells a killed run's state as well as a live one's). An output on object storage
+(`s3://...`) is read through fsspec: its manifest, status files and `_SUCCESS` from the bucket, its parts from the
+listing, and the journals and locks from its staging directory where this is the machine that runs it
+(remote.RemoteOutput); `fetch_remote` is shared with `batchgen report`."""
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import sys
+import tempfile
 from pathlib import Path
+from typing import Optional
 
 from batchgen.committer import SUCCESS
 from batchgen.errors import ConfigError
 from batchgen.heartbeat import read_heartbeats, writer_is_gone
 from batchgen.journal import JOURNAL_RE, read_journal
 from batchgen.lock import live_writers
-from batchgen.manifest import MANIFEST, read_manifest
+from batchgen.manifest import MANIFEST, parse_manifest, read_manifest
+from batchgen.remote import RemoteOutput, is_remote
 
 
 def describe(output_dir: Path) -> str:
-    """The run's state, one line per fact; a torn manifest is a ConfigError naming it."""
+    """The run's state, one line per fact; ConfigError where there is no run or its manifest is torn."""
     if read_manifest(output_dir) is None:
-        return f"{output_dir}: no batchgen run here (no {MANIFEST})"
-    lines = [f"{output_dir}: {'complete' if (output_dir / SUCCESS).exists() else 'incomplete'}"]
-    beats = read_heartbeats(output_dir)
+        raise ConfigError([f"{output_dir}: no batchgen run here (no {MANIFEST})"])
+    return _describe(str(output_dir), output_dir, output_dir, len(list(output_dir.glob("part-*.parquet"))))
+
+
+def describe_remote(url: str) -> str:
+    """describe() of an output on object storage."""
+    with tempfile.TemporaryDirectory(prefix="batchgen-status-") as tmp:
+        remote = fetch_remote(url, Path(tmp))
+        if remote is None:
+            raise ConfigError([f"{url}: no batchgen run here (no {MANIFEST})"])
+        local = remote.staging if remote.staging.is_dir() else None
+        return _describe(remote.url, Path(tmp), local, len(remote.committed()))
+
+
+def fetch_remote(url: str, into: Path) -> Optional[RemoteOutput]:
+    """Copy an object-storage output's manifest, status files and `_SUCCESS` into the directory `into`; None where
+    the prefix holds no manifest, ConfigError (naming its URL) where it is torn."""
+    remote = RemoteOutput(url)
+    try:
+        names = [p.rsplit("/", 1)[-1] for p in remote.fs.ls(remote.root, detail=False, refresh=True)]
+    except FileNotFoundError:
+        return None
+    if MANIFEST not in names:
+        return None
+    text = remote.fs.cat(remote.key(MANIFEST))
+    parse_manifest(text, f"{remote.url}/{MANIFEST}")
+    (into / MANIFEST).write_bytes(text)
+    for name in names:
+        if name == SUCCESS or fnmatch.fnmatch(name, "_status*.json"):
+            remote.fs.get_file(remote.key(name), str(into / name))
+    return remote
+
+
+def _describe(shown: str, files: Path, local: Optional[Path], parts: int) -> str:
+    """`files`: where the manifest, status files and _SUCCESS are; `local`: where the journals and locks are (the
+    output directory, or an object-storage output's staging directory; None where it is not on this machine)."""
+    lines = [f"{shown}: {'complete' if (files / SUCCESS).exists() else 'incomplete'}"]
+    beats = read_heartbeats(files)
     for path, s in beats:
-        state = "stopped (no live writer)" if writer_is_gone(output_dir, s) else s.state
+        state = "stopped (no live writer)" if local and writer_is_gone(local, s) else s.state
         total = s.rows_total
         pct = f" ({100 * s.rows_done / total:.1f}%)" if total else ""
         eta = f", ETA {s.eta_s:.0f}s" if s.eta_s is not None and state == "running" else ""
@@ -44,11 +86,13 @@ def describe(output_dir: Path) -> str:
         total = sum(totals) if None not in totals and len(beats) == beats[0][1].num_shards else None
         lines.append(f"  all shards: rows {done}/{total if total is not None else '?'}, error rows "
                      f"{sum(b.rows_failed for _, b in beats)}")
-    parts = sorted(output_dir.glob("part-*.parquet"))
-    lines.append(f"  committed parts: {len(parts)}")
-    lines += _journals(output_dir)
-    lines += _attempts(output_dir)
-    writers = live_writers(output_dir)
+    lines.append(f"  committed parts: {parts}")
+    lines += _journals(local) if local else []
+    lines += _attempts(files)
+    if local is None:
+        lines.append("  journals and locks: in the staging directory of the machine that runs it (not this one)")
+        return "\n".join(lines)
+    writers = live_writers(local)
     for h in writers:
         lines.append(f"  running: {h['lock']} held by pid {h.get('pid')} on {h.get('host')} since {h.get('since')}")
     if not writers:
@@ -91,12 +135,12 @@ def _journals(output_dir: Path) -> list[str]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="batchgen status", description=__doc__)
-    parser.add_argument("output_dir", type=Path)
-    args = parser.parse_args(argv)
+    parser.add_argument("output_dir", help="a directory, or an fsspec URL (s3://bucket/prefix)")
+    where = parser.parse_args(argv).output_dir
     try:
-        print(describe(args.output_dir))
-    except ConfigError as exc:  # a torn manifest: named, exit 2 (docs/contract.md section 7)
+        print(describe_remote(where) if is_remote(where) else describe(Path(where)))
+    except ConfigError as exc:  # no run, or a torn manifest: named, exit 2 (docs/contract.md section 7)
         for problem in exc.problems:
             print(f"batchgen status: error: {problem}", file=sys.stderr)
         return 2
-    return 0 if (args.output_dir / MANIFEST).exists() else 2
+    return 0

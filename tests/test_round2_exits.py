@@ -165,7 +165,7 @@ def test_case12b_plan_on_a_model_needing_remote_code_exits_2(tiny_model, tmp_pat
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """A local S3 endpoint (moto's server) and the environment that points fsspec/s3fs at it, for the commands
-    run in subprocesses here; a filesystem on it, with a bucket."""
+    run in subprocesses here; a filesystem on it, with the bucket round2."""
     moto_server = pytest.importorskip("moto.server", reason="the S3 tests need moto[server]")
     pytest.importorskip("s3fs", reason="the S3 tests need s3fs")
     import fsspec
@@ -178,7 +178,7 @@ def s3(tmp_path_factory):
            "BATCHGEN_STAGING_DIR": str(tmp_path_factory.mktemp("staging"))}
     fs = fsspec.filesystem("s3", skip_instance_cache=True, endpoint_url=env["FSSPEC_S3_ENDPOINT_URL"],
                            key="test", secret="test")
-    fs.mkdir("bucket")
+    fs.makedirs("round2", exist_ok=True)  # moto's store is per process: test_s3's buckets may be there too
     yield fs, env
     server.stop()
 
@@ -196,9 +196,9 @@ def test_case12c_torn_manifest_exits_2_naming_it(s3, tmp_path):
         proc = run_cli([command, str(out)], timeout=120)
         assert_named_exit_2(proc, f"{out / '_manifest.json'}: the manifest is not valid JSON", "new output_dir")
     fs, env = s3
-    fs.pipe("bucket/torn/_manifest.json", TORN.encode())
-    proc = run_cli(["finalize", "s3://bucket/torn"], timeout=120, env=env)
-    assert_named_exit_2(proc, "s3://bucket/torn/_manifest.json: the manifest is not valid JSON")
+    fs.pipe("round2/torn/_manifest.json", TORN.encode())
+    proc = run_cli(["finalize", "s3://round2/torn"], timeout=120, env=env)
+    assert_named_exit_2(proc, "s3://round2/torn/_manifest.json: the manifest is not valid JSON")
 
 
 @pytest.mark.xfail(strict=False, reason="the job's manifest check (manifest.check_or_write) still reads the manifest "
@@ -233,3 +233,27 @@ def test_case12d_retry_switching_a_config_group_exits_2(tiny_model, tmp_path):
         assert not (out / "_attempts").exists()
     proc = run_cli(["retry", str(out), "--kinds", "empty_prompt", "engine=hf"], timeout=120)
     assert "set the keys it would change instead: engine.dtype=auto" in proc.stderr  # the job ran in float32
+
+
+def test_case13c_status_and_report_read_an_s3_output(s3, tiny_model, tmp_path):
+    """`batchgen status` and `batchgen report` on an s3:// output read it through fsspec (they said "s3:/round2/x:
+    no _manifest.json", the URL mangled by a local Path); a prefix without a run is named with its URL intact."""
+    fs, env = s3
+    data = write_parquet(tmp_path / "in.parquet", keyed_rows(8, "s", 3))
+    done = run_cli(job_overrides(tiny_model, data, "s3://round2/done", "dataset.id_column=uid", "run.rows_per_part=4",
+                                 "sampling.max_new_tokens=4"), env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    status = run_cli(["status", "s3://round2/done"], timeout=120, env=env)
+    assert status.returncode == 0, status.stderr[-3000:]
+    assert status.stdout.startswith("s3://round2/done: complete\n"), status.stdout
+    assert "_status.json: done: rows 8/8" in status.stdout and "committed parts: 2" in status.stdout, status.stdout
+    page = tmp_path / "report.html"
+    report = run_cli(["report", "s3://round2/done", "--out", str(page)], timeout=120, env=env)
+    assert report.returncode == 0 and page.exists(), report.stderr[-3000:]
+    text = page.read_text()
+    assert "batchgen report: s3://round2/done" in text and "<td>rows</td><td>8</td>" in text
+    assert_named_exit_2(run_cli(["report", "s3://round2/done"], timeout=120, env=env), "--out")
+    for command in (["status", "s3://round2/none"], ["report", "s3://round2/none", "--out", str(page)]):
+        proc = run_cli(command, timeout=120, env=env)
+        assert_named_exit_2(proc, "s3://round2/none: no batchgen")
+        assert "s3:/round2" not in proc.stdout + proc.stderr

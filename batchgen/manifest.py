@@ -31,7 +31,8 @@ def read_manifest(output_dir: Path | str) -> Optional[dict[str, Any]]:
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError([f"{path}: cannot read the manifest ({exc}); restore it or write to a new output_dir"])
+        problem = f"{path}: cannot read the manifest ({exc}); restore it or write to a new output_dir"
+        raise ConfigError([problem]) from exc
     return parse_manifest(text, str(path))
 
 
@@ -176,10 +177,10 @@ def build_manifest(cfg: JobConfig, resolved: dict[str, Any], fingerprint: list[d
 def check_or_write(output_dir: Path, manifest: dict[str, Any]) -> None:
     """Write the manifest for a new run; for a resume, refuse unless input, model and config all match."""
     path = output_dir / MANIFEST
-    if not path.exists():
+    old = read_manifest(output_dir)  # a torn one: exit 2 naming it
+    if old is None:
         write_json_atomic(path, manifest)
         return
-    old = json.loads(path.read_text())
     changes = diff(old, manifest)
     if changes:
         lines = "\n".join(f"  {c}" for c in changes)
@@ -194,7 +195,7 @@ def record_layout(output_dir: Path, num_shards: int) -> None:
     that); a new layout after all writers of the old one have stopped is taken over, logged: parts are the same
     whatever the sharding, only their assignment to shards changes. Call with the layout lock held."""
     path = output_dir / MANIFEST
-    manifest = json.loads(path.read_text())
+    manifest = read_manifest(output_dir) or {}
     old = manifest.get("layout", {}).get("num_shards")
     if old == num_shards:
         return
@@ -209,7 +210,7 @@ def check_engine(output_dir: Path, identity: dict[str, Any]) -> None:
     refuse an engine whose settings resolved otherwise (engine.dtype=auto on another CPU kind, another
     quantization) before any part is generated. Call with the output directory's layout lock held."""
     path = output_dir / MANIFEST
-    manifest = json.loads(path.read_text())
+    manifest = read_manifest(output_dir) or {}
     resolved = {k: identity.get(k) for k in ENGINE_KEYS}
     recorded = manifest.get("engine_resolved")
     if recorded is None:

@@ -24,7 +24,7 @@ from typing import Any
 from batchgen.committer import error_kind
 from batchgen.constraints import INVALID
 from batchgen.fsutil import replace_durably
-from batchgen.manifest import MANIFEST
+from batchgen.manifest import read_manifest
 from batchgen.view import latest_batches
 
 RESULTS = "_openai_batch_output.jsonl"
@@ -39,7 +39,7 @@ def wanted(manifest: dict[str, Any]) -> bool:
 
 def write_if_wanted(output_dir: Path) -> Path | None:
     """After the output became complete: its results file, where its job asked for one."""
-    manifest = json.loads((output_dir / MANIFEST).read_text())
+    manifest = read_manifest(output_dir) or {}
     return write(output_dir, manifest) if wanted(manifest) else None
 
 

@@ -13,11 +13,14 @@ from batchgen.engines import prepare_process
 
 prepare_process()  # before torch loads: OpenMP's threads spin briefly, then sleep (engines/hf/cpu/runtime.py)
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
+import shutil  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Optional  # noqa: E402
 
 import hydra  # noqa: E402
 from hydra.core.config_store import ConfigStore  # noqa: E402
@@ -36,6 +39,8 @@ from batchgen.stopping import StopRequested  # noqa: E402
 log = logging.getLogger("batchgen")
 CONF_DIR = os.environ.get("BATCHGEN_CONF_DIR") or str(Path(__file__).resolve().parent.parent / "conf")
 _entered_job = False  # set once Hydra has composed the config and handed it to us
+LOGS = "_logs"  # Hydra's run folders, in output_dir (conf/config.yaml: hydra.run.dir)
+_logs_home: Optional[tuple[Path, Optional[set[str]]]] = None  # where they go, and what was there before the run
 
 ConfigStore.instance().store(name="batchgen_schema", node=JobConfig)
 
@@ -64,6 +69,8 @@ def _hydra_main(cfg: DictConfig) -> None:
     except BatchgenError as exc:
         log.error("%s", exc)
         print(f"batchgen: error: {exc}", file=sys.stderr)
+        if exc.exit_code == 2:
+            _forget_refused_run()
         sys.exit(exc.exit_code)
     except StopRequested as exc:
         print(f"batchgen: {exc}; committed parts and journaled results are kept, rerun the same command to resume",
@@ -73,6 +80,33 @@ def _hydra_main(cfg: DictConfig) -> None:
         print("batchgen: interrupted; committed parts are kept, rerun the same command to resume", file=sys.stderr)
         sys.exit(130)
     print(summary.render())
+
+
+def _entries(directory: Path) -> Optional[set[str]]:
+    """The names in `directory`; None where it does not exist."""
+    try:
+        return set(os.listdir(directory))
+    except FileNotFoundError:
+        return None
+
+
+def _forget_refused_run() -> None:
+    """A job refused at start (exit 2: config, input, refused resume) in a new output_dir leaves no output_dir
+    behind: Hydra made it, with this run's log folder (`_logs/<time>`), before the job's own checks ran. Kept where
+    output_dir was there before (each run its own log folder, refused or not), where the job wrote anything beside
+    the logs, or where hydra.run.dir is the user's own place."""
+    if _logs_home is None or _logs_home[1] is not None:
+        return
+    home = _logs_home[0]
+    from hydra.core.hydra_config import HydraConfig
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
+    if run_dir.parent != home / LOGS or (_entries(home) or set()) - {LOGS}:
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for directory in (home / LOGS, home):
+        with contextlib.suppress(OSError):  # not empty: another run started there meanwhile
+            directory.rmdir()
 
 
 def _exit_now(code: int) -> None:
@@ -193,6 +227,7 @@ def preflight(overrides: list[str]) -> JobConfig:
 
 
 def main() -> None:
+    global _logs_home
     if len(sys.argv) > 1 and sys.argv[1] == "status":
         from batchgen.status import main as status_main
 
@@ -215,10 +250,11 @@ def main() -> None:
         sys.exit(finalize_main(sys.argv[2:]))
     if not any(arg.startswith("-") for arg in sys.argv[1:]):  # Hydra's own flags (--help, -m) go straight to it
         cfg = preflight(sys.argv[1:])
+        home = RemoteOutput(cfg.output_dir).staging if is_remote(cfg.output_dir) else Path(cfg.output_dir)
         if is_remote(cfg.output_dir) and not any(a.startswith("hydra.run.dir=") for a in sys.argv):
             # Hydra's logs are local files: for an output on object storage, in its staging directory
-            logs = f"{RemoteOutput(cfg.output_dir).staging}/_logs/"
-            sys.argv.append("hydra.run.dir=" + logs + "${now:%Y-%m-%d_%H-%M-%S-%f}")
+            sys.argv.append(f"hydra.run.dir={home}/{LOGS}/" + "${now:%Y-%m-%d_%H-%M-%S-%f}")
+        _logs_home = (home.resolve(), _entries(home))  # before Hydra makes its run folder there
     try:
         _hydra_main()
     except SystemExit as exc:

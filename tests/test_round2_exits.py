@@ -257,3 +257,17 @@ def test_case13c_status_and_report_read_an_s3_output(s3, tiny_model, tmp_path):
         proc = run_cli(command, timeout=120, env=env)
         assert_named_exit_2(proc, "s3://round2/none: no batchgen")
         assert "s3:/round2" not in proc.stdout + proc.stderr
+
+
+def test_case13d_refused_skip_existing_creates_nothing(tiny_model, tmp_path):
+    """A job refused at start (run.skip_existing naming a directory that holds no output) in a new output_dir leaves
+    no output_dir: Hydra's run folder (`_logs/<time>`) was made before the refusal and stayed, with output_dir. (In
+    an output_dir that was there before, a refused run keeps its own log folder, as test_cli's second writer does.)"""
+    data = write_parquet(tmp_path / "in.parquet", keyed_rows(4, "p", 1))
+    (tmp_path / "not-an-output").mkdir()
+    out = tmp_path / "out"
+    skip = f"run.skip_existing={tmp_path / 'not-an-output'}"
+    refused = job_overrides(tiny_model, data, out, "dataset.id_column=uid", skip)
+    proc = run_cli(refused, timeout=300)
+    assert_named_exit_2(proc, "run.skip_existing")
+    assert not out.exists(), sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))

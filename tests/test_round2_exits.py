@@ -201,8 +201,6 @@ def test_case12c_torn_manifest_exits_2_naming_it(s3, tmp_path):
     assert_named_exit_2(proc, "s3://round2/torn/_manifest.json: the manifest is not valid JSON")
 
 
-@pytest.mark.xfail(strict=False, reason="the job's manifest check (manifest.check_or_write) still reads the manifest "
-                                      "with json.loads: JSONDecodeError, exit 1; read_manifest there makes it exit 2")
 def test_case12c_the_job_on_a_torn_manifest_exits_2(tiny_model, tmp_path):
     """The job itself on that output: refused with exit 2 naming the file, before the model loads."""
     out = tmp_path / "out"

@@ -39,6 +39,7 @@ from batchgen.progress import Progress, Summary
 from batchgen.reader import open_reader
 from batchgen.render import Renderer, RenderRow
 from batchgen.stopping import GracefulStop, Reaper, StopRequested
+from batchgen.trust import refuse_links
 
 log = logging.getLogger(__name__)
 FAIL_PART_ENV = "BATCHGEN_TEST_RAY_FAIL_PART"  # test hook only: a worker's engine raises in this part, first attempt
@@ -130,6 +131,7 @@ def run_on_ray(cfg: JobConfig, resolved: Optional[dict[str, Any]], render_row: O
     output_dir = Path(cfg.output_dir)
     with writing(output_dir):
         output_dir.mkdir(parents=True, exist_ok=True)
+    refuse_links(output_dir)
     lock = OutputLock.for_shard(output_dir, 0, 1)
     with GracefulStop() as stop, lock:
         with lock.layout():

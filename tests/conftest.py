@@ -106,7 +106,8 @@ def s3(tmp_path_factory):
 
     fsspec.config.conf.setdefault("s3", {})["endpoint_url"] = env["FSSPEC_S3_ENDPOINT_URL"]  # read at import
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
-    fs.mkdir("bucket")
+    if not fs.exists("bucket"):  # moto's store is shared by every server of this process
+        fs.mkdir("bucket")
     yield fs, env
     fsspec.config.conf.get("s3", {}).pop("endpoint_url", None)
     for k, v in saved.items():

@@ -22,12 +22,12 @@ __all__ = ["BatchgenError", "JobConfig", "Summary", "run_job", "__version__"]
 if TYPE_CHECKING:
     from batchgen.errors import BatchgenError
     from batchgen.job import JobConfig
-    from batchgen.runner import Summary, run_job
+    from batchgen.run.runner import Summary, run_job
 
 
 def __getattr__(name: str) -> Any:  # lazy: `import batchgen` stays cheap (no torch, no pyarrow) until used
     if name == "run_job" or name == "Summary":
-        import batchgen.runner as runner
+        import batchgen.run.runner as runner
 
         return getattr(runner, name)
     if name == "JobConfig":

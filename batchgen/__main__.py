@@ -1,6 +1,6 @@
 """`python -m batchgen` is the same command as `batchgen`."""
 
-from batchgen.cli import main
+from batchgen.commands.cli import main
 
 if __name__ == "__main__":
     main()

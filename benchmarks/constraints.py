@@ -28,9 +28,9 @@ SCHEMA = {"type": "object", "properties": {"summary": {"type": "string", "minLen
 
 
 def requests(tok, rows: int, new_tokens: int, seed: int, constraint):
+    from batchgen.engines.toymodel import BENCH_WORDS
     from batchgen.records import Request
     from batchgen.sampling import SampleParams
-    from batchgen.toymodel import BENCH_WORDS
 
     rng = random.Random(seed)
     params = SampleParams(max_new_tokens=new_tokens, temperature=0.0, top_p=1.0, top_k=0, stop=(),
@@ -115,7 +115,7 @@ def main() -> None:
     from batchgen.engines import build_engine
     from batchgen.engines.base import EngineConfig
     from batchgen.engines.hf.cpu.kernels import describe_cpu
-    from batchgen.toymodel import cached_model
+    from batchgen.engines.toymodel import cached_model
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = cached_model(args.workdir, args.size, vocab=args.vocab)

@@ -3,7 +3,7 @@
     python benchmarks/parts.py                      # hf engine: parts of 32, 256 and the whole input, + 32 unstreamed
     python benchmarks/parts.py --engine vllm        # the same on vLLM's CPU build (.venv-vllm)
 
-A part is the unit of commit. With the streaming seam (batchgen/feed.py) the engine pulls the next parts'
+A part is the unit of commit. With the streaming seam (batchgen/run/feed.py) the engine pulls the next parts'
 requests while the current part's last rows finish, so small parts should cost no speed. Each configuration is
 a real job through the CLI in its own process; configurations are interleaved (A B C D, repeated) and medians
 reported. `32 / look-ahead 0` runs one part at a time (what batchgen did before the seam) for comparison.
@@ -39,7 +39,7 @@ def build(workdir: Path, rows: int, seed: int) -> tuple[Path, Path]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from batchgen.toymodel import cached_model
+    from batchgen.engines.toymodel import cached_model
 
     model = cached_model(workdir, "mid", seed)
     data = workdir / f"parts-{rows}-{seed}.parquet"

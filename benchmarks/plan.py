@@ -31,7 +31,7 @@ def main() -> None:
 
     sys.path.insert(0, str(ROOT))
     from batchgen.engines.hf.cpu.kernels import describe_cpu
-    from batchgen.toymodel import BENCH_WORDS, cached_model
+    from batchgen.engines.toymodel import BENCH_WORDS, cached_model
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = cached_model(args.workdir, "tiny")

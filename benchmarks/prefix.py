@@ -32,7 +32,7 @@ def build(workdir: Path, rows: int, prefix_tokens: int, seed: int) -> tuple[Path
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    from batchgen.toymodel import cached_model
+    from batchgen.engines.toymodel import cached_model
 
     model = cached_model(workdir, "bench", seed)
     data = workdir / f"prefix-{rows}-{prefix_tokens}-{seed}.parquet"

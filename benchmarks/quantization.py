@@ -159,7 +159,7 @@ def _rss_now() -> int:
 def build(workdir: Path, size: str) -> Path:
     import random
 
-    from batchgen.toymodel import build_model
+    from batchgen.engines.toymodel import build_model
 
     model = workdir / f"model-{size}"
     if not (model / "config.json").exists():

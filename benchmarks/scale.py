@@ -26,7 +26,7 @@ def build(workdir: Path, rows: int, seed: int) -> tuple[Path, Path]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from batchgen.toymodel import BENCH_WORDS, cached_model
+    from batchgen.engines.toymodel import BENCH_WORDS, cached_model
 
     model = cached_model(workdir, "mid", seed)
     data = workdir / f"scale-{rows}-{seed}.parquet"
@@ -41,7 +41,7 @@ def job(model: Path, data: Path, out: Path, *extra: str):
 
     from hydra import compose, initialize_config_dir
 
-    from batchgen.cli import CONF_DIR, to_job_config
+    from batchgen.commands.cli import CONF_DIR, to_job_config
 
     shutil.rmtree(out, ignore_errors=True)
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -60,7 +60,7 @@ def main() -> None:
     import ray
 
     from batchgen.engines.hf.cpu.kernels import describe_cpu
-    from batchgen.runner import run_job
+    from batchgen.run.runner import run_job
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     model, data = build(args.workdir, args.rows, 0)

@@ -41,7 +41,7 @@ def build(workdir: Path, *, size: str, rows: int, seed: int) -> tuple[Path, Path
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
-    from batchgen.toymodel import build_model
+    from batchgen.engines.toymodel import build_model
 
     model = workdir / f"model-{size}"
     if not (model / "config.json").exists():

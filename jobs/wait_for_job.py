@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from batchgen.heartbeat import read_heartbeats, writer_is_gone  # noqa: E402
+from batchgen.output.heartbeat import read_heartbeats, writer_is_gone  # noqa: E402
 
 
 def check(output_dir: Path) -> tuple[str, str]:

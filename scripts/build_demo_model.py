@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from batchgen.toymodel import build_model
+from batchgen.engines.toymodel import build_model
 
 
 def demo_texts(path: Path) -> list[str]:

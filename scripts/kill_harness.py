@@ -62,7 +62,7 @@ def build_inputs(work: Path, rows: int, model: str | None) -> tuple[str, Path]:
     data = work / "in.parquet"
     pq.write_table(pa.table({"uid": [f"r{i:04d}" for i in range(rows)], "prompt": texts(rows, 1)}), data)
     if model is None:
-        from batchgen.toymodel import build_model
+        from batchgen.engines.toymodel import build_model
 
         model = str(work / "tiny-llama")
         build_model(model, texts(400, 0), size="tiny")
@@ -81,8 +81,8 @@ def reference_run(args: list[str]) -> tuple[pa.Table, float]:
     """The uninterrupted run, in this process."""
     from hydra import compose, initialize_config_dir
 
-    from batchgen.cli import CONF_DIR, to_job_config
-    from batchgen.runner import run_job
+    from batchgen.commands.cli import CONF_DIR, to_job_config
+    from batchgen.run.runner import run_job
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = to_job_config(compose(config_name="config", overrides=args))
@@ -116,7 +116,7 @@ def wait_until_generating(proc: subprocess.Popen, out: Path, timeout: float = 30
 
 def inspect(out: Path, expected_ids: list[str], rows_per_part: int, n: int) -> list[str]:
     """Check every committed part after a kill; name what the kill left behind."""
-    from batchgen.journal import read_journal
+    from batchgen.output.journal import read_journal
 
     seen = []
     for path in sorted(out.glob("part-*.parquet")):
@@ -143,7 +143,7 @@ def inspect(out: Path, expected_ids: list[str], rows_per_part: int, n: int) -> l
 
 def progress_of(out: Path) -> tuple[int, int]:
     """(parts committed, samples journaled): grows whenever a killed run got something done."""
-    from batchgen.journal import read_journal
+    from batchgen.output.journal import read_journal
 
     if not out.exists():
         return (0, 0)

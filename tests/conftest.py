@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from hydra import compose, initialize_config_dir
 
-from batchgen.cli import CONF_DIR, to_job_config
+from batchgen.commands.cli import CONF_DIR, to_job_config
 from batchgen.job import JobConfig
 
 WORDS = ("the river town market opened closed with many people after rain sun night lamp bread "
@@ -33,7 +33,7 @@ def corpus(n: int = 400, seed: int = 0) -> list[str]:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from batchgen.toymodel import build_model
+    from batchgen.engines.toymodel import build_model
 
     path = tmp_path_factory.mktemp("models") / "tiny-llama"
     build_model(path, corpus(), size="tiny")

@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from batchgen.runner import run_job
+from batchgen.run.runner import run_job
 from tests.conftest import compose_job, corpus, job_overrides, read_output, write_parquet
 
 
@@ -57,7 +57,7 @@ def thinking_model(tmp_path_factory):
     """A tiny random Llama whose chat template opens a <think> block, with <think> and </think> as tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from batchgen.toymodel import build_model
+    from batchgen.engines.toymodel import build_model
 
     path = tmp_path_factory.mktemp("models") / "thinking-llama"
     build_model(path, corpus(), size="tiny")

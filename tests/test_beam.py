@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from batchgen.errors import ConfigError
-from batchgen.runner import run_job
+from batchgen.run.runner import run_job
 from tests.conftest import compose_job, corpus, job_overrides, read_output, write_parquet
 
 NEW = 12

@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen import committer as committer_mod
-from batchgen.committer import OUTPUT_COLUMNS, Committer, OutputWriteError, PartStats, assemble, stats_of
 from batchgen.errors import BatchgenError
+from batchgen.output import committer as committer_mod
+from batchgen.output.committer import OUTPUT_COLUMNS, Committer, OutputWriteError, PartStats, assemble, stats_of
 from batchgen.reader.values import JSON_TEXT
 from batchgen.records import Part, PlannedPart, Result
 

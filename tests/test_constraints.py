@@ -12,7 +12,7 @@ import pytest
 from batchgen.constraints import Constraint, check, from_sampling
 from batchgen.errors import ConfigError, ResumeMismatchError
 from batchgen.records import Request
-from batchgen.runner import run_job
+from batchgen.run.runner import run_job
 from batchgen.sampling import SampleParams, SamplingConfig
 from tests.conftest import compose_job, corpus, job_overrides, read_output, run_cli, write_parquet
 

@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from batchgen import committer as committer_module
-from batchgen.committer import OutputWriteError
-from batchgen.journal import read_journal
-from batchgen.runner import run_job
+from batchgen.output import committer as committer_module
+from batchgen.output.committer import OutputWriteError
+from batchgen.output.journal import read_journal
+from batchgen.run.runner import run_job
 from tests.conftest import REPO, compose_job, corpus, job_overrides, read_output, write_parquet
 
 KILLS = int(os.environ.get("BATCHGEN_KILLS", "5"))  # BATCHGEN_KILLS=20 pytest tests/test_crash.py -k random

@@ -12,7 +12,7 @@ import time
 from batchgen.engines.base import EngineConfig
 from batchgen.engines.dummy import DummyEngine
 from batchgen.records import Request
-from batchgen.runner import run_job
+from batchgen.run.runner import run_job
 from batchgen.sampling import SampleParams
 from tests.conftest import REPO, compose_job, job_overrides, read_output, write_jsonl
 

@@ -14,7 +14,7 @@ from batchgen.engines.hf.device import resolve_dtype
 from batchgen.engines.hf.engine import HFEngine
 from batchgen.engines.hf.sampler import sample_token
 from batchgen.records import Request
-from batchgen.runner import run_job
+from batchgen.run.runner import run_job
 from batchgen.sampling import SampleParams
 from tests.conftest import WORDS, compose_job, job_overrides, read_output, write_parquet
 

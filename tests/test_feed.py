@@ -1,4 +1,4 @@
-"""The streaming seam (batchgen/feed.py): parts in flight under a bounded look-ahead, results routed to their
+"""The streaming seam (batchgen/run/feed.py): parts in flight under a bounded look-ahead, results routed to their
 parts whatever order the engine finishes them in, each part committed the moment its last sample is in."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from batchgen import committer as committer_module
-from batchgen import runner
 from batchgen.engines.base import Source, take
-from batchgen.feed import auto_lookahead
+from batchgen.output import committer as committer_module
 from batchgen.records import Request, Result
+from batchgen.run import runner
+from batchgen.run.feed import auto_lookahead
 from tests.conftest import compose_job, corpus, job_overrides, read_output, write_parquet
 
 

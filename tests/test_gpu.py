@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen.runner import run_job
+from batchgen.run.runner import run_job
 from tests.conftest import compose_job, corpus, job_overrides, read_output, write_parquet
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.errors import BatchgenError, TooLongError
-from batchgen.runner import run_job
+from batchgen.run.runner import run_job
 from tests.conftest import compose_job, job_overrides, read_output, write_jsonl
 
 LONG = "the river " * 400

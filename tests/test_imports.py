@@ -1,5 +1,6 @@
-"""The package's shape: no import circle among batchgen's modules (imports inside functions included), and the
-job side (runner, planner, committer, reader) never imports an engine's internals."""
+"""The package's shape: rooms by data flow with no import climbing a floor, no import circle among batchgen's
+modules (imports inside functions included), and the job side (runner, planner, committer, reader) never imports an
+engine's internals."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def test_no_import_circle():
 
 def test_the_job_side_knows_engines_only_through_the_registry():
     graph = imports()
-    job_side = [m for m in graph if m in ("batchgen.runner", "batchgen.planner", "batchgen.committer", "batchgen.job")
+    job_side = [m for m in graph if m in ("batchgen.run.runner", "batchgen.prompts.planner",
+                                          "batchgen.output.committer", "batchgen.job")
                 or m == "batchgen.reader" or m.startswith("batchgen.reader.")]
     assert len(job_side) > 5
     for name in job_side:
@@ -68,10 +70,35 @@ def test_the_job_side_knows_engines_only_through_the_registry():
 
 
 def test_the_engines_folder_and_module_sizes():
-    """engines/ holds the registry, base, the hf package, vllm and dummy; no module is over about 400 lines."""
+    """engines/ holds the registry, base, the hf package, vllm, dummy and the stand-in model; no module is over about
+    400 lines."""
     engines = PACKAGE / "engines"
     assert sorted(p.name for p in engines.iterdir() if p.name != "__pycache__") == [
-        "__init__.py", "base.py", "dummy.py", "hf", "vllm.py"]
+        "__init__.py", "base.py", "dummy.py", "hf", "toymodel.py", "vllm.py"]
     sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
     long = {name: lines for name, lines in sizes.items() if lines > 420}
     assert not long, long
+
+
+# The rooms in data-flow order: a module imports from its own room or from rooms further down, never up. The shared
+# vocabulary (records, sampling, constraints, errors, fsutil, version) is the ground floor; the job's root config
+# (job.py) composes the rooms' configs, and the package's __init__ / __main__ are its front doors: those three may
+# look up.
+FLOORS = {"vocabulary": 0, "reader": 1, "engines": 1, "prompts": 2, "output": 2, "run": 3, "commands": 4}
+FRONT_DOORS = {"batchgen", "batchgen.__main__", "batchgen.job"}
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in FLOORS else "vocabulary"
+
+
+def test_rooms_by_data_flow_and_no_import_climbs():
+    graph = imports()
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 12, top
+    for folder in [p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__"]:
+        assert len(list(folder.glob("*.py"))) <= 16, folder
+    climbs = sorted(f"{a} -> {b}" for a, deps in graph.items() if a not in FRONT_DOORS for b in deps
+                    if FLOORS[room(b)] > FLOORS[room(a)])
+    assert not climbs, climbs

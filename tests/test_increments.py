@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 from batchgen.errors import ConfigError
-from batchgen.runner import run_job
+from batchgen.run.runner import run_job
 from tests.conftest import compose_job, corpus, job_overrides, read_output, run_cli, write_parquet
 
 TEXTS = corpus(60, seed=17)

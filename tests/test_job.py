@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from batchgen.committer import assemble
 from batchgen.errors import BatchgenError, ConfigError
 from batchgen.job import JobConfig, validate
+from batchgen.output.committer import assemble
 from batchgen.records import Part, PlannedPart
 
 

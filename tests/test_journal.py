@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from batchgen.engines.hf import engine as hf_engine
-from batchgen.journal import Journal, journal_key, read_journal
+from batchgen.output.journal import Journal, journal_key, read_journal
 from batchgen.records import Result
-from batchgen.runner import run_job
+from batchgen.run.runner import run_job
 from tests.conftest import compose_job, corpus, job_overrides, read_output, write_parquet
 
 KEY = journal_key(part=3, first_row=30, ids=["a", "b", "c"], config_hash="abc", n=1)

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from batchgen.errors import BatchgenError, LockedError
-from batchgen.lock import LAYOUT, OutputLock, is_held, live_writers, lock_name, read_holder, writer_locks
+from batchgen.output.lock import LAYOUT, OutputLock, is_held, live_writers, lock_name, read_holder, writer_locks
 
 REPO = Path(__file__).resolve().parent.parent
 HOLD = """
 import sys, time
 from pathlib import Path
-from batchgen.lock import OutputLock
+from batchgen.output.lock import OutputLock
 lock = OutputLock.for_shard(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
 lock.acquire()
 print("held", flush=True)

@@ -12,7 +12,7 @@ import pytest
 from batchgen.engines.base import EngineConfig
 from batchgen.errors import ResumeMismatchError
 from batchgen.job import JobConfig, RunConfig
-from batchgen.manifest import (
+from batchgen.output.manifest import (
     MANIFEST,
     build_manifest,
     check_engine,
@@ -263,7 +263,7 @@ def test_keys_added_later_stay_out_of_the_hash_at_their_defaults():
     """An output written before beam search, the per-row columns, retry attempts and the OpenAI output existed
     resumes under the same hash: those keys enter the output config only when set (a real resume of the demo output
     was refused once for sampling.num_beams)."""
-    from batchgen.manifest import output_config
+    from batchgen.output.manifest import output_config
 
     out = output_config(job())
     later = {"num_beams", "length_penalty", "early_stopping", "top_p_column", "n_column", "seed_column",

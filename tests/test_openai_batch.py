@@ -9,8 +9,8 @@ import json
 import jsonschema
 import pytest
 
-from batchgen.openai_out import RESULTS
-from batchgen.runner import run_job
+from batchgen.output.openai_out import RESULTS
+from batchgen.run.runner import run_job
 from tests.conftest import compose_job, corpus, job_overrides, read_output, run_cli, write_jsonl
 
 TICKET = {"type": "object",

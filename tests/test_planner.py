@@ -12,10 +12,10 @@ import pytest
 from batchgen.engines.base import EngineConfig
 from batchgen.errors import TooLongError
 from batchgen.job import JobConfig, RunConfig
-from batchgen.planner import Planner
+from batchgen.prompts.planner import Planner
+from batchgen.prompts.render import Renderer
 from batchgen.reader import DatasetConfig, open_reader
 from batchgen.records import InputBatch
-from batchgen.render import Renderer
 from batchgen.sampling import SamplingConfig, derive_seed
 from tests.conftest import write_jsonl, write_parquet
 

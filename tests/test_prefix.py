@@ -118,7 +118,7 @@ def test_a_job_with_a_shared_system_prompt_writes_the_same_with_and_without_the_
     the status and the summary count the prompt tokens the cache saved."""
     import json
 
-    from batchgen.runner import run_job
+    from batchgen.run.runner import run_job
     from tests.conftest import compose_job, corpus, job_overrides, read_output, write_parquet
 
     system = " ".join(corpus(40, seed=9))

@@ -18,7 +18,7 @@ from batchgen.engines.hf.cpu import onednn as cpu_linear
 from batchgen.engines.hf.quant import int4, int8
 from batchgen.errors import ConfigError
 from batchgen.job import validate
-from batchgen.runner import run_job
+from batchgen.run.runner import run_job
 from tests.conftest import REPO, compose_job, corpus, job_overrides, read_output, run_cli, write_parquet
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
@@ -32,7 +32,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory) -> str:
     """Hidden size 256: every linear has whole int4 groups of 128 (the tiny model's 64 has none)."""
-    from batchgen.toymodel import build_model
+    from batchgen.engines.toymodel import build_model
 
     path = tmp_path_factory.mktemp("models") / "small-llama"
     build_model(path, corpus(), size="small")
@@ -64,7 +64,7 @@ def test_quantized_job_writes_every_row(small_model, tmp_path, scheme, dtype):
 @pytest.fixture(scope="module")
 def bench_model(tmp_path_factory) -> str:
     """The 76M-param benchmark model (benchmarks/quantization.py); about 10 s to build."""
-    from batchgen.toymodel import build_model
+    from batchgen.engines.toymodel import build_model
 
     return str(build_model(tmp_path_factory.mktemp("models") / "bench-llama", corpus(), size="bench"))
 

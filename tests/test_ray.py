@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from batchgen.runner import run_job
+from batchgen.run.runner import run_job
 from tests.conftest import compose_job, job_overrides, keyed_rows, read_output, write_parquet
 
 ray = pytest.importorskip("ray", reason="launcher=ray needs ray: pip install 'batchgen[ray]'")
@@ -23,8 +23,8 @@ ROWS, PART = 24, 4  # 6 parts
 def cluster():
     """One local cluster for the module. Its workers carry two test hooks: part 2's engine raises on its first
     attempt, and journal writes are slowed (crash-window hook) so that a kill lands mid-part."""
-    from batchgen.journal import CRASH_WINDOW_ENV
-    from batchgen.ray_job import FAIL_PART_ENV
+    from batchgen.output.journal import CRASH_WINDOW_ENV
+    from batchgen.run.ray_job import FAIL_PART_ENV
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {FAIL_PART_ENV: "2", CRASH_WINDOW_ENV: "0.01"}})

@@ -94,7 +94,7 @@ def test_two_million_row_parquet_streams_in_bounded_memory(tmp_path):
     script = textwrap.dedent(f"""
         import json, resource
         from batchgen.job import JobConfig
-        from batchgen.planner import Planner
+        from batchgen.prompts.planner import Planner
         from batchgen.reader import DatasetConfig, open_reader
         cfg = JobConfig(name="m", dataset=DatasetConfig(path={str(path)!r}))
         cfg.run.rows_per_part = 1024

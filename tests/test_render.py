@@ -9,9 +9,9 @@ import pyarrow as pa
 import pytest
 
 from batchgen.errors import ConfigError
+from batchgen.prompts.render import Renderer, template_fields
 from batchgen.reader import DatasetConfig
 from batchgen.reader.values import JSON_TEXT
-from batchgen.render import Renderer, template_fields
 
 
 class ChatTokenizer:

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from batchgen.report import COLORS, REPORT, history
+from batchgen.commands.report import COLORS, REPORT, history
 from tests.conftest import corpus, job_overrides, run_cli, write_parquet
 
 

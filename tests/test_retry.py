@@ -15,9 +15,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.retry import ID_COLUMN, INPUT_FILE
-from batchgen.runner import run_job
-from batchgen.view import duckdb_sql, latest
+from batchgen.commands.retry import ID_COLUMN, INPUT_FILE
+from batchgen.output.view import duckdb_sql, latest
+from batchgen.run.runner import run_job
 from tests.conftest import REPO, compose_job, corpus, job_overrides, run_cli, write_parquet
 
 MAX_LEN, NEW = 64, 16

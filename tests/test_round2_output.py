@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from batchgen.errors import ConfigError
-from batchgen.runner import run_job
+from batchgen.run.runner import run_job
 from tests.conftest import compose_job, job_overrides, read_output, write_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
@@ -193,7 +193,7 @@ def test_case3_derived_files_are_written_before_success(tiny_model, tmp_path):
 
 
 def test_case4_a_beam_row_cut_in_the_journal_is_generated_again_whole(tiny_model, tmp_path):
-    from batchgen.journal import FORMAT, encode_frame, read_frames
+    from batchgen.output.journal import FORMAT, encode_frame, read_frames
     from tests.conftest import corpus, run_cli, write_parquet
 
     data = write_parquet(tmp_path / "in.parquet", [{"prompt": t} for t in corpus(6, seed=5)])

@@ -9,9 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.job import JobConfig
-from batchgen.planner import Planner
+from batchgen.prompts.planner import Planner
 from batchgen.reader import DatasetConfig, open_reader
-from batchgen.runner import run_job
+from batchgen.run.runner import run_job
 from tests.conftest import compose_job, corpus, job_overrides, read_output, run_cli, write_jsonl
 
 # -- case 14: one large row group, many parts -------------------------------------------------------------------

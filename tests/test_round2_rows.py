@@ -15,9 +15,9 @@ import pytest
 
 from batchgen.constraints import accepts, check, from_row, from_sampling, schema_problem
 from batchgen.errors import ConfigError
+from batchgen.prompts.rowparams import RowParams
 from batchgen.reader import DatasetConfig
-from batchgen.rowparams import RowParams
-from batchgen.runner import run_job
+from batchgen.run.runner import run_job
 from batchgen.sampling import SamplingConfig, find_stop
 from tests.conftest import REPO, compose_job, corpus, job_overrides, read_output, write_jsonl, write_parquet
 
@@ -89,7 +89,7 @@ def test_case9_dev_zero_schema_is_one_bad_row_not_a_dead_job():
         resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
         import pyarrow as pa
         from batchgen.reader import DatasetConfig
-        from batchgen.rowparams import RowParams
+        from batchgen.prompts.rowparams import RowParams
         from batchgen.sampling import SamplingConfig
         value = json.dumps({"type": "json_schema", "json_schema": {"name": "z", "schema": "/dev/zero"}})
         errors = [None]
@@ -220,7 +220,7 @@ def test_case9_row_stop_strings_are_literal(tiny_model, tmp_path):
 def test_case9_template_values_with_braces_are_data():
     """A `{column}` template fills in row values once: braces, format fields and percent signs in a value are
     text, never formatted again."""
-    from batchgen.render import Renderer
+    from batchgen.prompts.render import Renderer
     from tests.test_render import PlainTokenizer
 
     values = ["{0.__class__}", "{text}", "{{x}}", "%s %(text)s", "{text.__class__.__init__.__globals__}"]
@@ -233,7 +233,7 @@ def test_case9_template_values_with_braces_are_data():
 def test_case9_template_format_spec_from_a_row_is_refused():
     """`{text:{width}}` would take a format spec from a row value (`>2000000000` allocates gigabytes): a template
     whose format spec holds a field is a ConfigError naming dataset.template."""
-    from batchgen.render import Renderer
+    from batchgen.prompts.render import Renderer
     from tests.test_render import PlainTokenizer
 
     for template in ("{text:{width}}", "{text:>{width}}", "{text!r:{w}}"):
@@ -247,7 +247,7 @@ def test_case9_template_format_spec_from_a_row_is_refused():
 def test_case9_chat_messages_with_odd_roles_and_template_syntax_are_data(tokenizer):
     """Message content and roles reach the chat template (Jinja) as values: template syntax in them is text, and a
     message that is not {role: string, content: string} is its own row's bad_messages."""
-    from batchgen.render import Renderer
+    from batchgen.prompts.render import Renderer
     from tests.test_render import json_text_column
 
     jinja = "{{ 7 * 7 }} {% if true %}yes{% endif %} {{ raise_exception('boom') }} {0.__class__}"

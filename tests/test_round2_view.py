@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from batchgen.cli import config_from
-from batchgen.retry import INPUT_FILE
-from batchgen.retry import main as retry_main
-from batchgen.runner import run_job
-from batchgen.view import OCCURRENCE, duckdb_sql, latest
+from batchgen.commands.cli import config_from
+from batchgen.commands.retry import INPUT_FILE
+from batchgen.commands.retry import main as retry_main
+from batchgen.output.view import OCCURRENCE, duckdb_sql, latest
+from batchgen.run.runner import run_job
 from tests.conftest import compose_job, corpus, job_overrides, write_jsonl, write_parquet
 
 MAX_LEN, NEW = 64, 6
@@ -103,7 +103,7 @@ def test_case5_retry_parts_without_occurrences_read_as_before(tiny_model, tmp_pa
 def test_case6_adjacent_duplicate_custom_ids_keep_one_line_per_request(tiny_model, tmp_path):
     import json
 
-    from batchgen.openai_out import RESULTS
+    from batchgen.output.openai_out import RESULTS
 
     def request(cid: str, text: str, **body) -> dict:
         return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",

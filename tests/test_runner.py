@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.errors import ConfigError, ErrorRateExceeded, ResumeMismatchError
-from batchgen.runner import run_job
+from batchgen.run.runner import run_job
 from tests.conftest import compose_job, corpus, job_overrides, read_output, write_jsonl, write_parquet
 
 

@@ -15,7 +15,7 @@ import pyarrow.dataset as ds
 import pytest
 
 from batchgen.errors import ResumeMismatchError
-from batchgen.runner import run_job
+from batchgen.run.runner import run_job
 from tests.conftest import REPO, compose_job, job_overrides, keyed_rows, read_output, write_parquet
 
 pytest.importorskip("moto.server", reason="the S3 tests need moto[server]")

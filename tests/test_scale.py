@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.runner import run_job
+from batchgen.run.runner import run_job
 from tests.conftest import REPO, compose_job, corpus, job_overrides, read_output, run_cli
 
 ROWS, PART = 40, 8  # 5 parts: shard 0 of 3 has parts 0 and 3, shard 1 parts 1 and 4, shard 2 part 2

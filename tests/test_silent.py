@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.reader import DatasetConfig, is_json_text, open_reader
-from batchgen.runner import run_job
+from batchgen.run.runner import run_job
 from tests.conftest import compose_job, job_overrides, read_output, write_jsonl
 
 
@@ -83,7 +83,7 @@ def test_mixed_ids_prompts_and_template_fields_render_as_written(tiny_model, tmp
     got = {r["id"]: r for r in read_output(out).to_pylist()}
     assert got["a"]["error"] is None and got["7"]["error"].startswith("non_string_prompt: got int")
     reader = open_reader(DatasetConfig(path=str(data), template="count {n}"))
-    from batchgen.render import Renderer
+    from batchgen.prompts.render import Renderer
 
     class NoChat:
         chat_template = None
@@ -221,7 +221,7 @@ def test_a_writer_of_another_sharding_is_refused(tiny_model, tmp_path, held, min
     """A live writer with run.num_shards=N: a run with another num_shards is refused before it touches anything
     (its temp files included); the same layout's other shards run."""
     from batchgen.errors import LockedError
-    from batchgen.lock import OutputLock
+    from batchgen.output.lock import OutputLock
 
     data = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"the river {i}"} for i in range(6)])
     out = tmp_path / "out"
@@ -240,7 +240,7 @@ def test_a_writer_of_another_sharding_is_refused(tiny_model, tmp_path, held, min
 def test_status_after_a_kill_and_across_shards(tiny_model, tmp_path):
     """A status file saying running with no live writer reads "stopped (no live writer)"; shards' row totals add
     up to the input (10 rows in parts of 4: shards own 4, 4 and 2)."""
-    from batchgen.status import describe
+    from batchgen.commands.status import describe
 
     data = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"the river {i}"} for i in range(10)])
     out = tmp_path / "out"
@@ -358,7 +358,7 @@ def test_sigterm_during_the_typing_pass_over_huge_lines_takes_effect_within_a_se
     script = textwrap.dedent(f"""
         import sys
         from batchgen.reader import DatasetConfig, open_reader
-        from batchgen.stopping import GracefulStop, StopRequested
+        from batchgen.run.stopping import GracefulStop, StopRequested
         try:
             with GracefulStop():
                 print("scanning", flush=True)

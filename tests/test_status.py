@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from batchgen.journal import Journal, journal_key, journal_path
+from batchgen.commands.status import describe
+from batchgen.output.journal import Journal, journal_key, journal_path
 from batchgen.records import Result
-from batchgen.status import describe
 
 
 def test_status_shows_the_journaled_samples_of_the_part_in_flight(tmp_path):
@@ -33,7 +33,7 @@ def test_status_shows_the_journaled_samples_of_the_part_in_flight(tmp_path):
 def test_the_heartbeat_record_round_trips_and_reads_older_and_newer_files(tmp_path):
     import json
 
-    from batchgen.heartbeat import Heartbeat, read_heartbeat, status_name, write_heartbeat
+    from batchgen.output.heartbeat import Heartbeat, read_heartbeat, status_name, write_heartbeat
 
     beat = Heartbeat(state="running", rows_done=3, rows_total=10, errors={"empty_prompt": 1}, shard=1, num_shards=2,
                      current_part={"index": 3, "samples_planned": 4, "samples_journaled": 1, "samples_reused": 0})

@@ -113,7 +113,7 @@ def test_a_job_beside_busy_processes_on_its_cores_gives_up_a_thread(tmp_path: Pa
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from batchgen.toymodel import build_model
+    from batchgen.engines.toymodel import build_model
 
     cpus = sorted(os.sched_getaffinity(0))[:2]
     model = tmp_path / "small"
@@ -154,7 +154,7 @@ def test_outputs_do_not_depend_on_the_thread_count(tmp_path: Path, dtype: str) -
     from batchgen.engines.base import EngineConfig
     from batchgen.engines.hf.engine import HFEngine
     from batchgen.engines.hf.step import LlamaStepper
-    from batchgen.toymodel import build_model
+    from batchgen.engines.toymodel import build_model
 
     model = tmp_path / "small"
     build_model(model, [f"row {i} " + "word " * (i % 17) for i in range(200)], size="small")

@@ -29,7 +29,7 @@ def require_vllm():
 @pytest.fixture(scope="session")
 def vllm_model(tmp_path_factory) -> str:
     """The stand-in Llama in a shape vLLM's CPU kernels accept."""
-    from batchgen.toymodel import build_model
+    from batchgen.engines.toymodel import build_model
 
     path = tmp_path_factory.mktemp("models") / "vllm-llama"
     build_model(path, corpus(), size="small", max_position_embeddings=1024)

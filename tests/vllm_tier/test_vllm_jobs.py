@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from batchgen.journal import read_journal
-from batchgen.runner import run_job
+from batchgen.output.journal import read_journal
+from batchgen.run.runner import run_job
 from batchgen.sampling import derive_seed
 from tests.conftest import REPO, WORDS, compose_job, corpus, job_overrides, read_output, run_cli, write_parquet
 
@@ -157,9 +157,9 @@ def test_chat_rendering_is_identical_to_the_hf_engine(chat_runs, vllm_model, tmp
         assert v["error"] is None and h["error"] is None
     # token for token: the ids both engines are given are the planner's, from the same rendering; compare them
     # with the tokenizer's own chat template tokenization
-    from batchgen.planner import Planner
+    from batchgen.prompts.planner import Planner
+    from batchgen.prompts.render import Renderer
     from batchgen.reader import open_reader
-    from batchgen.render import Renderer
 
     data = write_parquet(tmp_path / "in.parquet", chat_rows())
     cfg = compose_job(job_overrides(vllm_model, data, tmp_path / "unused", *CHAT))

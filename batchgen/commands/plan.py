@@ -25,16 +25,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
-from batchgen.committer import error_kind
 from batchgen.engines.base import model_max_len
 from batchgen.errors import ConfigError, TooLongError
 from batchgen.fsutil import write_json_atomic
 from batchgen.job import JobConfig
-from batchgen.outdir import load_input_index, save_input_index
-from batchgen.planner import Planner
-from batchgen.preflight import check_columns, load_tokenizer
+from batchgen.output.committer import error_kind
+from batchgen.output.outdir import load_input_index, save_input_index
+from batchgen.prompts.planner import Planner
+from batchgen.prompts.render import Renderer
 from batchgen.reader import open_reader
-from batchgen.render import Renderer
+from batchgen.run.preflight import check_columns, load_tokenizer
 
 PROBE_ROWS = 16  # rows of the calibration probe: the longest prompts
 

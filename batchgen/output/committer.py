@@ -24,9 +24,9 @@ import pyarrow.parquet as pq
 from batchgen.constraints import INVALID, KINDS, Constraint, check
 from batchgen.errors import BatchgenError
 from batchgen.fsutil import fsync_dir, link_durably, replace_durably
-from batchgen.journal import JOURNAL_RE, crash_window, kill_point
+from batchgen.output.journal import JOURNAL_RE, crash_window, kill_point
+from batchgen.output.trust import check_part
 from batchgen.records import OutputRow, Part, PlannedPart, Result
-from batchgen.trust import check_part
 
 log = logging.getLogger(__name__)
 

@@ -13,13 +13,13 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from batchgen.committer import SUCCESS
 from batchgen.errors import ConfigError
-from batchgen.heartbeat import read_heartbeats, writer_is_gone
-from batchgen.journal import JOURNAL_RE, read_journal
-from batchgen.lock import live_writers
-from batchgen.manifest import MANIFEST, parse_manifest, read_manifest
-from batchgen.remote import RemoteOutput, is_remote
+from batchgen.output.committer import SUCCESS
+from batchgen.output.heartbeat import read_heartbeats, writer_is_gone
+from batchgen.output.journal import JOURNAL_RE, read_journal
+from batchgen.output.lock import live_writers
+from batchgen.output.manifest import MANIFEST, parse_manifest, read_manifest
+from batchgen.output.remote import RemoteOutput, is_remote
 
 
 def describe(output_dir: Path) -> str:
@@ -104,7 +104,7 @@ def _attempts(output_dir: Path) -> list[str]:
     """One line per `batchgen retry` attempt beside the job's parts."""
     import json
 
-    from batchgen.view import attempt_dir, attempts
+    from batchgen.output.view import attempt_dir, attempts
 
     lines = []
     for a in attempts(output_dir)[1:]:

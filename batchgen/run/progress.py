@@ -16,12 +16,12 @@ from typing import Any, Optional
 
 from tqdm import tqdm
 
-from batchgen.committer import Committer, PartStats
 from batchgen.errors import BatchgenError
-from batchgen.heartbeat import Heartbeat, history_name, write_heartbeat
 from batchgen.job import JobConfig
-from batchgen.outdir import shard_rows
-from batchgen.stopping import GracefulStop
+from batchgen.output.committer import Committer, PartStats
+from batchgen.output.heartbeat import Heartbeat, history_name, write_heartbeat
+from batchgen.output.outdir import shard_rows
+from batchgen.run.stopping import GracefulStop
 
 log = logging.getLogger(__name__)
 

@@ -11,26 +11,26 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
-from batchgen.committer import SUCCESS, Committer, PartStats, optional_columns, writing
 from batchgen.engines import build_engine
 from batchgen.engines.base import stream_windows
 from batchgen.errors import BatchgenError
-from batchgen.existing import Existing
-from batchgen.feed import Feed, auto_lookahead, check_error_rate
-from batchgen.heartbeat import status_name
 from batchgen.job import JobConfig, validate
-from batchgen.lock import OutputLock
-from batchgen.manifest import MANIFEST, check_engine, config_hash
-from batchgen.openai_out import RESULTS, write_if_wanted
-from batchgen.outdir import committed_totals, file_metadata, load_input_index, prepare_output_dir
-from batchgen.planner import Planner, shard_holds
-from batchgen.preflight import check_columns, load_tokenizer
-from batchgen.progress import Progress, Summary
+from batchgen.output.committer import SUCCESS, Committer, PartStats, optional_columns, writing
+from batchgen.output.existing import Existing
+from batchgen.output.heartbeat import status_name
+from batchgen.output.lock import OutputLock
+from batchgen.output.manifest import MANIFEST, check_engine, config_hash
+from batchgen.output.openai_out import RESULTS, write_if_wanted
+from batchgen.output.outdir import committed_totals, file_metadata, load_input_index, prepare_output_dir
+from batchgen.output.remote import RemoteCommitter, RemoteOutput, is_remote
+from batchgen.output.trust import refuse_links
+from batchgen.prompts.planner import Planner, shard_holds
+from batchgen.prompts.render import Renderer, RenderRow
 from batchgen.reader import open_reader
-from batchgen.remote import RemoteCommitter, RemoteOutput, is_remote
-from batchgen.render import Renderer, RenderRow
-from batchgen.stopping import GracefulStop
-from batchgen.trust import refuse_links
+from batchgen.run.feed import Feed, auto_lookahead, check_error_rate
+from batchgen.run.preflight import check_columns, load_tokenizer
+from batchgen.run.progress import Progress, Summary
+from batchgen.run.stopping import GracefulStop
 
 log = logging.getLogger(__name__)
 DEFAULT_BATCH_SLOTS = 256  # an engine that does not say how many rows it decodes together (vLLM's max_num_seqs)
@@ -54,7 +54,7 @@ def run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]] = None, *,
     """
     validate(cfg)
     if cfg.launcher.name == "ray":
-        from batchgen.ray_job import run_on_ray
+        from batchgen.run.ray_job import run_on_ray
 
         return run_on_ray(cfg, resolved, render_row)
     with GracefulStop() as stop:

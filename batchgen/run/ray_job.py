@@ -25,21 +25,20 @@ from collections import Counter, deque
 from pathlib import Path
 from typing import Any, Optional
 
-from batchgen.committer import SUCCESS, Committer, PartStats, optional_columns, writing
 from batchgen.errors import BatchgenError, ConfigError
-from batchgen.existing import Existing
-from batchgen.feed import Feed, check_error_rate
-from batchgen.heartbeat import status_name
-from batchgen.job import JobConfig
-from batchgen.launch import LauncherConfig
-from batchgen.lock import OutputLock
-from batchgen.outdir import committed_totals, file_metadata, load_input_index, prepare_output_dir
-from batchgen.preflight import check_columns, load_tokenizer
-from batchgen.progress import Progress, Summary
+from batchgen.job import JobConfig, LauncherConfig
+from batchgen.output.committer import SUCCESS, Committer, PartStats, optional_columns, writing
+from batchgen.output.existing import Existing
+from batchgen.output.heartbeat import status_name
+from batchgen.output.lock import OutputLock
+from batchgen.output.outdir import committed_totals, file_metadata, load_input_index, prepare_output_dir
+from batchgen.output.trust import refuse_links
+from batchgen.prompts.render import Renderer, RenderRow
 from batchgen.reader import open_reader
-from batchgen.render import Renderer, RenderRow
-from batchgen.stopping import GracefulStop, Reaper, StopRequested
-from batchgen.trust import refuse_links
+from batchgen.run.feed import Feed, check_error_rate
+from batchgen.run.preflight import check_columns, load_tokenizer
+from batchgen.run.progress import Progress, Summary
+from batchgen.run.stopping import GracefulStop, Reaper, StopRequested
 
 log = logging.getLogger(__name__)
 FAIL_PART_ENV = "BATCHGEN_TEST_RAY_FAIL_PART"  # test hook only: a worker's engine raises in this part, first attempt
@@ -50,7 +49,7 @@ class PartWorker:
 
     def __init__(self, cfg: JobConfig, render_row: Optional[RenderRow], metadata: dict[str, str]):
         from batchgen.engines import build_engine
-        from batchgen.planner import Planner
+        from batchgen.prompts.planner import Planner
 
         self.cfg = cfg
         reader = open_reader(cfg.dataset)
@@ -191,7 +190,7 @@ def _drive_workers(cfg: JobConfig, render_row: Optional[RenderRow], committer: C
     import ray
     from ray.exceptions import RayActorError, RayTaskError
 
-    from batchgen.manifest import check_engine
+    from batchgen.output.manifest import check_engine
 
     launcher = cfg.launcher
     actor = ray.remote(PartWorker)

@@ -21,11 +21,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from batchgen.committer import error_kind
 from batchgen.constraints import INVALID
 from batchgen.fsutil import replace_durably
-from batchgen.manifest import read_manifest
-from batchgen.view import latest_batches
+from batchgen.output.committer import error_kind
+from batchgen.output.manifest import read_manifest
+from batchgen.output.view import latest_batches
 
 RESULTS = "_openai_batch_output.jsonl"
 FORMATS = ("parquet", "openai_batch")

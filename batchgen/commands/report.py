@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchgen.errors import ConfigError
-from batchgen.heartbeat import read_heartbeats
-from batchgen.manifest import MANIFEST, read_manifest
-from batchgen.remote import RemoteOutput, is_remote
-from batchgen.view import attempt_dir, attempts, latest_batches
+from batchgen.output.heartbeat import read_heartbeats
+from batchgen.output.manifest import MANIFEST, read_manifest
+from batchgen.output.remote import RemoteOutput, is_remote
+from batchgen.output.view import attempt_dir, attempts, latest_batches
 
 REPORT = "_report.html"
 HISTORY_GLOB = "_history*.jsonl"
@@ -220,8 +220,8 @@ def write_report(output_dir: Path, out: Optional[Path] = None) -> Path:
 
 def write_remote_report(url: str, out: Optional[Path]) -> Path:
     """The page of an output on object storage, from a local copy of what the report reads, written to `out`."""
+    from batchgen.commands.status import fetch_remote
     from batchgen.fsutil import write_bytes_atomic
-    from batchgen.status import fetch_remote
 
     if out is None:
         raise ConfigError([f"{url} is on object storage: pass --out FILE for the page (batchgen writes nothing into "
@@ -243,7 +243,7 @@ def _copy_row_columns(remote: RemoteOutput, into: Path) -> None:
     """Each committed part's ROW_COLUMNS (never the generations) under its own name in `into`."""
     import pyarrow.parquet as pq
 
-    from batchgen.committer import PART_RE
+    from batchgen.output.committer import PART_RE
 
     for key in remote.fs.ls(remote.root, detail=False, refresh=True):
         name = key.rsplit("/", 1)[-1]

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from batchgen.committer import writing
 from batchgen.fsutil import write_json_atomic
-from batchgen.lock import is_held, lock_name
+from batchgen.output.committer import writing
+from batchgen.output.lock import is_held, lock_name
 
 
 @dataclass

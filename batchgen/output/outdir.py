@@ -10,13 +10,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from batchgen.committer import Committer, PartStats
 from batchgen.errors import ConfigError
 from batchgen.fsutil import write_json_atomic
 from batchgen.job import JobConfig
-from batchgen.manifest import build_manifest, check_or_write, config_hash, model_identity, record_layout
+from batchgen.output.committer import Committer, PartStats
+from batchgen.output.manifest import build_manifest, check_or_write, config_hash, model_identity, record_layout
+from batchgen.output.trust import refuse_strays
 from batchgen.reader import Reader
-from batchgen.trust import refuse_strays
 
 log = logging.getLogger(__name__)
 

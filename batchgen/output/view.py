@@ -11,7 +11,7 @@ latest attempt whose row has no error; where every attempt erred, the latest att
 order: a retried row stands where its original stood. Only committed parts are read; the retried rows (few, by
 construction) are held in memory, the job's parts streamed batch by batch.
 
-    from batchgen.view import latest
+    from batchgen.output.view import latest
     table = latest("data/outputs/job")          # pyarrow Table; .to_pandas(); datasets.Dataset(table)
     for batch in latest_batches("data/outputs/job", columns=["id", "generation"]): ...
     duckdb.sql(duckdb_sql("data/outputs/job"))  # the same rows, as SQL over the Parquet files
@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchgen.committer import PART_RE
+from batchgen.output.committer import PART_RE
 
 ATTEMPT_RE = re.compile(r"^attempt-(\d{3,})$")
 

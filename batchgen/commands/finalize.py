@@ -11,10 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
-from batchgen.committer import PART_RE, SUCCESS
 from batchgen.errors import ConfigError
 from batchgen.fsutil import fsync_dir
-from batchgen.manifest import MANIFEST, parse_manifest, read_manifest
+from batchgen.output.committer import PART_RE, SUCCESS
+from batchgen.output.manifest import MANIFEST, parse_manifest, read_manifest
 
 
 def finalize(where: str, manifest: Optional[dict], committed: set[int], write_success: Callable[[], None]) -> int:
@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
 
 def _remote(where: str) -> int:
     """Object storage: the manifest and the listing from the bucket."""
-    from batchgen.remote import RemoteOutput
+    from batchgen.output.remote import RemoteOutput
 
     remote = RemoteOutput(where)
     key = remote.key(MANIFEST)
@@ -69,7 +69,7 @@ def _local(where: str) -> int:
 
     def write_success() -> None:
         if not (out / SUCCESS).exists():
-            from batchgen.openai_out import write_if_wanted
+            from batchgen.output.openai_out import write_if_wanted
 
             write_if_wanted(out)  # before _SUCCESS: a complete output has its results file
             (out / SUCCESS).write_text("")

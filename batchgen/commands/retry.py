@@ -6,7 +6,7 @@ Each retry is an attempt: attempt N writes `OUTPUT_DIR/_attempts/attempt-NNN/`, 
 parts, _SUCCESS, so resumable and exactly-once like any job), whose input is `_input.parquet` there: the erring rows
 of the job's input, read once, with their original ids and which row of their id each is (view.OCCURRENCE: ids
 may repeat). Its parts carry an `attempt` column and that occurrence. The job's own parts are never touched;
-`batchgen.view` gives the latest successful attempt per row.
+`batchgen.output.view` gives the latest successful attempt per row.
 
 A retry killed at any point is finished by running the same command again (or `batchgen retry OUTPUT_DIR` alone,
 which takes the unfinished attempt's recorded kinds and overrides); a new attempt starts only once the last one is
@@ -27,12 +27,12 @@ from typing import Any, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.committer import ATTEMPT_FIELD, OPTIONAL_FIELDS, OUTPUT_COLUMNS, SUCCESS, error_kind
 from batchgen.errors import BatchgenError, ConfigError
 from batchgen.fsutil import replace_durably, write_json_atomic
 from batchgen.job import JobConfig
-from batchgen.manifest import MANIFEST, diff, read_manifest
-from batchgen.view import OCCURRENCE, attempt_dir, attempts, keyed_batches, latest_batches, part_files
+from batchgen.output.committer import ATTEMPT_FIELD, OPTIONAL_FIELDS, OUTPUT_COLUMNS, SUCCESS, error_kind
+from batchgen.output.manifest import MANIFEST, diff, read_manifest
+from batchgen.output.view import OCCURRENCE, attempt_dir, attempts, keyed_batches, latest_batches, part_files
 
 log = logging.getLogger(__name__)
 
@@ -230,8 +230,8 @@ def passthrough_of(output_dir: Path) -> list[str]:
 
 def main(argv: list[str], config_from: Callable[[dict[str, Any], list[str]], JobConfig]) -> int:
     """The CLI's `batchgen retry`; `config_from` (cli.py, the one module that knows Hydra) builds the config."""
-    from batchgen.runner import run_job
-    from batchgen.stopping import StopRequested
+    from batchgen.run.runner import run_job
+    from batchgen.run.stopping import StopRequested
 
     parser = argparse.ArgumentParser(prog="batchgen retry", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -256,10 +256,10 @@ def main(argv: list[str], config_from: Callable[[dict[str, Any], list[str]], Job
         return exc.exit_code
     print(summary.render())
     if summary.state == "done":
-        from batchgen.openai_out import write_if_wanted
+        from batchgen.output.openai_out import write_if_wanted
 
         written = write_if_wanted(args.output_dir)  # the job's results file, now from the latest attempts
         if written:
             print(f"OpenAI batch results rewritten from the latest attempts: {written}")
-    print(f"latest attempt per row: batchgen.view.latest({str(args.output_dir)!r}) (README \"Retry\")")
+    print(f"latest attempt per row: batchgen.output.view.latest({str(args.output_dir)!r}) (README \"Retry\")")
     return 0

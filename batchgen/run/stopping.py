@@ -8,7 +8,7 @@ A second signal exits at once (what is journaled is safe against that too). Know
 
 `Reaper` is the other half of stopping: a small watcher process that, once its parent is gone however it died
 (SIGKILL included), kills every process that inherited the parent's mark, e.g. a local Ray cluster's daemons and
-the agents they start, which outlive a dead driver otherwise. `python -m batchgen.stopping MARK` is that watcher.
+the agents they start, which outlive a dead driver otherwise. `python -m batchgen.run.stopping MARK` is that watcher.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class Reaper:
         if os.path.isdir("/proc"):
             env = {k: v for k, v in os.environ.items() if k != MARK_ENV}
             # its own stdout/stderr: a pipe reading this job's output (`| tee`) ends with the job, not the sweep
-            self._watcher = subprocess.Popen([sys.executable, "-m", "batchgen.stopping", self.mark], env=env,
+            self._watcher = subprocess.Popen([sys.executable, "-m", "batchgen.run.stopping", self.mark], env=env,
                                              stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                              stderr=subprocess.DEVNULL, start_new_session=True)
         return self

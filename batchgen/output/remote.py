@@ -27,9 +27,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from batchgen.committer import PART_RE, SUCCESS, Committer, OutputWriteError, PartStats
-from batchgen.journal import kill_point
-from batchgen.manifest import MANIFEST
+from batchgen.output.committer import PART_RE, SUCCESS, Committer, OutputWriteError, PartStats
+from batchgen.output.journal import kill_point
+from batchgen.output.manifest import MANIFEST
 
 log = logging.getLogger(__name__)
 PUSHED = (MANIFEST, SUCCESS)  # besides parts and status files, the only objects a run writes
@@ -77,7 +77,7 @@ class RemoteOutput:
         import pyarrow.parquet as pq
 
         from batchgen.errors import ResumeMismatchError
-        from batchgen.trust import check_part
+        from batchgen.output.trust import check_part
 
         remote = self.committed()
         for path in sorted(self.staging.glob("part-*.parquet")):
@@ -96,7 +96,7 @@ class RemoteOutput:
 
     def _refuse_strays(self) -> None:
         from batchgen.errors import ResumeMismatchError
-        from batchgen.trust import OWN_NAME
+        from batchgen.output.trust import OWN_NAME
 
         try:
             names = [p.rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False, refresh=True)]

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchgen.errors import ConfigError
-from batchgen.manifest import MANIFEST, diff, model_identity, output_config, read_manifest
+from batchgen.output.manifest import MANIFEST, diff, model_identity, output_config, read_manifest
 
 log = logging.getLogger(__name__)
 INPUT_KEYS = ("path", "limit")  # dataset keys that may differ between nights: the input itself
@@ -101,7 +101,7 @@ class Existing:
     @staticmethod
     def _generated(night: str) -> set[int]:
         """Ids with no erring sample in the night's latest-attempt view (batchgen retry's attempts)."""
-        from batchgen.view import latest_batches
+        from batchgen.output.view import latest_batches
 
         seen: set[int] = set()
         erred: set[int] = set()

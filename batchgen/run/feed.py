@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from batchgen.committer import Committer, PartStats, assemble, writing
 from batchgen.errors import BatchgenError, ErrorRateExceeded
 from batchgen.job import JobConfig
-from batchgen.journal import Journal, crash_window, journal_key, journal_path, kill_point
-from batchgen.manifest import config_hash
-from batchgen.planner import Planner
-from batchgen.progress import Progress, Summary
+from batchgen.output.committer import Committer, PartStats, assemble, writing
+from batchgen.output.journal import Journal, crash_window, journal_key, journal_path, kill_point
+from batchgen.output.manifest import config_hash
+from batchgen.prompts.planner import Planner
 from batchgen.records import Part, PlannedPart, Request, Result
+from batchgen.run.progress import Progress, Summary
 
 MAX_LOOKAHEAD = 64  # parts; an automatic look-ahead never exceeds it
 # An automatic look-ahead holds this many engine batches of samples beyond the oldest part in flight. The oldest part

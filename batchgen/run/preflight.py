@@ -7,12 +7,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from batchgen.committer import OUTPUT_COLUMNS, optional_columns
 from batchgen.engines.base import HUB_ID
 from batchgen.errors import ConfigError
 from batchgen.job import JobConfig
+from batchgen.output.committer import OUTPUT_COLUMNS, optional_columns
+from batchgen.prompts.render import Renderer, template_fields
 from batchgen.reader import Reader
-from batchgen.render import Renderer, template_fields
 
 
 def load_tokenizer(cfg: JobConfig) -> Any:

@@ -29,15 +29,20 @@ from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from batchgen.engines.base import EngineConfig  # noqa: E402
 from batchgen.errors import BatchgenError, ConfigError  # noqa: E402
-from batchgen.job import JobConfig, OutputConfig, RunConfig, validate  # noqa: E402
-from batchgen.launch import LauncherConfig  # noqa: E402
+from batchgen.job import (  # noqa: E402
+    JobConfig,
+    LauncherConfig,  # noqa: E402
+    OutputConfig,
+    RunConfig,
+    validate,
+)
+from batchgen.output.remote import RemoteOutput, is_remote  # noqa: E402
 from batchgen.reader import DatasetConfig  # noqa: E402
-from batchgen.remote import RemoteOutput, is_remote  # noqa: E402
+from batchgen.run.stopping import StopRequested  # noqa: E402
 from batchgen.sampling import SamplingConfig  # noqa: E402
-from batchgen.stopping import StopRequested  # noqa: E402
 
 log = logging.getLogger("batchgen")
-CONF_DIR = os.environ.get("BATCHGEN_CONF_DIR") or str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = os.environ.get("BATCHGEN_CONF_DIR") or str(Path(__file__).resolve().parents[2] / "conf")
 _entered_job = False  # set once Hydra has composed the config and handed it to us
 LOGS = "_logs"  # Hydra's run folders, in output_dir (conf/config.yaml: hydra.run.dir)
 _logs_home: Optional[tuple[Path, Optional[set[str]]]] = None  # where they go, and what was there before the run
@@ -62,7 +67,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     _entered_job = True
     try:
         job = to_job_config(cfg)
-        from batchgen.runner import run_job
+        from batchgen.run.runner import run_job
 
         resolved = OmegaConf.to_container(cfg, resolve=True)
         summary = run_job(job, resolved)  # type: ignore[arg-type]
@@ -229,23 +234,23 @@ def preflight(overrides: list[str]) -> JobConfig:
 def main() -> None:
     global _logs_home
     if len(sys.argv) > 1 and sys.argv[1] == "status":
-        from batchgen.status import main as status_main
+        from batchgen.commands.status import main as status_main
 
         sys.exit(status_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "plan":
-        from batchgen.plan import main as plan_main
+        from batchgen.commands.plan import main as plan_main
 
         sys.exit(plan_main(sys.argv[2:], compose_checked))
     if len(sys.argv) > 1 and sys.argv[1] == "report":
-        from batchgen.report import main as report_main
+        from batchgen.commands.report import main as report_main
 
         sys.exit(report_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "retry":
-        from batchgen.retry import main as retry_main
+        from batchgen.commands.retry import main as retry_main
 
         sys.exit(retry_main(sys.argv[2:], config_from))
     if len(sys.argv) > 1 and sys.argv[1] == "finalize":
-        from batchgen.finalize import main as finalize_main
+        from batchgen.commands.finalize import main as finalize_main
 
         sys.exit(finalize_main(sys.argv[2:]))
     if not any(arg.startswith("-") for arg in sys.argv[1:]):  # Hydra's own flags (--help, -m) go straight to it

@@ -15,10 +15,10 @@ import pyarrow as pa
 
 from batchgen.errors import TooLongError
 from batchgen.job import JobConfig
+from batchgen.prompts.render import Renderer
+from batchgen.prompts.rowparams import RowParams, RowSettings
 from batchgen.reader import Reader
 from batchgen.records import InputBatch, Part, PlannedPart, Request
-from batchgen.render import Renderer
-from batchgen.rowparams import RowParams, RowSettings
 from batchgen.sampling import Reasoning, SampleParams, derive_seed
 
 log = logging.getLogger(__name__)

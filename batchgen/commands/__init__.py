@@ -1,0 +1,1 @@
+"""The command line: `batchgen` and each subcommand (plan, status, report, retry, finalize)."""

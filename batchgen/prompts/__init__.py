@@ -1,0 +1,1 @@
+"""Rows to requests: rendering, per-row settings, parts cut into requests."""

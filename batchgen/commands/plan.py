@@ -30,11 +30,10 @@ from batchgen.errors import ConfigError, TooLongError
 from batchgen.fsutil import write_json_atomic
 from batchgen.job import JobConfig
 from batchgen.output.committer import error_kind
-from batchgen.output.outdir import load_input_index, save_input_index
+from batchgen.output.outdir import save_input_index
 from batchgen.prompts.planner import Planner
-from batchgen.prompts.render import Renderer
-from batchgen.reader import open_reader
-from batchgen.run.preflight import check_columns, load_tokenizer
+from batchgen.run.preflight import load_tokenizer
+from batchgen.run.prepare import open_input
 
 PROBE_ROWS = 16  # rows of the calibration probe: the longest prompts
 
@@ -69,12 +68,9 @@ def config_problem(cfg: JobConfig, exc: Exception) -> str:
 def measure(cfg: JobConfig) -> tuple[dict[str, Any], list[tuple[int, list[int]]]]:
     """The plan's figures, and (cap, prompt ids) of every generable row, for the probe."""
     whole = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, shard=0, num_shards=1))  # every part
-    reader = open_reader(cfg.dataset)
     out = Path(cfg.output_dir)
-    load_input_index(cfg, out, reader)
-    tokenizer = load_tokenizer(cfg)
-    renderer = Renderer(cfg.dataset, tokenizer, None)
-    check_columns(cfg, reader, renderer)
+    job = open_input(cfg, out, skip_existing=False)  # the plan counts what the job would read, skipped rows too
+    reader, tokenizer, renderer = job.reader, job.tokenizer, job.renderer
     limit = model_len(cfg)  # before anything is written: a config.json that does not load is a ConfigError
     if "://" not in cfg.output_dir:  # a JSONL input's pass, kept for the job's shards (outdir.INPUT_INDEX)
         out.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Protocol
 
 from batchgen.errors import BatchgenError, ErrorRateExceeded
 from batchgen.job import JobConfig
@@ -28,7 +28,8 @@ from batchgen.output.journal import Journal, crash_window, journal_key, journal_
 from batchgen.output.manifest import config_hash
 from batchgen.prompts.planner import Planner
 from batchgen.records import Part, PlannedPart, Request, Result
-from batchgen.run.progress import Progress, Summary
+from batchgen.run.progress import Summary
+from batchgen.run.stopping import GracefulStop
 
 MAX_LOOKAHEAD = 64  # parts; an automatic look-ahead never exceeds it
 # An automatic look-ahead holds this many engine batches of samples beyond the oldest part in flight. The oldest part
@@ -44,6 +45,35 @@ def auto_lookahead(batch_slots: int, rows_per_part: int, n: int) -> int:
     return max(1, min(MAX_LOOKAHEAD, math.ceil(LOOKAHEAD_BATCHES * batch_slots / (rows_per_part * n))))
 
 
+class PartProgress(Protocol):
+    """What the feed tells about parts (run.progress.Progress: the bar, the status file, the history)."""
+
+    stop: GracefulStop  # its shielded() keeps a stop signal out of a journal append or a commit
+
+    def start_part(self, index: int, planned: int, reused: int) -> None: ...
+
+    def journaled(self, index: int, count: int) -> None: ...
+
+    def committed(self, index: int, stats: PartStats, generated_tokens: int) -> None: ...
+
+
+@dataclass
+class Unreported:
+    """A PartProgress that reports nothing: a Ray worker's, whose driver keeps the job's status from the parts'
+    stats the worker returns."""
+
+    stop: GracefulStop
+
+    def start_part(self, index: int, planned: int, reused: int) -> None:
+        pass
+
+    def journaled(self, index: int, count: int) -> None:
+        pass
+
+    def committed(self, index: int, stats: PartStats, generated_tokens: int) -> None:
+        pass
+
+
 @dataclass
 class OpenPart:
     planned: PlannedPart
@@ -56,7 +86,7 @@ class OpenPart:
 
 
 class Feed:
-    def __init__(self, cfg: JobConfig, planner: Planner, committer: Committer, progress: Progress,
+    def __init__(self, cfg: JobConfig, planner: Planner, committer: Committer, progress: PartProgress,
                  summary: Summary, *, max_model_len: int, lookahead: int,
                  on_committed: Callable[[PartStats, int], None]):
         self.cfg = cfg

@@ -27,16 +27,12 @@ from typing import Any, Optional
 
 from batchgen.errors import BatchgenError, ConfigError
 from batchgen.job import JobConfig, LauncherConfig
-from batchgen.output.committer import SUCCESS, Committer, PartStats, optional_columns, writing
-from batchgen.output.existing import Existing
-from batchgen.output.heartbeat import status_name
+from batchgen.output.committer import SUCCESS, Committer, PartStats, optional_columns
 from batchgen.output.lock import OutputLock
-from batchgen.output.outdir import committed_totals, file_metadata, load_input_index, prepare_output_dir
-from batchgen.output.trust import refuse_links
-from batchgen.prompts.render import Renderer, RenderRow
-from batchgen.reader import open_reader
-from batchgen.run.feed import Feed, check_error_rate
-from batchgen.run.preflight import check_columns, load_tokenizer
+from batchgen.output.outdir import committed_totals
+from batchgen.prompts.render import RenderRow
+from batchgen.run.feed import Feed, Unreported, check_error_rate
+from batchgen.run.prepare import open_input, open_output
 from batchgen.run.progress import Progress, Summary
 from batchgen.run.stopping import GracefulStop, Reaper, StopRequested
 
@@ -52,18 +48,13 @@ class PartWorker:
         from batchgen.prompts.planner import Planner
 
         self.cfg = cfg
-        reader = open_reader(cfg.dataset)
-        load_input_index(cfg, Path(cfg.output_dir), reader)  # JSONL: the driver's pass, saved beside the output
-        tokenizer = load_tokenizer(cfg)
-        renderer = Renderer(cfg.dataset, tokenizer, render_row)
-        passthrough = check_columns(cfg, reader, renderer)
         self.output_dir = Path(cfg.output_dir)
-        self.committer = Committer(self.output_dir, passthrough=passthrough, metadata=dict(metadata),
+        job = open_input(cfg, self.output_dir, render_row)  # a JSONL input: the driver's pass, saved beside output
+        self.committer = Committer(self.output_dir, passthrough=job.passthrough, metadata=dict(metadata),
                                    optional=optional_columns(cfg.sampling, cfg.dataset))
         self.committer.exclusive = True
-        existing = Existing(cfg.run.skip_existing, cfg) if cfg.run.skip_existing else None
-        self.planner = Planner(cfg, reader, renderer, tokenizer, existing)
-        self.engine = build_engine(cfg.engine, tokenizer)
+        self.planner = Planner(cfg, job.reader, job.renderer, job.tokenizer, job.existing)
+        self.engine = build_engine(cfg.engine, job.tokenizer)
         self.stop = GracefulStop()  # never entered: the driver stops the job; shielded sections still nest
 
     def identity(self) -> dict[str, Any]:
@@ -76,7 +67,8 @@ class PartWorker:
         committed: list[tuple[PartStats, int]] = []
         self.planner.only = {index}
         summary = Summary(self.output_dir, "partial", PartStats())
-        feed = Feed(self.cfg, self.planner, self.committer, self, summary, max_model_len=self.engine.max_model_len,
+        feed = Feed(self.cfg, self.planner, self.committer, Unreported(self.stop), summary,
+                    max_model_len=self.engine.max_model_len,
                     lookahead=0, on_committed=lambda stats, generated: committed.append((stats, generated)))
         on_result = feed.on_result
         if os.environ.get(FAIL_PART_ENV) == str(index) and attempt == 1:
@@ -91,13 +83,6 @@ class PartWorker:
         stats, generated = committed[0]
         return {"index": index, "stats": stats, "generated": generated, "reused": summary.reused_samples,
                 "pid": os.getpid()}
-
-    # What Feed asks of a Progress: the driver keeps the job's status, a worker reports to it.
-    def start_part(self, index: int, planned: int, reused: int) -> None: ...
-
-    def journaled(self, index: int, count: int) -> None: ...
-
-    def committed(self, index: int, stats: PartStats, generated_tokens: int) -> None: ...
 
 
 def _fail_after_first(on_result: Any) -> Any:
@@ -115,32 +100,19 @@ def _fail_after_first(on_result: Any) -> Any:
 
 def run_on_ray(cfg: JobConfig, resolved: Optional[dict[str, Any]], render_row: Optional[RenderRow]) -> Summary:
     started = time.perf_counter()
-    reader = open_reader(cfg.dataset)
-    load_input_index(cfg, Path(cfg.output_dir), reader)
-    tokenizer = load_tokenizer(cfg)
-    check_columns(cfg, reader, Renderer(cfg.dataset, tokenizer, render_row))
-    if cfg.run.skip_existing:
-        Existing(cfg.run.skip_existing, cfg)  # refused here, before anything is written
-    if cfg.dataset.verify == "pages" and hasattr(reader, "verify_pages"):
-        reader.verify_pages()
-    total_rows = reader.count_rows()
+    job = open_input(cfg, Path(cfg.output_dir), render_row)  # refused here, before anything is written
+    if cfg.dataset.verify == "pages" and hasattr(job.reader, "verify_pages"):
+        job.reader.verify_pages()
+    total_rows = job.reader.count_rows()
     if total_rows is None:
         raise ConfigError(["launcher=ray needs an input whose rows can be counted before the run (Parquet, JSONL, "
                            "a saved `datasets` directory); a streamed hub dataset is not"])
-    output_dir = Path(cfg.output_dir)
-    with writing(output_dir):
-        output_dir.mkdir(parents=True, exist_ok=True)
-    refuse_links(output_dir)
-    lock = OutputLock.for_shard(output_dir, 0, 1)
-    with GracefulStop() as stop, lock:
-        with lock.layout():
-            prepare_output_dir(cfg, output_dir, reader, resolved or {})
-        committer = Committer(output_dir, passthrough=[], metadata=file_metadata(cfg))
-        committer.clean_stale(lambda k: True, (status_name(0, 1),))
-        totals = committed_totals(committer, cfg)
-        if (output_dir / SUCCESS).exists():
-            return Summary(output_dir, "already_done", totals)
-        summary = Summary(output_dir, "partial", totals)
+    with GracefulStop() as stop, open_output(cfg, job, resolved) as out:
+        committer = out.committer
+        summary = Summary(out.shown, "partial", committed_totals(committer, cfg))
+        if (out.output_dir / SUCCESS).exists():
+            summary.state = "already_done"
+            return summary
         parts = -(-total_rows // cfg.rows_per_part)
         progress = Progress(cfg, committer, total_rows, summary.totals, stop)
         try:

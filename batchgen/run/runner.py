@@ -15,20 +15,16 @@ from batchgen.engines import build_engine
 from batchgen.engines.base import stream_windows
 from batchgen.errors import BatchgenError
 from batchgen.job import JobConfig, validate
-from batchgen.output.committer import SUCCESS, Committer, PartStats, optional_columns, writing
-from batchgen.output.existing import Existing
+from batchgen.output.committer import SUCCESS, Committer, PartStats
 from batchgen.output.heartbeat import status_name
-from batchgen.output.lock import OutputLock
-from batchgen.output.manifest import MANIFEST, check_engine, config_hash
+from batchgen.output.manifest import MANIFEST, check_engine
 from batchgen.output.openai_out import RESULTS, write_if_wanted
-from batchgen.output.outdir import committed_totals, file_metadata, load_input_index, prepare_output_dir
-from batchgen.output.remote import RemoteCommitter, RemoteOutput, is_remote
-from batchgen.output.trust import refuse_links
+from batchgen.output.outdir import committed_totals
+from batchgen.output.remote import is_remote
 from batchgen.prompts.planner import Planner, shard_holds
-from batchgen.prompts.render import Renderer, RenderRow
-from batchgen.reader import open_reader
+from batchgen.prompts.render import RenderRow
 from batchgen.run.feed import Feed, auto_lookahead, check_error_rate
-from batchgen.run.preflight import check_columns, load_tokenizer
+from batchgen.run.prepare import JobInput, JobOutput, open_input, open_output, output_place
 from batchgen.run.progress import Progress, Summary
 from batchgen.run.stopping import GracefulStop
 
@@ -64,66 +60,48 @@ def run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]] = None, *,
 def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulStop,
              render_row: Optional[RenderRow]) -> Summary:
     started = time.perf_counter()
-    reader = open_reader(cfg.dataset)
-    remote = RemoteOutput(cfg.output_dir) if is_remote(cfg.output_dir) else None  # object storage: staged here
-    output_dir = remote.staging if remote else Path(cfg.output_dir)
-    load_input_index(cfg, output_dir, reader)  # JSONL: types and part marks made once per input, not per shard
-    tokenizer = load_tokenizer(cfg)
-    renderer = Renderer(cfg.dataset, tokenizer, render_row)
-    passthrough = check_columns(cfg, reader, renderer)
-    existing = Existing(cfg.run.skip_existing, cfg) if cfg.run.skip_existing else None  # refused before writing
-    if cfg.dataset.verify == "pages" and hasattr(reader, "verify_pages"):
-        reader.verify_pages(partial(shard_holds, cfg))  # this shard's row groups only
-    shown: Any = remote.url if remote else output_dir  # what the summary names
-    with writing(output_dir):
-        output_dir.mkdir(parents=True, exist_ok=True)
-    refuse_links(output_dir)
-    lock = OutputLock.for_shard(output_dir, cfg.run.shard, cfg.run.num_shards)
-    with lock:
-        with lock.layout():
-            if remote:
-                remote.pull()
-            prepare_output_dir(cfg, output_dir, reader, resolved or {})
-            if remote:
-                remote.push(MANIFEST)
-                remote.reconcile(config_hash(cfg))  # only now: a staged part goes up once the manifest matched
-        kwargs = {"passthrough": passthrough, "metadata": file_metadata(cfg),
-                  "optional": optional_columns(cfg.sampling, cfg.dataset), "attempt": cfg.run.attempt}
-        committer = RemoteCommitter(remote, **kwargs) if remote else Committer(output_dir, **kwargs)
-        mine = (status_name(cfg.run.shard, cfg.run.num_shards),)  # the shard's own status file's temp copies
-        committer.clean_stale(lambda k: k % cfg.run.num_shards == cfg.run.shard, mine)
-        if (output_dir / SUCCESS).exists():
-            summary = Summary(shown, "already_done", committed_totals(committer, cfg))
-            log.info("%s is already complete; nothing to do", output_dir)
-            if cfg.output.format == "openai_batch" and not remote and not (output_dir / RESULTS).exists():
-                write_derived(cfg, output_dir)  # written by a batchgen that wrote it after _SUCCESS, then killed
+    job = open_input(cfg, output_place(cfg)[0], render_row)  # refused before anything is written
+    if cfg.dataset.verify == "pages" and hasattr(job.reader, "verify_pages"):
+        job.reader.verify_pages(partial(shard_holds, cfg))  # this shard's row groups only
+    with open_output(cfg, job, resolved) as out:
+        summary = Summary(out.shown, "partial", committed_totals(out.committer, cfg))
+        if (out.output_dir / SUCCESS).exists():
+            log.info("%s is already complete; nothing to do", out.output_dir)
+            if cfg.output.format == "openai_batch" and not out.remote and not (out.output_dir / RESULTS).exists():
+                write_derived(cfg, out.output_dir)  # written by a batchgen that wrote it after _SUCCESS, then killed
+            summary.state = "already_done"
             return summary
-        summary = Summary(shown, "partial", committed_totals(committer, cfg))
-        planner = Planner(cfg, reader, renderer, tokenizer, existing)
-        progress = Progress(cfg, committer, reader.count_rows(), summary.totals, stop)
+        planner = Planner(cfg, job.reader, job.renderer, job.tokenizer, job.existing)
+        progress = Progress(cfg, out.committer, job.reader.count_rows(), summary.totals, stop)
         try:
-            engine = build_engine(cfg.engine, tokenizer)
-            summary.load_s = time.perf_counter() - started
-            with lock.layout():
-                check_engine(output_dir, engine.identity())  # what engine.dtype=auto resolved to, the same
-                if remote:
-                    remote.push(MANIFEST)
-            committer.metadata["batchgen.engine"] = json.dumps(engine.identity())  # resolved dtype, device, version
-            progress.engine = engine
-            try:
-                _generate_parts(cfg, planner, engine, committer, summary, progress)
-            finally:
-                engine.close()
+            _load_and_generate(cfg, job, out, planner, summary, progress, started)
         except BaseException as exc:
             summary.state = "failed" if isinstance(exc, Exception) else "stopped"
             progress.duplicate_ids = planner.duplicate_ids
             progress.close(summary.state, None, error=str(exc))
             raise
         finally:
-            if remote:
-                remote.push(status_name(cfg.run.shard, cfg.run.num_shards))
+            if out.remote:
+                out.remote.push(status_name(cfg.run.shard, cfg.run.num_shards))
         summary.wall_s = time.perf_counter() - started
         return summary
+
+
+def _load_and_generate(cfg: JobConfig, job: JobInput, out: JobOutput, planner: Planner, summary: Summary,
+                       progress: Progress, started: float) -> None:
+    """Load the engine, check what it resolved to against the manifest, and generate this shard's parts."""
+    engine = build_engine(cfg.engine, job.tokenizer)
+    summary.load_s = time.perf_counter() - started
+    with out.lock.layout():
+        check_engine(out.output_dir, engine.identity())  # what engine.dtype=auto resolved to, the same
+        if out.remote:
+            out.remote.push(MANIFEST)
+    out.committer.metadata["batchgen.engine"] = json.dumps(engine.identity())  # resolved dtype, device, version
+    progress.engine = engine
+    try:
+        _generate_parts(cfg, planner, engine, out.committer, summary, progress)
+    finally:
+        engine.close()
 
 
 def _generate_parts(cfg: JobConfig, planner: Planner, engine: Any, committer: Committer, summary: Summary,

@@ -1,0 +1,99 @@
+"""The one set-up of a job, shared by every way of running it (the local runner, the Ray driver and its workers,
+`batchgen plan`): its input side opened and checked (`open_input`, before anything is written or a model loads),
+and its output directory locked, checked against the manifest and given a committer (`open_output`). Returns typed
+records; knows the reader, the renderer and output_dir's files, not engines."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from batchgen.job import JobConfig
+from batchgen.output.committer import Committer, optional_columns, writing
+from batchgen.output.existing import Existing
+from batchgen.output.heartbeat import status_name
+from batchgen.output.lock import OutputLock
+from batchgen.output.manifest import MANIFEST, config_hash
+from batchgen.output.outdir import file_metadata, load_input_index, prepare_output_dir
+from batchgen.output.remote import RemoteCommitter, RemoteOutput, is_remote
+from batchgen.output.trust import refuse_links
+from batchgen.prompts.render import Renderer, RenderRow
+from batchgen.reader import Reader, open_reader
+from batchgen.run.preflight import check_columns, load_tokenizer
+
+
+@dataclass(slots=True)
+class JobInput:
+    """A job's input side, opened and checked."""
+
+    reader: Reader
+    tokenizer: Any
+    renderer: Renderer
+    passthrough: list[str]  # input columns copied into every output row
+    existing: Optional[Existing]  # run.skip_existing's generated ids, or None
+
+
+def open_input(cfg: JobConfig, index_dir: Path, render_row: Optional[RenderRow] = None, *,
+               skip_existing: bool = True) -> JobInput:
+    """Every way of running a job starts here, before anything is written or a model loads:
+    1. open the input (the reader streams it; nothing is read whole)
+    2. take a JSONL input's index (types, part marks) from index_dir where one was saved for this input
+    3. load the tokenizer (a chat template that does not load stops here)
+    4. build the renderer and check every column the config names
+    5. read run.skip_existing's chain (refused here if it does not fit), unless the caller does not generate"""
+    reader = open_reader(cfg.dataset)
+    load_input_index(cfg, index_dir, reader)
+    tokenizer = load_tokenizer(cfg)
+    renderer = Renderer(cfg.dataset, tokenizer, render_row)
+    passthrough = check_columns(cfg, reader, renderer)
+    existing = Existing(cfg.run.skip_existing, cfg) if skip_existing and cfg.run.skip_existing else None
+    return JobInput(reader, tokenizer, renderer, passthrough, existing)
+
+
+@dataclass(slots=True)
+class JobOutput:
+    """A job's output directory, locked for its shard and checked against the manifest."""
+
+    output_dir: Path  # where parts are committed: output_dir, or the local staging of an object-storage output
+    shown: Any  # what the summary names: output_dir, or the URL
+    remote: Optional[RemoteOutput]  # object storage, else None
+    lock: OutputLock  # this shard's, held while the JobOutput is open
+    committer: Committer
+
+
+def output_place(cfg: JobConfig) -> tuple[Path, Optional[RemoteOutput]]:
+    """Where the job's files live on this machine: output_dir, or an object-storage output's staging directory."""
+    remote = RemoteOutput(cfg.output_dir) if is_remote(cfg.output_dir) else None
+    return (remote.staging if remote else Path(cfg.output_dir)), remote
+
+
+@contextlib.contextmanager
+def open_output(cfg: JobConfig, job: JobInput, resolved: Optional[dict[str, Any]]) -> Iterator[JobOutput]:
+    """The output directory, for this shard (run.shard of run.num_shards):
+    1. make it; refuse a symlink among the names batchgen writes there
+    2. take this shard's lock (a second writer, or a live writer of another sharding, is refused)
+    3. under the layout lock: bring an object-storage output's manifest down, check or write the manifest (a stray
+       file or another job's output refused), push it up, then upload the parts a killed run staged
+    4. a committer, and what a killed run of this shard left behind removed"""
+    output_dir, remote = output_place(cfg)
+    with writing(output_dir):
+        output_dir.mkdir(parents=True, exist_ok=True)
+    refuse_links(output_dir)
+    lock = OutputLock.for_shard(output_dir, cfg.run.shard, cfg.run.num_shards)
+    with lock:
+        with lock.layout():
+            if remote:
+                remote.pull()
+            prepare_output_dir(cfg, output_dir, job.reader, resolved or {})
+            if remote:
+                remote.push(MANIFEST)
+                remote.reconcile(config_hash(cfg))  # only now: a staged part goes up once the manifest matched
+        kwargs = {"passthrough": job.passthrough, "metadata": file_metadata(cfg),
+                  "optional": optional_columns(cfg.sampling, cfg.dataset), "attempt": cfg.run.attempt}
+        committer = RemoteCommitter(remote, **kwargs) if remote else Committer(output_dir, **kwargs)
+        mine = (status_name(cfg.run.shard, cfg.run.num_shards),)  # the shard's own status file's temp copies
+        committer.clean_stale(lambda k: k % cfg.run.num_shards == cfg.run.shard, mine)
+        yield JobOutput(output_dir, remote.url if remote else output_dir, remote, lock, committer)

@@ -1,6 +1,6 @@
 """Throughput of batchgen's hf engine against HF generate, transformers continuous batching and vLLM (CPU).
 
-    python benchmarks/throughput.py            # full: ~100M-param Llama, 64 rows (see README for the table)
+    python benchmarks/throughput.py            # full: ~100M-param Llama, 64 rows (tables: docs/performance.md)
     python benchmarks/throughput.py --quick    # tiny model, small workload, B1 and E only (the test suite's guard)
 
 Every runner is its own subprocess; runners are interleaved (B0 B1 B2 B3 E, repeated) and medians

@@ -6,7 +6,7 @@
 # Each night writes OUT_ROOT/YYYY-MM-DD (today, deterministic: a rerun the same day resumes it) with
 # run.skip_existing pointing at the newest earlier night that finished (_SUCCESS), so only ids not generated there
 # are generated; the chain of earlier nights is followed through their manifests (rows that erred are generated
-# again). A reader takes the union of the nights, each id once: the README's query ("Nightly increments").
+# again). A reader takes the union of the nights, each id once: the query in docs/output-and-resume.md ("Nightly increments").
 # Runs through nightly.sh: same exit codes, log and status.
 set -uo pipefail
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA checks of issue "The CUDA paths, run for real", in one command on the lent GPU machine (the device tool,
-# README "GPU"): install the carried wheels, run the GPU test tier, then the throughput benchmark on CUDA.
+# docs/engines.md "GPU (CUDA)"): install the carried wheels, run the GPU test tier, then the throughput benchmark on CUDA.
 # Prepare here first:   bash scripts/gpu_wheels.sh          (.whl/, about 48 MB)
 # Then, with the device tool:  run  command="bash scripts/gpu_check.sh"  carry=[".whl"]  timeout_s=560
 # Writes under $OUT: gpu_check.log (everything), gpu_tests.log, figures.json (the tests' figures), throughput.json,

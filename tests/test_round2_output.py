@@ -21,8 +21,9 @@ JOBS = REPO / "jobs"
 
 
 def readme_union_query(root: Path) -> str:
-    """The README's duckdb query over a chain of nights, with its example root replaced by `root`."""
-    text = (REPO / "README.md").read_text()
+    """The docs' duckdb query (docs/output-and-resume.md, "Nightly increments") over a chain of nights, with its
+    example root replaced by `root`."""
+    text = (REPO / "docs" / "output-and-resume.md").read_text()
     sql = re.search(r'duckdb -c "(\nSELECT \* EXCLUDE \(filename, night.*?)"\n', text, re.S).group(1)
     return sql.replace("/data/outputs/annotate", str(root))
 

@@ -147,7 +147,7 @@ def unknown_keys(overrides: list[str]) -> list[str]:
                 known = [f"{prefix}.{f}" if prefix else f for f in fields]
                 close = difflib.get_close_matches(key, known, n=1)
                 hint = f" (did you mean {close[0]}?)" if close else ""
-                problems.append(f"{key}: no such config key{hint}; see README \"Config reference\"")
+                problems.append(f"{key}: no such config key{hint}; see docs/configuration.md \"Config reference\"")
                 break
             typ = fields[name].type
             node = {"EngineConfig": EngineConfig, "DatasetConfig": DatasetConfig, "SamplingConfig": SamplingConfig,

@@ -261,5 +261,6 @@ def main(argv: list[str], config_from: Callable[[dict[str, Any], list[str]], Job
         written = write_if_wanted(args.output_dir)  # the job's results file, now from the latest attempts
         if written:
             print(f"OpenAI batch results rewritten from the latest attempts: {written}")
-    print(f"latest attempt per row: batchgen.output.view.latest({str(args.output_dir)!r}) (README \"Retry\")")
+    print(f"latest attempt per row: batchgen.output.view.latest({str(args.output_dir)!r}) "
+          f"(docs/output-and-resume.md, \"Retry\")")
     return 0

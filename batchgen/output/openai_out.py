@@ -71,7 +71,7 @@ def write(output_dir: Path, manifest: dict[str, Any]) -> Path:
 def _rows(output_dir: Path) -> Iterator[tuple[str, list[dict[str, Any]]]]:
     """(id, its samples) per request, in output order: a row's samples are consecutive in every part and in the view
     and start at sample_index 0, which is what starts a row; the id alone would merge adjacent requests that share
-    a custom_id (README "Duplicate ids") into one line."""
+    a custom_id (docs/output-and-resume.md "Duplicate ids") into one line."""
     current: list[dict[str, Any]] = []
     for table in latest_batches(output_dir, columns=COLUMNS):
         for sample in table.to_pylist():

@@ -4,12 +4,12 @@ added.
 An output holds the job's parts (attempt 0, `part-*.parquet`) and, after retries, each retry's parts in
 `_attempts/attempt-NNN/` beside them, with an `attempt` column. Reading the directory itself still gives the job's
 own rows (its `_` names are skipped by every Parquet reader); this view is how to read the latest. Ids may repeat
-(README "Duplicate ids"), so a row is keyed by (id, occurrence, sample_index), occurrence being which row of its id
-it is (0-based, in the job's output order): counted here for the job's parts, recorded by the retry in its parts'
-hidden OCCURRENCE column (a retry written before that column existed matches by id alone). Per key it takes the
-latest attempt whose row has no error; where every attempt erred, the latest attempt. Rows keep the job's input
-order: a retried row stands where its original stood. Only committed parts are read; the retried rows (few, by
-construction) are held in memory, the job's parts streamed batch by batch.
+(docs/output-and-resume.md, "Duplicate ids"), so a row is keyed by (id, occurrence, sample_index), occurrence being
+which row of its id it is (0-based, in the job's output order): counted here for the job's parts, recorded by the
+retry in its parts' hidden OCCURRENCE column (a retry written before that column existed matches by id alone). Per
+key it takes the latest attempt whose row has no error; where every attempt erred, the latest attempt. Rows keep the
+job's input order: a retried row stands where its original stood. Only committed parts are read; the retried rows
+(few, by construction) are held in memory, the job's parts streamed batch by batch.
 
     from batchgen.output.view import latest
     table = latest("data/outputs/job")          # pyarrow Table; .to_pandas(); datasets.Dataset(table)

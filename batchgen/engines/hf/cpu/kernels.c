@@ -317,7 +317,7 @@ static void scores16(const float *qg, const void *kh, long L, long d, long group
 
 /* attend_group with 16-wide vectors, for d a multiple of 16: scores of 16 keys at a time stay in one register
  * (each key's dot product reduced once), the softmax and the weighted sum of values run 16 lanes wide. Measured
- * against the 8-wide code on the benchmark model's decode steps (README "hf engine"). */
+ * against the 8-wide code on the benchmark model's decode steps (docs/engines.md "The hf engine"). */
 static void attend_group16(const float *qg, const void *kh, const void *vh, long L, long d, long group,
                            float scale, int kv_bf16, float *og) {
     const long stride = L + 16;

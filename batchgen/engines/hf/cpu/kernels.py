@@ -11,7 +11,7 @@ activation) cost a few microseconds each, ~50 per layer; the decode-step kernels
 
 torch's `aten._weight_int8pack_mm` is vectorized for AVX-512 and ARM only; on an AVX2 CPU its generic
 loop made an int8 decode step of one row no faster than bfloat16, although it reads half the bytes
-(README "Quantization"). This kernel converts 8 int8 weights at a time to float and FMAs them with
+(docs/engines.md "Quantization"). This kernel converts 8 int8 weights at a time to float and FMAs them with
 float32 inputs, so a small batch runs at the rate the weights stream from memory. The int4 kernel does
 the same from group-wise 4-bit weights laid out so that a shift and a mask unpack 8 of them.
 

@@ -9,7 +9,7 @@ requests, batching or the scheduler. This module is the registry (schemes, check
 which quantizes while loading, is only load arguments); int8.py and int4.py hold the schemes' modules and
 conversions, common.py the thresholds and hints they share.
 
-What runs where (measured on an AVX2-only CPU without fast bf16; see README "Quantization"):
+What runs where (measured on an AVX2-only CPU without fast bf16; see docs/performance.md "Quantization"):
 - int8, CPU: weight-only, `Int8WeightOnlyLinear`: int8 weights with one symmetric bf16-rounded scale per
   output channel; activations stay unquantized. Inputs under NATIVE_ROWS rows (decode steps of small
   batches) run batchgen's own AVX2 kernel (`cpu_kernels`, float32 activations) where it is built; otherwise
@@ -60,7 +60,7 @@ from batchgen.errors import ModelLoadError
 log = logging.getLogger(__name__)
 
 # Output tokens/s at the CPU working batch (64 rows) over the unquantized model's at engine.dtype=auto, per CPU kind
-# (cpu_kind), measured with benchmarks/quantization.py (README "Quantization"): on the AVX2 EPYC against float32, on
+# (cpu_kind), measured with benchmarks/quantization.py (docs/performance.md): on the AVX2 EPYC against float32, on
 # the Zen 4 EPYC (AVX-512 BF16) against bf16 GEMMs with float32 kernels between them. A scheme under 0.9 on the CPU
 # kind it is built on logs a warning with the figure: the engine does not switch schemes on its own, it says so.
 # A kind without figures (not measured) logs nothing. torchao: the fallback's figure, where batchgen's kernels are
@@ -242,7 +242,7 @@ def warn_if_slow_at_working_batch(scheme_name: str, model: Optional[nn.Module] =
             isinstance(m, Int8WeightOnlyLinear) for m in model.modules()):
         return  # the dynamic-int8 fallback: the figure is not its own
     log.warning("%s on this CPU decodes large batches slower than the unquantized model: %.2fx its output tokens/s "
-                "at batch 64 with engine.dtype=auto, measured on a CPU of this kind (%s; README \"Quantization\"); "
+                "at batch 64 with engine.dtype=auto, measured on a CPU of this kind (%s; docs/performance.md); "
                 "use it when the model does not fit in memory unquantized, or for batch-1 jobs, where it measured "
                 "faster", scheme_name, ratio, kind)
 

@@ -1,0 +1,83 @@
+"""The documentation holds together: a short README with the two commands on its first screen, docs/ for the rest,
+and every relative link in README.md and docs/*.md pointing at a file that exists (and, with an anchor, at one of
+its headings, slugged as GitHub slugs them)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+
+FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
+CODE_SPAN = re.compile(r"`+[^`]*`+")
+LINK = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$", re.M)
+EXTERNAL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")  # https:, mailto:, ...
+
+
+def prose(text: str) -> str:
+    """The text without fenced code blocks and code spans, where brackets are not links."""
+    return CODE_SPAN.sub("", FENCE.sub("", text))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lowercase, punctuation other than '-' and '_' removed, spaces to '-'."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).lower()  # a link in a heading counts by its text
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """Every heading's anchor in a Markdown file; a repeated one also as slug-1, slug-2, ..., as GitHub does."""
+    seen: dict[str, int] = {}
+    out = set()
+    for _, title in HEADING.findall(FENCE.sub("", path.read_text())):
+        base = slug(title)
+        n = seen.get(base, 0)
+        out.add(base if n == 0 else f"{base}-{n}")
+        seen[base] = n + 1
+    return out
+
+
+def links(path: Path) -> list[tuple[str, str]]:
+    """(text, target) of every relative link in a Markdown file."""
+    return [(text, target) for text, target in LINK.findall(prose(path.read_text()))
+            if not EXTERNAL.match(target)]
+
+
+def test_slug_follows_github():
+    assert slug("Python jobs and schedulers (`jobs/`)") == "python-jobs-and-schedulers-jobs"
+    assert slug("GPU (CUDA)") == "gpu-cuda"
+    assert slug("7. Bad input and exit codes") == "7-bad-input-and-exit-codes"
+    assert slug("run_job and the `engine.max_batch_size` key") == "run_job-and-the-enginemax_batch_size-key"
+
+
+def test_every_relative_link_points_at_an_existing_file_and_heading():
+    checked, broken = 0, []
+    for page in [README, *DOCS]:
+        for text, target in links(page):
+            file_part, _, anchor = target.partition("#")
+            dest = (page.parent / file_part).resolve() if file_part else page
+            where = f"{page.relative_to(ROOT)}: [{text}]({target})"
+            if not dest.exists():
+                broken.append(f"{where}: no such file")
+            elif anchor and (dest.suffix != ".md" or anchor not in anchors(dest)):
+                broken.append(f"{where}: no heading #{anchor} in {dest.relative_to(ROOT)}")
+            checked += 1
+    assert not broken, "\n".join(broken)
+    assert checked >= len(DOCS)  # the check saw the links
+
+
+def test_readme_is_short_and_opens_with_the_two_commands():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 220, len(lines)
+    first_screen = "\n".join(lines[:40])
+    assert "make demo" in first_screen and "make test" in first_screen
+
+
+def test_the_readme_links_every_docs_page():
+    linked = {(ROOT / target.partition("#")[0]).resolve() for _, target in links(README)}
+    assert DOCS and not [d.name for d in DOCS if d.resolve() not in linked]

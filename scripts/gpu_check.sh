@@ -17,7 +17,7 @@ export BATCHGEN_CACHE_DIR=/tmp/batchgen-cache
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   python3 -c "import torch, transformers, batchgen; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'transformers', transformers.__version__, 'device', torch.cuda.get_device_name())"; } | tee "$OUT/env.txt"
-# the GPU tier: every test marked gpu (tests/test_gpu.py and the CUDA tests beside the CPU ones)
+# the GPU tier: every test marked gpu (tests/engines/test_gpu.py and the CUDA tests beside the CPU ones)
 timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/gpu_tests.log"
 echo "gpu tests: exit ${PIPESTATUS[0]} after $(( $(date +%s) - started )) s"
 # throughput on CUDA: the 76M benchmark model, 256 rows, B1 (HF generate, batches of 16), B2 (transformers

@@ -179,7 +179,7 @@ def test_a_constrained_row_and_a_free_row_in_one_decode_step_each_give_what_they
 
 @pytest.mark.slow
 def test_greedy_constrained_output_is_identical_after_sigkills(tiny_model, tmp_path, capsys):
-    from tests.test_crash import load_harness
+    from tests.scenarios.test_crash import load_harness
 
     schema = schema_file(tmp_path, TICKET)
     report = load_harness().run_harness(3, work=tmp_path, model=tiny_model, rows=24, seed=11, max_new_tokens=40,

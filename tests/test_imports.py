@@ -102,3 +102,12 @@ def test_rooms_by_data_flow_and_no_import_climbs():
     climbs = sorted(f"{a} -> {b}" for a, deps in graph.items() if a not in FRONT_DOORS for b in deps
                     if FLOORS[room(b)] > FLOORS[room(a)])
     assert not climbs, climbs
+
+
+def test_tests_mirror_the_package():
+    """tests/<folder>/ for each of the package's folders that has tests, plus tests/scenarios/ (end-to-end stories)
+    and tests/vllm_tier/ (the vLLM tier, its own venv); no other folder."""
+    tests = PACKAGE.parent / "tests"
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    package = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders - {"scenarios", "vllm_tier"} <= package, folders - package

@@ -156,29 +156,12 @@ def _table(head: list[str], rows: list[list[Any]]) -> str:
 
 
 def render(output_dir: str | Path, facts: dict[str, Any]) -> str:
+    """The page: a summary, the plots, then tables of errors, shards, workers, retries, model and config."""
     m = facts["manifest"]
     svg = plots(facts)
-    hist = facts["history"]
-    span = hist[-1]["t"] - hist[0]["t"] + (hist[0].get("part_s") or 0) if hist else 0
-    tokens = sum(h.get("generated_tokens", 0) for h in hist)
     errors_total = sum(facts["error_counts"].values())
-    summary = [["state", "complete" if facts["complete"] else "incomplete"], ["rows", facts["rows"]],
-               ["samples", facts["samples"]], ["error samples", errors_total],
-               ["rows skipped (run.skip_existing)", sum(b.rows_skipped for _, b in facts["beats"])],
-               ["invalid outputs", sum(b.invalid_outputs for _, b in facts["beats"])],
-               ["generated tokens (history)", tokens],
-               ["generation time (first to last commit)", f"{span:.1f} s"],
-               ["batchgen", m.get("batchgen_version")], ["config hash", m.get("config_hash")]]
-    workers: dict[str, dict[str, float]] = defaultdict(lambda: {"parts": 0, "rows": 0, "tokens": 0})
-    for h in hist:
-        w = workers[_worker(h)]
-        w["parts"] += 1
-        w["rows"] += h.get("rows", 0)
-        w["tokens"] += h.get("generated_tokens", 0)
-    shard_rows = [[name, b.state, f"{b.rows_done}/{b.rows_total if b.rows_total is not None else '?'}",
-                   b.rows_failed, b.generated_tokens, b.updated_at] for name, b in facts["beats"]]
     sections = [
-        "<h2>Summary</h2>" + _table(["", ""], summary),
+        "<h2>Summary</h2>" + _table(["", ""], _summary_rows(facts)),
         "<h2>Throughput over time</h2>" + (svg.get("throughput") or "<p>no history recorded (a run older than the "
                                                                    "history file, or no part committed yet)</p>"),
         "<h2>Lengths</h2><div class='row'>" + svg.get("prompt", "") + svg.get("generated", "") + "</div>",
@@ -188,26 +171,55 @@ def render(output_dir: str | Path, facts: dict[str, Any]) -> str:
                                     [[k, n, " | ".join(f"{i}: {e[:160]}" for i, e in facts["errors"][k])]
                                      for k, n in facts["error_counts"].most_common()]) if errors_total
                              else "<p>none</p>"),
-        "<h2>Shards</h2>" + _table(["status file", "state", "rows done", "error rows", "generated tokens",
-                                    "updated"], shard_rows),
-        "<h2>Workers</h2>" + _table(["worker (host:pid or Ray worker)", "parts", "rows", "generated tokens"],
-                                    [[k, int(v["parts"]), int(v["rows"]), int(v["tokens"])]
-                                     for k, v in sorted(workers.items())]),
-        "<h2>Retries</h2>" + (_table(["attempt", "complete", "kinds", "overrides", "rows"],
-                                     [[r["attempt"], r["complete"], ",".join(r.get("kinds", [])),
-                                       " ".join(r.get("overrides", [])), r.get("rows")] for r in facts["retries"]])
-                              if facts["retries"] else "<p>none</p>"),
+        *_run_sections(facts),
         "<h2>Model</h2><pre>" + html.escape(json.dumps({"model": m.get("model"), "engine": m.get("engine_resolved")},
                                                        indent=2)) + "</pre>",
         "<h2>Config</h2><pre>" + html.escape(json.dumps(m.get("config"), indent=2, default=str)) + "</pre>",
     ]
     title = html.escape(f"batchgen report: {output_dir}")
-    style = ("body{font-family:sans-serif;margin:24px;max-width:1100px} table{border-collapse:collapse;margin:8px 0}"
-             "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:left} pre{background:#f5f5f5;"
-             "padding:8px;font-size:12px;overflow:auto} .row{display:flex;gap:16px;align-items:flex-start}"
-             " svg{max-width:100%;height:auto}")
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}</title><style>{style}</style></head>"
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}</title><style>{STYLE}</style></head>"
             f"<body><h1>{title}</h1>{''.join(sections)}</body></html>")
+
+
+STYLE = ("body{font-family:sans-serif;margin:24px;max-width:1100px} table{border-collapse:collapse;margin:8px 0}"
+         "td,th{border:1px solid #ccc;padding:3px 8px;font-size:13px;text-align:left} pre{background:#f5f5f5;"
+         "padding:8px;font-size:12px;overflow:auto} .row{display:flex;gap:16px;align-items:flex-start}"
+         " svg{max-width:100%;height:auto}")
+
+
+def _summary_rows(facts: dict[str, Any]) -> list[list[Any]]:
+    m, hist = facts["manifest"], facts["history"]
+    span = hist[-1]["t"] - hist[0]["t"] + (hist[0].get("part_s") or 0) if hist else 0
+    return [["state", "complete" if facts["complete"] else "incomplete"], ["rows", facts["rows"]],
+            ["samples", facts["samples"]], ["error samples", sum(facts["error_counts"].values())],
+            ["rows skipped (run.skip_existing)", sum(b.rows_skipped for _, b in facts["beats"])],
+            ["invalid outputs", sum(b.invalid_outputs for _, b in facts["beats"])],
+            ["generated tokens (history)", sum(h.get("generated_tokens", 0) for h in hist)],
+            ["generation time (first to last commit)", f"{span:.1f} s"],
+            ["batchgen", m.get("batchgen_version")], ["config hash", m.get("config_hash")]]
+
+
+def _run_sections(facts: dict[str, Any]) -> list[str]:
+    """Who ran the job: the shards' status files, the workers' totals from the history, the retries."""
+    workers: dict[str, dict[str, float]] = defaultdict(lambda: {"parts": 0, "rows": 0, "tokens": 0})
+    for h in facts["history"]:
+        w = workers[_worker(h)]
+        w["parts"] += 1
+        w["rows"] += h.get("rows", 0)
+        w["tokens"] += h.get("generated_tokens", 0)
+    shard_rows = [[name, b.state, f"{b.rows_done}/{b.rows_total if b.rows_total is not None else '?'}",
+                   b.rows_failed, b.generated_tokens, b.updated_at] for name, b in facts["beats"]]
+    retries = [[r["attempt"], r["complete"], ",".join(r.get("kinds", [])), " ".join(r.get("overrides", [])),
+                r.get("rows")] for r in facts["retries"]]
+    return [
+        "<h2>Shards</h2>" + _table(["status file", "state", "rows done", "error rows", "generated tokens",
+                                    "updated"], shard_rows),
+        "<h2>Workers</h2>" + _table(["worker (host:pid or Ray worker)", "parts", "rows", "generated tokens"],
+                                    [[k, int(v["parts"]), int(v["rows"]), int(v["tokens"])]
+                                     for k, v in sorted(workers.items())]),
+        "<h2>Retries</h2>" + (_table(["attempt", "complete", "kinds", "overrides", "rows"], retries) if retries
+                              else "<p>none</p>"),
+    ]
 
 
 def write_report(output_dir: Path, out: Optional[Path] = None) -> Path:

@@ -160,60 +160,27 @@ def _drive_workers(cfg: JobConfig, render_row: Optional[RenderRow], committer: C
                    summary: Summary, progress: Progress, stop: GracefulStop, started: float) -> None:
     """Start the workers, hand each free one the next part, requeue a failed part elsewhere, until all are in."""
     import ray
-    from ray.exceptions import RayActorError, RayTaskError
 
     from batchgen.output.manifest import check_engine
 
-    launcher = cfg.launcher
-    actor = ray.remote(PartWorker)
-    metadata = dict(committer.metadata)
-
-    generation = Counter[int]()
-
-    def start(i: int) -> Any:
-        """Worker i (named batchgen-worker-i, its replacements batchgen-worker-i-2, -3, ...)."""
-        generation[i] += 1
-        name = f"batchgen-worker-{i}" + (f"-{generation[i]}" if generation[i] > 1 else "")
-        return actor.options(name=name, num_cpus=launcher.num_cpus, num_gpus=launcher.num_gpus,
-                             max_restarts=0).remote(cfg, render_row, metadata)
-
+    pool = _Pool(cfg, render_row, dict(committer.metadata), stop)
     todo = deque(k for k in range(parts) if k not in committer.committed())
-    workers = [start(i) for i in range(launcher.num_workers)]
-    identity = _get(stop, workers[0].identity.remote())
+    identity = _get(stop, pool.workers[0].identity.remote())
     with OutputLock.for_shard(committer.output_dir, 0, 1).layout():
         check_engine(committer.output_dir, identity)
     summary.load_s = time.perf_counter() - started
-    idle, running = list(range(len(workers))), {}
-    attempts: Counter[int] = Counter()
-    failed_on: dict[int, int] = {}
-    per_worker: dict[int, dict[str, int]] = {i: {"parts": 0, "rows": 0, "failures": 0} for i in range(len(workers))}
-    progress.engine = _WorkerStats(per_worker)
+    progress.engine = _WorkerStats(pool.per_worker)
     try:
-        while todo or running:
+        while todo or pool.running:
             if stop.signum is not None:
                 raise StopRequested(stop.signum)
-            while todo and idle:
-                k = todo.popleft()
-                i = next((w for w in idle if w != failed_on.get(k)), idle[0])  # elsewhere than where it failed
-                idle.remove(i)
-                attempts[k] += 1
-                running[workers[i].run_part.remote(k, attempts[k])] = (i, k)
-            ready = _wait(stop, list(running))
+            pool.dispatch(todo)
+            ready = _wait(stop, list(pool.running))
             for ref in ready:
-                i, k = running.pop(ref)
-                try:
-                    out = _get(stop, ref)
-                except (RayActorError, RayTaskError) as exc:
-                    per_worker[i]["failures"] += 1
-                    if isinstance(exc, RayActorError):
-                        log.warning("worker %d died running part %d; starting a new one", i, k)
-                        workers[i] = start(i)
-                    _requeue(k, i, exc, attempts, failed_on, todo, launcher.max_attempts)
-                    idle.append(i)
+                done = pool.collect(ref, todo)
+                if done is None:
                     continue
-                idle.append(i)
-                per_worker[i]["parts"] += 1
-                per_worker[i]["rows"] += out["stats"].rows
+                i, k, out = done
                 summary.totals.add(out["stats"])
                 summary.generated_tokens += out["generated"]
                 summary.reused_samples += out.get("reused", 0)
@@ -222,8 +189,64 @@ def _drive_workers(cfg: JobConfig, render_row: Optional[RenderRow], committer: C
             if not ready:
                 progress.write("running")
     finally:
-        for w in workers:
+        for w in pool.workers:
             ray.kill(w)
+
+
+class _Pool:
+    """The Ray workers and the parts they run: which are idle, which part each runs, how often a part was tried and
+    where it last failed (it is requeued elsewhere), and each worker's totals."""
+
+    def __init__(self, cfg: JobConfig, render_row: Optional[RenderRow], metadata: dict[str, str], stop: GracefulStop):
+        import ray
+
+        self.cfg, self.render_row, self.metadata, self.stop = cfg, render_row, metadata, stop
+        self.actor = ray.remote(PartWorker)
+        self.generation = Counter[int]()
+        self.workers = [self.start(i) for i in range(cfg.launcher.num_workers)]
+        self.idle = list(range(len(self.workers)))
+        self.running: dict[Any, tuple[int, int]] = {}  # task ref -> (worker, part)
+        self.attempts: Counter[int] = Counter()
+        self.failed_on: dict[int, int] = {}
+        self.per_worker = {i: {"parts": 0, "rows": 0, "failures": 0} for i in range(len(self.workers))}
+
+    def start(self, i: int) -> Any:
+        """Worker i (named batchgen-worker-i, its replacements batchgen-worker-i-2, -3, ...)."""
+        launcher = self.cfg.launcher
+        self.generation[i] += 1
+        name = f"batchgen-worker-{i}" + (f"-{self.generation[i]}" if self.generation[i] > 1 else "")
+        return self.actor.options(name=name, num_cpus=launcher.num_cpus, num_gpus=launcher.num_gpus,
+                                  max_restarts=0).remote(self.cfg, self.render_row, self.metadata)
+
+    def dispatch(self, todo: deque[int]) -> None:
+        """Hand each idle worker the next part, elsewhere than where that part last failed."""
+        while todo and self.idle:
+            k = todo.popleft()
+            i = next((w for w in self.idle if w != self.failed_on.get(k)), self.idle[0])
+            self.idle.remove(i)
+            self.attempts[k] += 1
+            self.running[self.workers[i].run_part.remote(k, self.attempts[k])] = (i, k)
+
+    def collect(self, ref: Any, todo: deque[int]) -> Optional[tuple[int, int, dict[str, Any]]]:
+        """A finished task: (worker, part, its result), or None when it failed (the part requeued, a dead worker
+        replaced; too many failures of one part raise)."""
+        from ray.exceptions import RayActorError, RayTaskError
+
+        i, k = self.running.pop(ref)
+        try:
+            out = _get(self.stop, ref)
+        except (RayActorError, RayTaskError) as exc:
+            self.per_worker[i]["failures"] += 1
+            if isinstance(exc, RayActorError):
+                log.warning("worker %d died running part %d; starting a new one", i, k)
+                self.workers[i] = self.start(i)
+            _requeue(k, i, exc, self.attempts, self.failed_on, todo, self.cfg.launcher.max_attempts)
+            self.idle.append(i)
+            return None
+        self.idle.append(i)
+        self.per_worker[i]["parts"] += 1
+        self.per_worker[i]["rows"] += out["stats"].rows
+        return i, k, out
 
 
 def _wait(stop: GracefulStop, refs: list[Any]) -> list[Any]:

@@ -16,7 +16,7 @@ import pytest
 from batchgen.errors import BatchgenError, LockedError
 from batchgen.output.lock import LAYOUT, OutputLock, is_held, live_writers, lock_name, read_holder, writer_locks
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 HOLD = """
 import sys, time
 from pathlib import Path

@@ -99,7 +99,7 @@ def test_a_real_cuda_oom_is_caught_and_halved(tiny_model, tmp_path):
 
 
 def test_sigkill_and_resume_on_cuda(tiny_model, tmp_path, capsys):
-    from tests.test_crash import load_harness
+    from tests.scenarios.test_crash import load_harness
 
     report = load_harness().run_harness(3, work=tmp_path, model=tiny_model, rows=24, seed=13,
                                         extra=("engine.device=cuda",))

@@ -19,7 +19,7 @@ from batchgen.output.journal import read_journal
 from batchgen.run.runner import run_job
 from tests.conftest import REPO, compose_job, corpus, job_overrides, read_output, write_parquet
 
-KILLS = int(os.environ.get("BATCHGEN_KILLS", "5"))  # BATCHGEN_KILLS=20 pytest tests/test_crash.py -k random
+KILLS = int(os.environ.get("BATCHGEN_KILLS", "5"))  # BATCHGEN_KILLS=20 pytest tests/scenarios/test_crash.py -k random
 
 
 def load_harness():

@@ -89,7 +89,7 @@ class Interrupted(Exception):
 def test_an_interrupted_part_resumes_from_its_journal(tiny_model, tmp_path, monkeypatch):
     """The engine dies after 7 results of part 1; the rerun reuses those 7 and generates only the rest,
     and the result equals an uninterrupted run's. One part at a time (look-ahead 0), so that the first 10
-    results are part 0's; tests/test_feed.py stops with several parts in flight."""
+    results are part 0's; tests/run/test_feed.py stops with several parts in flight."""
     data = write_parquet(tmp_path / "in.parquet", [{"prompt": t} for t in corpus(20, seed=2)])
     extra = ("run.rows_per_part=10", "run.lookahead_parts=0", "sampling.max_new_tokens=6",
              "sampling.ignore_eos=true", "engine.max_batch_size=3")

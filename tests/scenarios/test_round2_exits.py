@@ -163,24 +163,12 @@ def test_case12b_plan_on_a_model_needing_remote_code_exits_2(tiny_model, tmp_pat
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    """A local S3 endpoint (moto's server) and the environment that points fsspec/s3fs at it, for the commands
-    run in subprocesses here; a filesystem on it, with the bucket round2."""
-    moto_server = pytest.importorskip("moto.server", reason="the S3 tests need moto[server]")
-    pytest.importorskip("s3fs", reason="the S3 tests need s3fs")
-    import fsspec
-
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
-           "FSSPEC_S3_ENDPOINT_URL": f"http://{host}:{port}",
-           "BATCHGEN_STAGING_DIR": str(tmp_path_factory.mktemp("staging"))}
-    fs = fsspec.filesystem("s3", skip_instance_cache=True, endpoint_url=env["FSSPEC_S3_ENDPOINT_URL"],
-                           key="test", secret="test")
-    fs.makedirs("round2", exist_ok=True)  # moto's store is per process: test_s3's buckets may be there too
-    yield fs, env
-    server.stop()
+def s3(s3):
+    """conftest's local S3 endpoint, with the bucket round2 (moto's store is per process: other buckets may be
+    there too)."""
+    fs, env = s3
+    fs.makedirs("round2", exist_ok=True)
+    return fs, env
 
 
 TORN = '{"config": {"name": "t", "output_di'  # a manifest cut short by a crash (or a hand edit)

@@ -221,7 +221,7 @@ def test_case9_template_values_with_braces_are_data():
     """A `{column}` template fills in row values once: braces, format fields and percent signs in a value are
     text, never formatted again."""
     from batchgen.prompts.render import Renderer
-    from tests.test_render import PlainTokenizer
+    from tests.prompts.test_render import PlainTokenizer
 
     values = ["{0.__class__}", "{text}", "{{x}}", "%s %(text)s", "{text.__class__.__init__.__globals__}"]
     table = pa.table({"text": values, "meta": [{"a": v} for v in values]})
@@ -234,7 +234,7 @@ def test_case9_template_format_spec_from_a_row_is_refused():
     """`{text:{width}}` would take a format spec from a row value (`>2000000000` allocates gigabytes): a template
     whose format spec holds a field is a ConfigError naming dataset.template."""
     from batchgen.prompts.render import Renderer
-    from tests.test_render import PlainTokenizer
+    from tests.prompts.test_render import PlainTokenizer
 
     for template in ("{text:{width}}", "{text:>{width}}", "{text!r:{w}}"):
         with pytest.raises(ConfigError, match="dataset.template"):
@@ -248,7 +248,7 @@ def test_case9_chat_messages_with_odd_roles_and_template_syntax_are_data(tokeniz
     """Message content and roles reach the chat template (Jinja) as values: template syntax in them is text, and a
     message that is not {role: string, content: string} is its own row's bad_messages."""
     from batchgen.prompts.render import Renderer
-    from tests.test_render import json_text_column
+    from tests.prompts.test_render import json_text_column
 
     jinja = "{{ 7 * 7 }} {% if true %}yes{% endif %} {{ raise_exception('boom') }} {0.__class__}"
     conversations = [[{"role": "user", "content": jinja}],

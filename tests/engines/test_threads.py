@@ -13,7 +13,7 @@ import pytest
 from batchgen.engines.hf.cpu import runtime, threads
 from batchgen.engines.hf.cpu.threads import MAX_PROBE_S, PROBE_S, SHARE, WINDOW_S, ThreadGovernor
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Clocks:

@@ -16,7 +16,7 @@ from batchgen.errors import ConfigError
 from batchgen.run.runner import run_job
 from tests.conftest import compose_job, job_overrides, read_output, write_jsonl
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 JOBS = REPO / "jobs"
 
 
@@ -173,8 +173,8 @@ def test_case10_symlinks_in_output_dir_are_refused(tiny_model, tmp_path):
 def test_case3_derived_files_are_written_before_success(tiny_model, tmp_path):
     import json
 
+    from tests.commands.test_retry import dataset, job_args
     from tests.conftest import run_cli
-    from tests.test_retry import dataset, job_args
 
     data, long_ids = dataset(tmp_path)
     out = tmp_path / "out"

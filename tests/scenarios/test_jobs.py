@@ -10,7 +10,7 @@ from pathlib import Path
 
 from tests.conftest import read_output, write_jsonl, write_parquet
 
-JOBS = Path(__file__).resolve().parent.parent / "jobs"
+JOBS = Path(__file__).resolve().parents[2] / "jobs"
 
 
 def test_python_job_renders_rows_with_its_own_function(tiny_model, tmp_path):

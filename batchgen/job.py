@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from batchgen.engines import ENGINES, quantization_problems, structured_output_problems
+from batchgen.engines import ENGINES, default_rows_per_part, engine_problems, structured_output_problems
 from batchgen.engines.base import EngineConfig
 from batchgen.errors import ConfigError
 from batchgen.reader import DatasetConfig
@@ -19,12 +19,7 @@ from batchgen.sampling import SamplingConfig
 
 ON_BAD_ROW = ("record", "fail")
 TOO_LONG = ("truncate_left", "skip", "fail")
-# default commit unit per engine (vllm: one window per part keeps its scheduler busy)
-ROWS_PER_PART = {"hf": 256, "vllm": 1024, "dummy": 256}
-QUANTIZATION = {"hf": ("int8", "int4", "bnb-int8", "bnb-nf4"),  # per device and dtype: engines/hf/quant/
-                "dummy": (),
-                "vllm": ("awq", "gptq", "fp8", "compressed-tensors", "bitsandbytes", "gguf", "awq_marlin",
-                         "gptq_marlin", "experts_int8")}
+
 
 
 # Where a job runs: `launcher=local` (this process, or one shard of an array: run.shard / run.num_shards) or
@@ -99,7 +94,7 @@ class JobConfig:
 
     @property
     def rows_per_part(self) -> int:
-        return self.run.rows_per_part or ROWS_PER_PART[self.engine.name]
+        return self.run.rows_per_part or default_rows_per_part(self.engine.name)
 
 
 def validate(cfg: JobConfig) -> JobConfig:
@@ -110,16 +105,6 @@ def validate(cfg: JobConfig) -> JobConfig:
         problems.append("name is required: pick a job (job=demo) or set name=...")
     elif "${name}" in cfg.output_dir:  # a JobConfig made in Python: Hydra's interpolation, done here
         cfg.output_dir = cfg.output_dir.replace("${name}", cfg.name)
-    if cfg.engine.name not in ENGINES:
-        problems.append(f"engine must be one of {', '.join(ENGINES)} (got {cfg.engine.name!r})")
-    else:
-        allowed = QUANTIZATION[cfg.engine.name]
-        if cfg.engine.quantization is not None and cfg.engine.quantization not in allowed:
-            choices = ", ".join(allowed) if allowed else "none yet (leave it null)"
-            problems.append(f"engine.quantization={cfg.engine.quantization!r} is not supported by "
-                            f"engine={cfg.engine.name}; choices: {choices}")
-        else:
-            problems += quantization_problems(cfg.engine)
     if cfg.dataset.format == "openai_batch" and not cfg.dataset.problems():
         from batchgen.reader.openai_batch import configure
 
@@ -132,26 +117,21 @@ def validate(cfg: JobConfig) -> JobConfig:
                                                        cfg.sampling.max_reasoning_tokens)
     problems += cfg.engine.problems() + cfg.dataset.problems() + sampling_problems + _run_problems(cfg.run)
     problems += _per_row_problems(cfg) + cfg.launcher.problems()
-    problems += _engine_feature_problems(cfg)
+    problems += engine_problems(cfg.engine, cfg.sampling, cfg.dataset) + _output_problems(cfg)
     if cfg.launcher.name == "ray" and "://" in cfg.output_dir:
         problems.append("launcher=ray writes output_dir from every worker: use a shared filesystem path, not a URL")
     if cfg.launcher.name == "ray" and cfg.run.num_shards != 1:
         problems.append("launcher=ray runs the whole job (its workers pull the parts): leave run.shard and "
                         "run.num_shards unset")
-    problems += _ignored_keys(cfg.engine)
     problems += output_dir_problems(cfg.output_dir)
     if problems:
         raise ConfigError(problems)
     return cfg
 
 
-def _engine_feature_problems(cfg: JobConfig) -> list[str]:
-    """Beam search and the OpenAI batch output against the engine and launcher."""
+def _output_problems(cfg: JobConfig) -> list[str]:
+    """output.format against the launcher and output_dir."""
     out = []
-    if cfg.sampling.num_beams > 1 and cfg.engine.name == "dummy":
-        out.append("sampling.num_beams > 1: engine=dummy has no beam search; use engine=hf or engine=vllm")
-    if cfg.sampling.num_beams > 1 and cfg.engine.name == "vllm" and cfg.sampling.early_stopping is not False:
-        out.append("sampling.early_stopping: vLLM's beam search has none; leave it false with engine=vllm")
     if cfg.output.format not in ("parquet", "openai_batch"):
         out.append(f"output.format must be parquet or openai_batch (got {cfg.output.format!r})")
     if cfg.output.format == "openai_batch" and (cfg.launcher.name == "ray" or "://" in cfg.output_dir):
@@ -188,24 +168,6 @@ def _per_row_problems(cfg: JobConfig) -> list[str]:
         out.append("sampling.choice_scores=true needs sampling.choice or dataset.choice_column (the labels to score)")
     if (ds.choice_column or ds.schema_column) and (s.regex or s.grammar):
         out.append("dataset.choice_column / dataset.schema_column cannot go with sampling.regex or sampling.grammar")
-    if (ds.choice_column or ds.schema_column) and cfg.engine.name == "dummy":
-        out.append("dataset.choice_column / dataset.schema_column: engine=dummy does not constrain its output")
-    return out
-
-
-def _ignored_keys(engine: EngineConfig) -> list[str]:
-    """Keys set away from their defaults that the chosen engine would ignore: refused rather than dropped."""
-    defaults = EngineConfig()
-    only = {"hf": ("device", "threads", "prepack", "prefix_cache", "prefix_cache_mb"),
-            "vllm": ("tensor_parallel_size", "gpu_memory_utilization", "extra_args")}
-    out = []
-    for owner, keys in only.items():
-        if engine.name == owner or engine.name not in only:
-            continue
-        for key in keys:
-            if getattr(engine, key) != getattr(defaults, key):
-                out.append(f"engine.{key}={getattr(engine, key)!r} is a setting of engine={owner}; engine="
-                           f"{engine.name} would ignore it (remove it, or pass vLLM options in engine.extra_args)")
     return out
 
 

@@ -111,3 +111,12 @@ def test_tests_mirror_the_package():
     folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
     package = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
     assert folders - {"scenarios", "vllm_tier"} <= package, folders - package
+
+
+def test_the_job_config_names_no_engine():
+    """Each engine declares its defaults, quantization schemes, own keys and features (engines.EngineSpec); job.py
+    asks the registry and never compares engine names."""
+    tree = ast.parse((PACKAGE / "job.py").read_text())
+    names = {"hf", "vllm", "dummy"}
+    found = [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value in names]
+    assert not found, found

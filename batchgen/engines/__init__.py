@@ -1,8 +1,11 @@
-"""Engine registry: `engine.name` -> a loader. Heavy imports happen only when an engine is built."""
+"""Engine registry: `engine.name` -> what the engine is and can do (EngineSpec: its loader, default part size,
+quantization schemes, own keys, features) and its config problems. Heavy imports happen only when an engine is
+built (or, for the hf engine, when a quantization scheme is checked)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from batchgen.engines.base import Engine, EngineConfig
@@ -26,42 +29,118 @@ def _load_dummy(cfg: EngineConfig, tokenizer: Any) -> Engine:
     return DummyEngine(cfg, tokenizer)
 
 
-ENGINES: dict[str, Callable[[EngineConfig, Any], Engine]] = {"hf": _load_hf, "vllm": _load_vllm,
-                                                               "dummy": _load_dummy}
-
-
-def build_engine(cfg: EngineConfig, tokenizer: Any) -> Engine:
-    return ENGINES[cfg.name](cfg, tokenizer)
-
-
-def quantization_problems(cfg: EngineConfig) -> list[str]:
-    """Config problems of engine.quantization that need the engine's own knowledge (devices, dtypes, optional
-    packages), before any load. Imports torch only when the hf engine is asked for a scheme."""
-    if cfg.name != "hf" or cfg.quantization is None:
-        return []
+def _hf_quantization(cfg: EngineConfig) -> list[str]:
     from batchgen.engines.hf import quant
 
     return quant.check(cfg.quantization, cfg.device, cfg.dtype)
 
 
+def _vllm_structured_outputs() -> Optional[str]:
+    from batchgen.engines.vllm import structured_outputs_problem
+
+    return structured_outputs_problem()
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What an engine is and can do, declared here beside its loader, so that the job asks and never names one."""
+
+    load: Callable[[EngineConfig, Any], Engine]
+    rows_per_part: int  # its default commit unit (run.rows_per_part=null)
+    quantization: tuple[str, ...]  # the engine.quantization schemes it takes (per device and dtype: its own check)
+    own_keys: tuple[str, ...] = ()  # engine.* keys only this engine reads: set for another engine, refused
+    beam_search: bool = True
+    beam_early_stopping: bool = True  # sampling.early_stopping other than false
+    constraints: bool = True  # sampling.<constraint>, per-row choice / schema columns
+    choice_scores: bool = False
+    reasoning_with_constraint: bool = True  # a constraint (or a reasoning cap) applied to the answer only
+    constraints_available: Optional[Callable[[], Optional[str]]] = None  # why constraints cannot run here, if so
+    check_quantization: Optional[Callable[[EngineConfig], list[str]]] = None  # a scheme on this device and dtype
+
+
+ENGINES: dict[str, EngineSpec] = {
+    "hf": EngineSpec(_load_hf, rows_per_part=256, quantization=("int8", "int4", "bnb-int8", "bnb-nf4"),
+                     own_keys=("device", "threads", "prepack", "prefix_cache", "prefix_cache_mb"), choice_scores=True,
+                     check_quantization=_hf_quantization),
+    # vllm: one window per part keeps its scheduler busy
+    "vllm": EngineSpec(_load_vllm, rows_per_part=1024,
+                       quantization=("awq", "gptq", "fp8", "compressed-tensors", "bitsandbytes", "gguf", "awq_marlin",
+                                     "gptq_marlin", "experts_int8"),
+                       own_keys=("tensor_parallel_size", "gpu_memory_utilization", "extra_args"),
+                       beam_early_stopping=False, reasoning_with_constraint=False,
+                       constraints_available=_vllm_structured_outputs),
+    "dummy": EngineSpec(_load_dummy, rows_per_part=256, quantization=(), own_keys=("extra_args",),  # delay_s, eos_rate
+                        beam_search=False, constraints=False),
+}
+
+
+def default_rows_per_part(name: str) -> int:
+    """The engine's commit unit when run.rows_per_part is null (an unknown engine is refused by validate)."""
+    return ENGINES[name].rows_per_part if name in ENGINES else 256
+
+
+def build_engine(cfg: EngineConfig, tokenizer: Any) -> Engine:
+    return ENGINES[cfg.name].load(cfg, tokenizer)
+
+
+def engine_problems(cfg: EngineConfig, sampling: Any, dataset: Any) -> list[str]:
+    """Every problem of this engine with the job's engine.*, sampling.* and per-row dataset.* settings, before any
+    load (the sampling settings themselves checked already)."""
+    if cfg.name not in ENGINES:
+        return [f"engine must be one of {', '.join(ENGINES)} (got {cfg.name!r})"]
+    spec = ENGINES[cfg.name]
+    out = _quantization_problems(cfg, spec) + _ignored_keys(cfg)
+    if sampling.num_beams > 1 and not spec.beam_search:
+        out.append(f"sampling.num_beams > 1: engine={cfg.name} has no beam search; use engine=hf or engine=vllm")
+    if sampling.num_beams > 1 and not spec.beam_early_stopping and sampling.early_stopping is not False:
+        out.append(f"sampling.early_stopping: engine={cfg.name}'s beam search has none; leave it false")
+    if (dataset.choice_column or dataset.schema_column) and not spec.constraints:
+        out.append(f"dataset.choice_column / dataset.schema_column: engine={cfg.name} does not constrain its output")
+    return out
+
+
+def _quantization_problems(cfg: EngineConfig, spec: EngineSpec) -> list[str]:
+    """engine.quantization: a scheme of this engine's, that its device and dtype can run (the engine's own check
+    imports torch only when a scheme is asked for)."""
+    if cfg.quantization is None:
+        return []
+    if cfg.quantization not in spec.quantization:
+        choices = ", ".join(spec.quantization) if spec.quantization else "none yet (leave it null)"
+        return [f"engine.quantization={cfg.quantization!r} is not supported by engine={cfg.name}; choices: {choices}"]
+    return spec.check_quantization(cfg) if spec.check_quantization else []
+
+
+def _ignored_keys(cfg: EngineConfig) -> list[str]:
+    """Keys set away from their defaults that the chosen engine would ignore: refused rather than dropped."""
+    defaults, mine = EngineConfig(), set(ENGINES[cfg.name].own_keys)
+    out = []
+    for owner, spec in ENGINES.items():
+        if owner == cfg.name:
+            continue
+        for key in spec.own_keys:
+            if key not in mine and getattr(cfg, key) != getattr(defaults, key):
+                out.append(f"engine.{key}={getattr(cfg, key)!r} is a setting of engine={owner}; engine="
+                           f"{cfg.name} would ignore it (remove it, or pass vLLM options in engine.extra_args)")
+    return out
+
+
 def structured_output_problems(cfg: EngineConfig, kind: Optional[str], choice_scores: bool,
                                reasoning: str = "off", max_reasoning_tokens: Optional[int] = None) -> list[str]:
     """Whether the engine can apply a sampling.<kind> constraint (and score choices, and think first), before any
-    load: a vLLM without the structured-output API must refuse the job, never run it unconstrained."""
-    out = []
-    if cfg.name == "vllm" and reasoning != "off" and (kind is not None or max_reasoning_tokens is not None):
+    load: an engine that cannot must refuse the job, never run it unconstrained."""
+    spec, out = ENGINES[cfg.name], []
+    if not spec.reasoning_with_constraint and reasoning != "off" and (kind is not None or max_reasoning_tokens
+                                                                       is not None):
         out.append(f"sampling.reasoning={reasoning} with {'sampling.' + kind if kind else 'max_reasoning_tokens'}: "
-                   f"engine=vllm would constrain (or cap) the reasoning too; use engine=hf, or split the reasoning "
-                   f"without a constraint")
-    if kind is not None and cfg.name == "dummy":
-        out.append(f"sampling.{kind}: engine=dummy does not constrain its output; use engine=hf or engine=vllm")
-    if kind is not None and cfg.name == "vllm":
-        from batchgen.engines.vllm import structured_outputs_problem
-
-        problem = structured_outputs_problem()
+                   f"engine={cfg.name} would constrain (or cap) the reasoning too; use engine=hf, or split the "
+                   f"reasoning without a constraint")
+    if kind is not None and not spec.constraints:
+        out.append(f"sampling.{kind}: engine={cfg.name} does not constrain its output; use engine=hf or engine=vllm")
+    if kind is not None and spec.constraints_available is not None:
+        problem = spec.constraints_available()
         if problem:
             out.append(f"sampling.{kind}: {problem}")
-    if choice_scores and cfg.name != "hf":
+    if choice_scores and not spec.choice_scores:
         out.append(f"sampling.choice_scores=true is computed by engine=hf only (got engine={cfg.name})")
     return out
 

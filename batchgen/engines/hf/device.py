@@ -16,7 +16,7 @@ from batchgen.engines.base import EngineConfig, model_max_len  # noqa: F401 - de
 from batchgen.engines.hf.cpu import calibration
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-DEFAULTS = {  # (max_batch_tokens, max_batch_size) per device type; rows per part: job.ROWS_PER_PART
+DEFAULTS = {  # (max_batch_tokens, max_batch_size) per device type; rows per part: engines.ENGINES
     "cpu": (8192, 64),
     "cuda": (65536, 256),
 }

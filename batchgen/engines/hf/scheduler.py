@@ -19,11 +19,12 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional, Protocol, TypeVar
 
 import torch
 
 from batchgen.engines.base import Source, generate_by_stream, starved, take
+from batchgen.engines.hf.kvcache import SlotKVCache
 from batchgen.engines.hf.prefix import Entry, PrefixCache
 from batchgen.engines.hf.sampler import Draw, Sampler
 from batchgen.records import Request, Result
@@ -61,8 +62,21 @@ class SchedulerStats:
     prefix_cache_bytes: int = 0  # the prefix cache's keys and values held (engine.prefix_cache_mb bounds it)
 
 
+class Stepper(Protocol):
+    """Prefill and decode on a slot KV cache (step.LlamaStepper): what the scheduler drives."""
+
+    device: torch.device
+
+    def new_cache(self, slots: int, max_len: int) -> SlotKVCache: ...
+
+    def prefill(self, cache: SlotKVCache, first_slot: int, prompts: list[list[int]],
+                starts: Optional[list[int]] = None) -> torch.Tensor: ...  # logits of each prompt's last token [n, V]
+
+    def decode(self, cache: SlotKVCache, tokens: torch.Tensor) -> torch.Tensor: ...  # tokens [n] -> logits [n, V]
+
+
 class Scheduler:
-    def __init__(self, sampler: Sampler, stepper: Any, *, max_batch_tokens: int, max_batch_size: int,
+    def __init__(self, sampler: Sampler, stepper: Stepper, *, max_batch_tokens: int, max_batch_size: int,
                  prefixes: Optional[PrefixCache] = None, stats: Optional[SchedulerStats] = None,
                  governor: Optional[AbstractContextManager[Any]] = None):
         self.sampler = sampler  # picks tokens and decides finishing (sampling, EOS, stop strings)

@@ -12,7 +12,17 @@ set -uo pipefail
 job="${1:?usage: nightly.sh JOB [key=value ...]}"
 shift
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-python="${BATCHGEN_PYTHON:-python}"
+# the interpreter: BATCHGEN_PYTHON, else the checkout's own venv (cron's PATH has none), else python3 on PATH
+python="${BATCHGEN_PYTHON:-}"
+if [ -z "$python" ]; then
+  if [ -x "$here/.venv/bin/python" ]; then python="$here/.venv/bin/python"
+  else python="$(command -v python3 || command -v python || true)"; fi
+fi
+if [ -z "$python" ] || ! "$python" -c "import batchgen" 2>/dev/null; then
+  echo "nightly $job: no Python with batchgen installed (tried ${python:-python3 on PATH}); set BATCHGEN_PYTHON to" \
+       "the interpreter of the environment batchgen is installed in, or run 'make venv' in $here. Not run." >&2
+  exit 2
+fi
 log_dir="${BATCHGEN_LOG_DIR:-$here/data/outputs/nightly-logs}"
 mkdir -p "$log_dir"
 log="$log_dir/$job-$(date +%Y%m%d-%H%M%S).log"

@@ -75,3 +75,23 @@ def test_increment_wrapper_generates_only_each_nights_new_rows(tiny_model, tmp_p
     ids = [ds.dataset(str(root / d), format="parquet").to_table().column("id").to_pylist()
            for d in ("2026-11-30", "2026-12-01")]
     assert sorted(ids[0]) == [f"r{i}" for i in range(6)] and sorted(ids[1]) == ["r6", "r7", "r8"]
+
+
+def test_nightly_wrapper_under_cron_finds_the_checkouts_python(tiny_model, tmp_path):
+    """Under cron (`env -i`, PATH=/usr/bin:/bin, no venv active) the wrapper runs the job with the checkout's own
+    .venv; with no interpreter that has batchgen it says so and exits 2 (a failure every night is not 'the next
+    run resumes')."""
+    data = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "instruction": "Say", "input": f"river {i}",
+                                                "max_new_tokens": 2} for i in range(3)])
+    cron = ["env", "-i", "PATH=/usr/bin:/bin", f"HOME={tmp_path}", f"BATCHGEN_LOG_DIR={tmp_path / 'logs'}"]
+    job = ["bash", str(JOBS / "nightly.sh"), "demo", f"engine.model={tiny_model}", f"dataset.path={data}",
+           f"output_dir={tmp_path / 'out'}", "engine.dtype=float32"]
+    venv = JOBS.parent / ".venv" / "bin" / "python"
+    proc = subprocess.run(cron + job, capture_output=True, text=True, timeout=300)
+    if venv.exists():  # the Makefile's venv (make test made it): the job runs
+        assert proc.returncode == 0 and "nightly demo: done" in proc.stdout, proc.stderr[-2000:]
+    else:
+        assert proc.returncode == 2 and "no Python with batchgen installed" in proc.stderr, proc.stderr[-2000:]
+    broken = subprocess.run([*cron, "BATCHGEN_PYTHON=/bin/false", *job], capture_output=True, text=True, timeout=60)
+    assert broken.returncode == 2 and "set BATCHGEN_PYTHON to the interpreter" in broken.stderr
+    assert "the next run resumes" not in broken.stderr

@@ -27,6 +27,7 @@ class Reader:
         self.fs = fs
         self.root = root
         self.rows_read = 0  # input rows decoded so far (a sharded worker reads its own parts' only)
+        self.rows_typed = 0  # lines parsed by a JSONL input's typing pass (types and part marks), apart from the rows
         self._fingerprint: Optional[list[dict[str, Any]]] = None
 
     def columns(self) -> Optional[list[str]]:

@@ -98,7 +98,7 @@ class JsonlReader(Reader):
                         self._marks.append((file_index, offset, lineno - 1, row_in_file))
                     rows += 1
                     row_in_file += 1
-                    self.rows_read += 1
+                    self.rows_typed += 1
                     if record is None:
                         continue
                     for name, value in record.items():

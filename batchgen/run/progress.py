@@ -40,6 +40,7 @@ class Summary:
     max_parts_in_flight: int = 0  # the most parts this run held at once
     prefix_tokens_reused: int = 0  # prompt tokens the engine took from its prefix cache instead of prefilling
     rows_read: int = 0  # input rows this run decoded (a shard of a seekable input: its own parts' only)
+    rows_typed: int = 0  # lines a JSONL input's typing pass parsed (once per input: saved for shards and resumes)
 
     def render(self) -> str:
         t = self.totals
@@ -53,7 +54,9 @@ class Summary:
         if t.skipped:
             lines.append(f"  skipped: {t.skipped} rows already generated in run.skip_existing's output")
         if self.rows_read:
-            lines.append(f"  input: {self.rows_read} rows read")
+            typed = (f" (and one pass over {self.rows_typed} lines for the column types, saved for the other shards "
+                     f"and resumes)" if self.rows_typed else "")
+            lines.append(f"  input: {self.rows_read} rows read{typed}")
         if t.invalid_outputs:
             lines.append(f"  invalid outputs: {t.invalid_outputs} constrained samples did not parse or validate "
                          f"(error=invalid_output: ..., their text kept)")

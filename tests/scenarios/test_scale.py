@@ -101,12 +101,12 @@ def test_jsonl_shards_read_only_their_parts_after_the_first_made_the_index(tiny_
     single = tmp_path / "single"
     run_job(compose_job(args(tiny_model, data, single)))
     out = tmp_path / "sharded"
-    reads = []
-    for k in (0, 1, 2):
-        summary = run_job(compose_job(args(tiny_model, data, out) + [f"run.shard={k}", "run.num_shards=3"]))
-        reads.append(summary.rows_read)
+    summaries = [run_job(compose_job(args(tiny_model, data, out) + [f"run.shard={k}", "run.num_shards=3"]))
+                 for k in (0, 1, 2)]
     assert (out / "_input_index.json").exists()
-    assert reads == [ROWS + 2 * PART, 2 * PART, PART]  # the first typed every line; then each its own parts only
+    assert [s.rows_read for s in summaries] == [2 * PART, 2 * PART, PART]  # own parts' rows only, each row once
+    assert [s.rows_typed for s in summaries] == [ROWS, 0, 0]  # the first typed every line; the others took its pass
+    assert f"input: {2 * PART} rows read (and one pass over {ROWS} lines" in summaries[0].render()
     assert read_output(out).equals(read_output(single))
     (out / "part-00003.parquet").unlink()
     (out / "_SUCCESS").unlink()

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchgen.errors import ConfigError
+from batchgen.output.committer import SUCCESS
 from batchgen.output.manifest import MANIFEST, diff, model_identity, output_config, read_manifest
 
 log = logging.getLogger(__name__)
 INPUT_KEYS = ("path", "limit")  # dataset keys that may differ between nights: the input itself
-SUCCESS = "_SUCCESS"
 MAX_CHAIN = 100_000  # nights; a longer chain is a cycle (a manifest edited by hand)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -95,17 +96,9 @@ class RemoteOutput:
                 path.unlink()
 
     def _refuse_strays(self) -> None:
-        from batchgen.errors import ResumeMismatchError
-        from batchgen.output.trust import OWN_NAME
+        from batchgen.output.trust import refuse_stray_names
 
-        try:
-            names = [p.rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False, refresh=True)]
-        except FileNotFoundError:
-            return
-        found = sorted(n for n in names if OWN_NAME.match(n) and n != MANIFEST)
-        if found:
-            raise ResumeMismatchError(f"{self.url} holds {', '.join(found[:8])} but no {MANIFEST}: not an output of "
-                                      f"this job. Remove them, or choose an empty prefix")
+        refuse_stray_names(self.url, self._names(), "prefix")
 
     def _clear_staging(self) -> None:
         stale = [p for p in self.staging.iterdir() if not p.name.startswith(("_lock", "_logs"))]
@@ -113,18 +106,19 @@ class RemoteOutput:
             log.info("clearing %d files staged by an earlier run of another output at %s", len(stale), self.url)
         for path in stale:
             if path.is_dir() and not path.is_symlink():
-                import shutil
-
                 shutil.rmtree(path)
             else:
                 path.unlink()
 
     def committed(self) -> set[int]:
+        return {int(m.group(1)) for n in self._names() if (m := PART_RE.match(n))}
+
+    def _names(self) -> list[str]:
+        """The names under the output's prefix, listed afresh (another machine's shard may have written since)."""
         try:
-            names = [p.rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False, refresh=True)]
+            return [p.rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False, refresh=True)]
         except FileNotFoundError:
-            return set()
-        return {int(m.group(1)) for n in names if (m := PART_RE.match(n))}
+            return []
 
     def upload(self, path: Path, keep: bool = False) -> None:
         """`path` to its final key in one request, then (a part) removed from staging."""

@@ -34,13 +34,18 @@ BEFORE_MANIFEST = re.compile(r"^(_lock.*|_logs|_input_index\.json|\._input_index
 
 def refuse_strays(output_dir: Path) -> None:
     """Call before writing the manifest of a new run (no `_manifest.json` yet)."""
-    found = sorted(p.name for p in output_dir.iterdir() if OWN_NAME.match(p.name) and not BEFORE_MANIFEST.match(p.name)
-                   and p.name != "_manifest.json" and not p.name.startswith("."))  # a temp file is never trusted
+    refuse_stray_names(str(output_dir), [p.name for p in output_dir.iterdir()], "output_dir")
+
+
+def refuse_stray_names(where: str, names: list[str], what: str) -> None:
+    """Refuse outputs' files among `names` (a directory's or a bucket prefix's listing without a manifest)."""
+    found = sorted(n for n in names if OWN_NAME.match(n) and not BEFORE_MANIFEST.match(n) and n != "_manifest.json"
+                   and not n.startswith("."))  # a temp file is never trusted
     if found:
         shown = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
         raise ResumeMismatchError(
-            f"{output_dir} holds {shown} but no _manifest.json: not an output of this job (batchgen writes its "
-            f"manifest before anything else). Remove them, or choose an empty output_dir")
+            f"{where} holds {shown} but no _manifest.json: not an output of this job (batchgen writes its "
+            f"manifest before anything else). Remove them, or choose an empty {what}")
 
 
 def refuse_links(output_dir: Path) -> None:

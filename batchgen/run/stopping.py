@@ -94,6 +94,8 @@ class GracefulStop:
 
 MARK_ENV = "BATCHGEN_REAPER_MARK"  # inherited by every process started inside Reaper.marking()
 REAP_GRACE_S = 3.0  # between the SIGTERM and the SIGKILL of a marked process
+REAP_SETTLE_S = 0.5  # between the two empty sweeps that end a reap
+REAP_GIVE_UP_S = 30.0  # SIGKILL sweeps at most this long
 
 
 class Reaper:
@@ -150,19 +152,27 @@ def marked(mark: str) -> list[int]:
     return pids
 
 
-def reap(mark: str, grace_s: float = REAP_GRACE_S) -> None:
-    """SIGTERM every marked process, then SIGKILL what still carries the mark after grace_s; each signal is sent
-    again to new marked processes until none is left or grace_s more have passed (a dying process may have started
-    another meanwhile: a worker its compiler)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        signalled: set[int] = set()
-        deadline = time.monotonic() + grace_s
-        while (pids := set(marked(mark))) and time.monotonic() < deadline:
-            for pid in pids - signalled if sig == signal.SIGTERM else pids:
-                with contextlib.suppress(OSError):
-                    os.kill(pid, sig)
-            signalled |= pids
-            time.sleep(0.1)
+def reap(mark: str, grace_s: float = REAP_GRACE_S, give_up_s: float = REAP_GIVE_UP_S) -> None:
+    """SIGTERM every marked process, and again each new one, for grace_s; then SIGKILL what carries the mark until
+    a sweep finds none twice in a row, REAP_SETTLE_S apart (a dying process may have started another meanwhile: a
+    worker its compiler, a raylet an agent), giving up after give_up_s (a process that survives SIGKILL that long
+    is stuck in the kernel, not ours to wait for)."""
+    signalled: set[int] = set()
+    deadline = time.monotonic() + grace_s
+    while (pids := set(marked(mark))) and time.monotonic() < deadline:
+        for pid in pids - signalled:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+        signalled |= pids
+        time.sleep(0.1)
+    deadline, quiet = time.monotonic() + give_up_s, 0
+    while quiet < 2 and time.monotonic() < deadline:
+        pids = marked(mark)
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        quiet = 0 if pids else quiet + 1
+        time.sleep(0.1 if pids else REAP_SETTLE_S)
 
 
 def _watch(mark: str) -> None:

@@ -51,16 +51,29 @@ def start_job(args: list[str], marker: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-def kill_leftovers(marker: str) -> list[int]:
+def described(pid: int) -> str:
+    """A leftover process as a failure message names it: pid, command line, parent, and whether it carried the
+    job's reaper mark (stopping.MARK_ENV)."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:120]
+        ppid = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        marked = b"BATCHGEN_REAPER_MARK=" in Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return f"{pid} (gone)"
+    return f"{pid} ppid={ppid} reaper-marked={marked}: {cmd}"
+
+
+def kill_leftovers(marker: str) -> list[str]:
     """SIGKILL what a failed check left behind (only processes carrying this test's marker), so that one failure
-    does not hold 180 MB per process for the rest of the session; the pids it found."""
+    does not hold 180 MB per process for the rest of the session; the processes it found, described."""
     left = processes_with(marker)
+    found = [described(pid) for pid in left]
     for pid in left:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-    return left
+    return found
 
 
 def ray_worker_up(marker: str) -> bool:
@@ -74,9 +87,9 @@ def ray_worker_up(marker: str) -> bool:
     return False
 
 
-def signal_when(ready, args: list[str], sig: signal.Signals) -> tuple[int, str, list[int]]:
+def signal_when(ready, args: list[str], sig: signal.Signals) -> tuple[int, str, list[str]]:
     """Run the job, send `sig` once `ready(marker)`; its exit code, its stderr, and the pids of what it started
-    that still live 30 s after it exited (killed here, so that a failure leaks nothing into the session)."""
+    that still live 45 s after it exited (killed here, so that a failure leaks nothing into the session)."""
     marker = uuid.uuid4().hex
     job = start_job(args, marker)
     try:
@@ -84,7 +97,7 @@ def signal_when(ready, args: list[str], sig: signal.Signals) -> tuple[int, str, 
         assert up and job.poll() is None, job.communicate()[1][-3000:] if job.poll() is not None else ""
         job.send_signal(sig)
         _, err = job.communicate(timeout=60)
-        wait_until(lambda: not processes_with(marker), 30)
+        wait_until(lambda: not processes_with(marker), 45)
     finally:
         if job.poll() is None:
             job.kill()

@@ -11,7 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from batchgen.engines import ENGINES, default_rows_per_part, engine_problems, structured_output_problems
+from batchgen.engines import (
+    ENGINES,
+    default_rows_per_part,
+    engine_config,
+    engine_problems,
+    structured_output_problems,
+)
 from batchgen.engines.base import EngineConfig
 from batchgen.errors import ConfigError
 from batchgen.reader import DatasetConfig
@@ -85,7 +91,7 @@ class OutputConfig:
 class JobConfig:
     name: str = "???"
     output_dir: str = "data/outputs/${name}"
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)  # validate() makes it the engine's own class
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -99,7 +105,7 @@ class JobConfig:
 
 def validate(cfg: JobConfig) -> JobConfig:
     """Report every problem at once, naming keys as the user types them; raise ConfigError if any."""
-    problems: list[str] = []
+    cfg.engine, problems = engine_config(cfg.engine)  # its engine's own config class (made in Python: maybe not)
     problems += _slurm_defaults(cfg.run)
     if not cfg.name or cfg.name == "???":
         problems.append("name is required: pick a job (job=demo) or set name=...")

@@ -73,7 +73,7 @@ def token_rows(rows: int, length: int, vocab: int, seed: int) -> list[list[int]]
 def load_engine(model: Path, config: str):
     from transformers import AutoTokenizer
 
-    from batchgen.engines.base import EngineConfig
+    from batchgen.engines.hf.config import HFConfig
     from batchgen.engines.hf.engine import HFEngine
     from batchgen.engines.hf.sampler import Sampler
 
@@ -87,7 +87,7 @@ def load_engine(model: Path, config: str):
             self.ids[req.key] = list(generated)
             return super().make_result(req, generated, reason, draw)
 
-    engine = HFEngine(EngineConfig(model=str(model), quantization=scheme, dtype=dtype, device="cpu"), tok)
+    engine = HFEngine(HFConfig(model=str(model), quantization=scheme, dtype=dtype, device="cpu"), tok)
     engine.sampler = RecordingSampler(tok, engine.eos_ids, engine.device)
     engine.ids = engine.sampler.ids
     return engine

@@ -205,14 +205,14 @@ def run_engine(model: Path, data: Path, dtype: str) -> dict:
     """batchgen's hf engine alone (no reader, no committer): the baseline for job overhead."""
     from transformers import AutoTokenizer
 
-    from batchgen.engines.base import EngineConfig
+    from batchgen.engines.hf.config import HFConfig
     from batchgen.engines.hf.engine import HFEngine
     from batchgen.records import Request
     from batchgen.sampling import SampleParams
 
     ids, caps = load_workload(data, model)
     t = time.perf_counter()
-    engine = HFEngine(EngineConfig(model=str(model), dtype=dtype, device=DEVICE), AutoTokenizer.from_pretrained(model))
+    engine = HFEngine(HFConfig(model=str(model), dtype=dtype, device=DEVICE), AutoTokenizer.from_pretrained(model))
     load_s = time.perf_counter() - t
     reqs = [Request(key=i, prompt_ids=p, seed=None, params=SampleParams(max_new_tokens=c, temperature=0.0, top_p=1.0,
                     top_k=0, stop=(), ignore_eos=True)) for i, (p, c) in enumerate(zip(ids, caps))]

@@ -81,3 +81,24 @@ def test_readme_is_short_and_opens_with_the_two_commands():
 def test_the_readme_links_every_docs_page():
     linked = {(ROOT / target.partition("#")[0]).resolve() for _, target in links(README)}
     assert DOCS and not [d.name for d in DOCS if d.resolve() not in linked]
+
+
+def test_every_config_key_is_in_the_config_reference():
+    """Every key of every config section and of every engine's own config class appears in docs/configuration.md
+    (the launcher's in the table docs/scaling-out.md holds, which the reference links)."""
+    import dataclasses
+
+    from batchgen.engines import ENGINES
+    from batchgen.job import LauncherConfig, OutputConfig, RunConfig
+    from batchgen.reader import DatasetConfig
+    from batchgen.sampling import SamplingConfig
+
+    reference = (ROOT / "docs" / "configuration.md").read_text()
+    scaling = (ROOT / "docs" / "scaling-out.md").read_text()
+    sections = [("dataset", DatasetConfig, reference), ("sampling", SamplingConfig, reference),
+                ("run", RunConfig, reference), ("output", OutputConfig, reference),
+                ("launcher", LauncherConfig, scaling)] + [("engine", spec.config, reference)
+                                                          for spec in ENGINES.values()]
+    missing = {f"{section}.{f.name}" for section, cls, doc in sections for f in dataclasses.fields(cls)
+               if f.name != "name" and f"`{section}.{f.name}`" not in doc}
+    assert not missing, f"config keys not in the reference: {sorted(missing)}"

@@ -80,6 +80,19 @@ def test_the_engines_folder_and_module_sizes():
     assert not long, long
 
 
+def test_functions_read_as_steps():
+    """No function in batchgen/ over 50 lines (a long sequence that must stay together is split into named steps,
+    or numbered in comments within the limit)."""
+    import ast
+
+    long = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 50:
+                long[f"{path.relative_to(PACKAGE)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert not long, long
+
+
 # The rooms in data-flow order: a module imports from its own room or from rooms further down, never up. The shared
 # vocabulary (records, sampling, constraints, errors, fsutil, version) is the ground floor; the job's root config
 # (job.py) composes the rooms' configs, and the package's __init__ / __main__ are its front doors: those three may

@@ -20,7 +20,7 @@ def test_keys_the_chosen_engine_ignores_are_refused(tiny_model, tmp_path):
     cfg = JobConfig(name="j")
     cfg.engine.model, cfg.dataset.path = tiny_model, str(tmp_path)
     cfg.engine.name, cfg.engine.device = "vllm", "cuda:1"
-    with pytest.raises(ConfigError, match=r"engine.device='cuda:1' is a setting of engine=hf; engine=vllm"):
+    with pytest.raises(ConfigError, match=r"engine.device='cuda:1' is a setting of engine=hf; engine=vllm has no "):
         validate(cfg)
     cfg.engine.name, cfg.engine.device, cfg.engine.tensor_parallel_size = "hf", "auto", 2
     with pytest.raises(ConfigError, match=r"engine.tensor_parallel_size=2 is a setting of engine=vllm"):

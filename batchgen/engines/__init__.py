@@ -1,14 +1,18 @@
-"""Engine registry: `engine.name` -> what the engine is and can do (EngineSpec: its loader, default part size,
-quantization schemes, own keys, features) and its config problems. Heavy imports happen only when an engine is
-built (or, for the hf engine, when a quantization scheme is checked)."""
+"""Engine registry: `engine.name` -> what the engine is and can do (EngineSpec: its config class, its loader,
+default part size, quantization schemes, features) and its config problems. Heavy imports happen only when an
+engine is built (or, for the hf engine, when a quantization scheme is checked)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from batchgen.engines.base import Engine, EngineConfig
+from batchgen.engines.dummy import DummyConfig
+from batchgen.engines.hf.config import HFConfig
+from batchgen.engines.vllm import VLLMConfig
 
 
 def _load_hf(cfg: EngineConfig, tokenizer: Any) -> Engine:
@@ -29,7 +33,7 @@ def _load_dummy(cfg: EngineConfig, tokenizer: Any) -> Engine:
     return DummyEngine(cfg, tokenizer)
 
 
-def _hf_quantization(cfg: EngineConfig) -> list[str]:
+def _hf_quantization(cfg: HFConfig) -> list[str]:
     from batchgen.engines.hf import quant
 
     return quant.check(cfg.quantization, cfg.device, cfg.dtype)
@@ -45,32 +49,30 @@ def _vllm_structured_outputs() -> Optional[str]:
 class EngineSpec:
     """What an engine is and can do, declared here beside its loader, so that the job asks and never names one."""
 
-    load: Callable[[EngineConfig, Any], Engine]
+    config: type[EngineConfig]  # its settings: the shared engine.* keys and its own
+    load: Callable[[Any, Any], Engine]  # (its config, the tokenizer) -> the engine
     rows_per_part: int  # its default commit unit (run.rows_per_part=null)
     quantization: tuple[str, ...]  # the engine.quantization schemes it takes (per device and dtype: its own check)
-    own_keys: tuple[str, ...] = ()  # engine.* keys only this engine reads: set for another engine, refused
     beam_search: bool = True
     beam_early_stopping: bool = True  # sampling.early_stopping other than false
     constraints: bool = True  # sampling.<constraint>, per-row choice / schema columns
     choice_scores: bool = False
     reasoning_with_constraint: bool = True  # a constraint (or a reasoning cap) applied to the answer only
     constraints_available: Optional[Callable[[], Optional[str]]] = None  # why constraints cannot run here, if so
-    check_quantization: Optional[Callable[[EngineConfig], list[str]]] = None  # a scheme on this device and dtype
+    check_quantization: Optional[Callable[[Any], list[str]]] = None  # a scheme on this device and dtype
 
 
 ENGINES: dict[str, EngineSpec] = {
-    "hf": EngineSpec(_load_hf, rows_per_part=256, quantization=("int8", "int4", "bnb-int8", "bnb-nf4"),
-                     own_keys=("device", "threads", "prepack", "prefix_cache", "prefix_cache_mb"), choice_scores=True,
-                     check_quantization=_hf_quantization),
+    "hf": EngineSpec(HFConfig, _load_hf, rows_per_part=256, quantization=("int8", "int4", "bnb-int8", "bnb-nf4"),
+                     choice_scores=True, check_quantization=_hf_quantization),
     # vllm: one window per part keeps its scheduler busy
-    "vllm": EngineSpec(_load_vllm, rows_per_part=1024,
+    "vllm": EngineSpec(VLLMConfig, _load_vllm, rows_per_part=1024,
                        quantization=("awq", "gptq", "fp8", "compressed-tensors", "bitsandbytes", "gguf", "awq_marlin",
                                      "gptq_marlin", "experts_int8"),
-                       own_keys=("tensor_parallel_size", "gpu_memory_utilization", "extra_args"),
                        beam_early_stopping=False, reasoning_with_constraint=False,
                        constraints_available=_vllm_structured_outputs),
-    "dummy": EngineSpec(_load_dummy, rows_per_part=256, quantization=(), own_keys=("extra_args",),  # delay_s, eos_rate
-                        beam_search=False, constraints=False),
+    "dummy": EngineSpec(DummyConfig, _load_dummy, rows_per_part=256, quantization=(), beam_search=False,
+                        constraints=False),
 }
 
 
@@ -80,7 +82,34 @@ def default_rows_per_part(name: str) -> int:
 
 
 def build_engine(cfg: EngineConfig, tokenizer: Any) -> Engine:
-    return ENGINES[cfg.name].load(cfg, tokenizer)
+    own, problems = engine_config(cfg)
+    if problems:
+        from batchgen.errors import ConfigError
+
+        raise ConfigError(problems)
+    return ENGINES[own.name].load(own, tokenizer)
+
+
+def engine_config(cfg: EngineConfig) -> tuple[EngineConfig, list[str]]:
+    """`cfg` as its engine's own config class, and a problem for each key it sets that this engine does not have.
+    Hydra composes the engine's class already (conf/engine/NAME.yaml); a config made in Python may be the shared
+    EngineConfig, or another engine's class with engine.name changed."""
+    spec = ENGINES.get(cfg.name)
+    if spec is None or type(cfg) is spec.config:
+        return cfg, []
+    mine = {f.name for f in dataclasses.fields(spec.config)}
+    defaults = {f.name: getattr(type(cfg)(), f.name) for f in dataclasses.fields(cfg)}
+    problems = [foreign_key(key, value, cfg.name) for key, value in vars(cfg).items()
+                if key not in mine and (key not in defaults or value != defaults[key])]
+    return spec.config(**{k: v for k, v in vars(cfg).items() if k in mine}), problems
+
+
+def foreign_key(key: str, value: Any, engine: str) -> str:
+    """engine.KEY set for an engine that has no such key: which engines have it."""
+    owners = [name for name, spec in ENGINES.items() if key in {f.name for f in dataclasses.fields(spec.config)}]
+    whose = f"a setting of engine={' / engine='.join(owners)}" if owners else "no engine's setting"
+    return (f"engine.{key}={value!r} is {whose}; engine={engine} has no such key (remove it, or pass vLLM options "
+            f"in engine.extra_args)")
 
 
 def engine_problems(cfg: EngineConfig, sampling: Any, dataset: Any) -> list[str]:
@@ -89,7 +118,7 @@ def engine_problems(cfg: EngineConfig, sampling: Any, dataset: Any) -> list[str]
     if cfg.name not in ENGINES:
         return [f"engine must be one of {', '.join(ENGINES)} (got {cfg.name!r})"]
     spec = ENGINES[cfg.name]
-    out = _quantization_problems(cfg, spec) + _ignored_keys(cfg)
+    out = _quantization_problems(cfg, spec)
     if sampling.num_beams > 1 and not spec.beam_search:
         out.append(f"sampling.num_beams > 1: engine={cfg.name} has no beam search; use engine=hf or engine=vllm")
     if sampling.num_beams > 1 and not spec.beam_early_stopping and sampling.early_stopping is not False:
@@ -108,20 +137,6 @@ def _quantization_problems(cfg: EngineConfig, spec: EngineSpec) -> list[str]:
         choices = ", ".join(spec.quantization) if spec.quantization else "none yet (leave it null)"
         return [f"engine.quantization={cfg.quantization!r} is not supported by engine={cfg.name}; choices: {choices}"]
     return spec.check_quantization(cfg) if spec.check_quantization else []
-
-
-def _ignored_keys(cfg: EngineConfig) -> list[str]:
-    """Keys set away from their defaults that the chosen engine would ignore: refused rather than dropped."""
-    defaults, mine = EngineConfig(), set(ENGINES[cfg.name].own_keys)
-    out = []
-    for owner, spec in ENGINES.items():
-        if owner == cfg.name:
-            continue
-        for key in spec.own_keys:
-            if key not in mine and getattr(cfg, key) != getattr(defaults, key):
-                out.append(f"engine.{key}={getattr(cfg, key)!r} is a setting of engine={owner}; engine="
-                           f"{cfg.name} would ignore it (remove it, or pass vLLM options in engine.extra_args)")
-    return out
 
 
 def structured_output_problems(cfg: EngineConfig, kind: Optional[str], choice_scores: bool,

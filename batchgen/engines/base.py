@@ -13,16 +13,14 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional, Protocol
 
 from batchgen.errors import BatchgenError
 from batchgen.records import Request, Result
 from batchgen.sampling import SampleParams, split_reasoning
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-PREFIX_CACHE = ("auto", "on", "off")
-DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")  # name or org/name: left to from_pretrained (a hub, if reachable)
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".gguf")
 
@@ -46,51 +44,38 @@ def model_dir_problems(path: str, key: str, weights: bool = True) -> list[str]:
 
 @dataclass
 class EngineConfig:
+    """The keys every engine reads. Each engine's own config class extends it beside the engine (hf/config.py,
+    vllm.py, dummy.py) and the registry (engines/__init__.py) names it; `engine=NAME` picks it in Hydra."""
+
+    MODEL_HAS_WEIGHTS: ClassVar[bool] = True  # engine.model must hold weights (dummy: a tokenizer will do)
+
     name: str = "hf"  # hf | vllm | dummy (chosen with `engine=hf` / `engine=vllm` / `engine=dummy`)
     model: str = "???"  # local model directory (or hub id where the hub is reachable)
     tokenizer: Optional[str] = None  # tokenizer directory; null = the model's
     dtype: str = "auto"  # auto = the fastest exact-enough dtype for the device
     quantization: Optional[str] = None  # weight quantization scheme, per engine
-    device: str = "auto"  # hf: auto | cpu | cuda | cuda:N
     max_batch_tokens: Optional[int] = None  # token budget of one forward pass; null = engine default
     max_batch_size: Optional[int] = None  # rows decoded together at most; null = engine default
     max_model_len: Optional[int] = None  # prompt + generation limit; null = the model's own
-    threads: Optional[int] = None  # hf on CPU: torch threads; null = all cores
-    prepack: bool = True  # hf on CPU: reorder linear weights once into oneDNN's layout (faster small-batch GEMMs)
-    prefix_cache: str = "auto"  # hf: shared prompt prefixes computed once: auto | on (from 32 shared tokens) | off
-    prefix_cache_mb: int = 1024  # hf: the prefix cache's keys and values are kept within this many MiB
     trust_remote_code: bool = False
-    tensor_parallel_size: int = 1  # vllm
-    # vllm; null: vLLM's 0.9 on GPU, and on CPU a KV cache fit to the memory free at start (engines/vllm.py)
-    gpu_memory_utilization: Optional[float] = None
-    enable_prefix_caching: bool = True  # vllm
-    extra_args: dict[str, Any] = field(default_factory=dict)  # vllm: passed through to vllm.LLM
 
     def problems(self) -> list[str]:
         out = []
         if self.model in ("???", "", None):
             out.append("engine.model is required (a local model directory)")
         else:
-            out += model_dir_problems(self.model, "engine.model", weights=self.name != "dummy")
+            out += model_dir_problems(self.model, "engine.model", weights=self.MODEL_HAS_WEIGHTS)
         if self.tokenizer:
             out += model_dir_problems(self.tokenizer, "engine.tokenizer", weights=False)
-        if self.name == "hf" and not DEVICE.match(self.device):
-            out.append(f"engine.device must be auto, cpu, cuda or cuda:N (got {self.device!r})")
         if self.dtype not in DTYPES:
             out.append(f"engine.dtype must be one of {', '.join(DTYPES)} (got {self.dtype!r})")
-        for key in ("max_batch_tokens", "max_batch_size", "max_model_len", "threads"):
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                out.append(f"engine.{key} must be >= 1 or null (got {value})")
-        if self.prefix_cache not in PREFIX_CACHE:
-            out.append(f"engine.prefix_cache must be one of {', '.join(PREFIX_CACHE)} (got {self.prefix_cache!r})")
-        if self.prefix_cache_mb < 1:
-            out.append(f"engine.prefix_cache_mb must be >= 1 (got {self.prefix_cache_mb})")
-        if self.tensor_parallel_size < 1:
-            out.append(f"engine.tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})")
-        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
-            out.append(f"engine.gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
-        return out
+        return out + at_least_one(self, "max_batch_tokens", "max_batch_size", "max_model_len")
+
+
+def at_least_one(cfg: Any, *keys: str) -> list[str]:
+    """engine.KEY >= 1 or null, for each of `keys`."""
+    return [f"engine.{key} must be >= 1 or null (got {getattr(cfg, key)})" for key in keys
+            if getattr(cfg, key) is not None and getattr(cfg, key) < 1]
 
 
 # The engine's supply of work: a non-empty list of new requests; [] when there are none right now (the caller's

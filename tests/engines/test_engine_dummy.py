@@ -9,8 +9,7 @@ import subprocess
 import sys
 import time
 
-from batchgen.engines.base import EngineConfig
-from batchgen.engines.dummy import DummyEngine
+from batchgen.engines.dummy import DummyConfig, DummyEngine
 from batchgen.records import Request
 from batchgen.run.runner import run_job
 from batchgen.sampling import SampleParams
@@ -22,7 +21,7 @@ def params(cap=8, stop=(), ignore_eos=False):
 
 
 def test_the_engine_contract(tokenizer):
-    engine = DummyEngine(EngineConfig(name="dummy", model="x", extra_args={"eos_rate": 0.0}), tokenizer)
+    engine = DummyEngine(DummyConfig(model="x", extra_args={"eos_rate": 0.0}), tokenizer)
     reqs = [Request(key=k, prompt_ids=[5, 6, 7 + k % 2], params=params(cap=3 + k), seed=k % 2) for k in range(4)]
     seen = []
     results = engine.generate(reqs, on_result=seen.append)
@@ -33,7 +32,7 @@ def test_the_engine_contract(tokenizer):
     assert [r.text for r in again] == [r.text for r in results]  # a pure function of the request
     other = engine.generate([Request(key=0, prompt_ids=[5, 6, 7], params=params(cap=3), seed=99)])[0]
     assert other.text != results[0].text  # another seed, another sample
-    eos = DummyEngine(EngineConfig(name="dummy", model="x", extra_args={"eos_rate": 1.0}), tokenizer)
+    eos = DummyEngine(DummyConfig(model="x", extra_args={"eos_rate": 1.0}), tokenizer)
     assert eos.generate(reqs[:1])[0].finish_reason == "stop"
     assert eos.generate([Request(key=0, prompt_ids=[1], params=params(ignore_eos=True), seed=0)])[0] \
         .finish_reason == "length"

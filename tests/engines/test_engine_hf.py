@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from batchgen.engines.base import EngineConfig
+from batchgen.engines.hf.config import HFConfig
 from batchgen.engines.hf.cpu import kernels as cpu_kernels
 from batchgen.engines.hf.device import resolve_dtype
 from batchgen.engines.hf.engine import HFEngine
@@ -35,7 +35,7 @@ def prompts_with_lengths(tokenizer, lengths: list[int], seed: int = 0) -> list[s
 
 @pytest.fixture(scope="module")
 def engine(tiny_model, tokenizer):
-    return HFEngine(EngineConfig(model=tiny_model, dtype="float32", max_batch_tokens=2048, max_batch_size=16),
+    return HFEngine(HFConfig(model=tiny_model, dtype="float32", max_batch_tokens=2048, max_batch_size=16),
                     tokenizer)
 
 
@@ -195,7 +195,7 @@ def test_dtype_calibration_measures_both_dtypes_here(monkeypatch, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_engine_generates(tiny_model, tokenizer):
-    eng = HFEngine(EngineConfig(model=tiny_model, device="cuda"), tokenizer)
+    eng = HFEngine(HFConfig(model=tiny_model, device="cuda"), tokenizer)
     res = eng.generate([Request(key=0, prompt_ids=tokenizer("the river").input_ids, params=GREEDY, seed=None)])
     assert res[0].num_generated_tokens >= 1 and eng.dtype in (torch.bfloat16, torch.float16)
 
@@ -217,7 +217,7 @@ def test_generic_path_matches_the_fast_path(engine, tokenizer):
 
 
 def test_no_decode_step_is_spent_on_a_finished_row(tiny_model, tokenizer):
-    eng = HFEngine(EngineConfig(model=tiny_model, dtype="float32", max_batch_size=4), tokenizer)
+    eng = HFEngine(HFConfig(model=tiny_model, dtype="float32", max_batch_size=4), tokenizer)
     caps = [1, 30, 5, 12, 2, 25, 8, 3, 17, 6]
     reqs = [Request(key=i, prompt_ids=tokenizer("the river " * (i + 1)).input_ids,
                     params=SampleParams(max_new_tokens=c, temperature=0.0, top_p=1.0, top_k=0, stop=(),
@@ -256,7 +256,7 @@ def test_out_of_memory_in_prefill_halves_the_budget_and_retries(engine, tokenize
 def test_out_of_memory_allocating_the_cache_or_in_the_generic_path_backs_off(tiny_model, tokenizer, monkeypatch):
     from batchgen.engines.hf.step import LlamaStepper
 
-    eng = HFEngine(EngineConfig(model=tiny_model, dtype="float32", max_batch_size=8), tokenizer)
+    eng = HFEngine(HFConfig(model=tiny_model, dtype="float32", max_batch_size=8), tokenizer)
     reqs = [Request(key=i, prompt_ids=tokenizer("the river " * (i + 1)).input_ids, params=GREEDY, seed=None)
             for i in range(6)]
     expected = [r.text for r in eng.generate(reqs)]
@@ -314,7 +314,7 @@ def test_greedy_output_is_the_same_with_prepacked_and_fused_linears(tiny_model, 
         pytest.skip("this torch build has no oneDNN linear reorder")
     assert engine.prepacked == engine.fused == 0 and "linear" not in engine.identity()
     monkeypatch.setattr(cpu_linear, "MIN_FEATURES", 1)
-    packed = HFEngine(EngineConfig(model=tiny_model, dtype="float32", max_batch_tokens=2048, max_batch_size=16),
+    packed = HFEngine(HFConfig(model=tiny_model, dtype="float32", max_batch_tokens=2048, max_batch_size=16),
                       tokenizer)
     layers = packed.model.config.num_hidden_layers
     assert packed.fused == 2 * layers and packed.prepacked == 2 * layers + 2 * layers + 1  # + o, down; + lm_head
@@ -396,7 +396,7 @@ def test_native_decode_step_equals_the_torch_step(tiny_model, tokenizer, monkeyp
     from batchgen.engines.hf.cpu import onednn as cpu_linear
 
     monkeypatch.setattr(cpu_linear, "MIN_FEATURES", 1)  # the tiny model's projections fused, as a large model's are
-    engine = HFEngine(EngineConfig(model=tiny_model, dtype="float32", max_batch_size=16), tokenizer)
+    engine = HFEngine(HFConfig(model=tiny_model, dtype="float32", max_batch_size=16), tokenizer)
     native = llama_step.LlamaStepper(engine.model)
     if native.native is None:
         pytest.skip("batchgen's CPU kernels are not built here (they need x86-64 with AVX2 and FMA, and a C compiler)")
@@ -445,7 +445,7 @@ def test_native_step_greedy_equals_one_row_generate_under_each_variant(isa, tiny
     from batchgen.engines.hf.cpu import onednn as cpu_linear
 
     monkeypatch.setattr(cpu_linear, "MIN_FEATURES", 1)  # the tiny model's projections fused, as a large model's are
-    engine = HFEngine(EngineConfig(model=tiny_model, dtype="float32", max_batch_size=8), tokenizer)
+    engine = HFEngine(HFConfig(model=tiny_model, dtype="float32", max_batch_size=8), tokenizer)
     texts = prompts_with_lengths(tokenizer, [1, 7, 30, 120, 250, 15, 64, 3, 90, 44], seed=7)
     reqs = [Request(key=i, prompt_ids=tokenizer(t).input_ids, params=GREEDY, seed=None) for i, t in enumerate(texts)]
     results = engine.generate(reqs)
@@ -470,7 +470,7 @@ def test_bf16_gemms_with_float32_kernels_between_track_the_float32_model(isa, ti
     if not hf.cpu_has_fast_bf16() or not cpu_linear.available(torch.bfloat16):
         pytest.skip("this CPU has no native bf16 (AVX-512 BF16 or AMX): bf16 stays torch's bf16 model")
     monkeypatch.setattr(cpu_linear, "MIN_FEATURES", 1)
-    engine = HFEngine(EngineConfig(model=tiny_model, dtype="bfloat16", max_batch_size=8), tokenizer)
+    engine = HFEngine(HFConfig(model=tiny_model, dtype="bfloat16", max_batch_size=8), tokenizer)
     if cpu_kernels.load() is None:
         pytest.skip("no C compiler: batchgen's kernels are not built")
     assert engine.identity()["dtype"] == "bfloat16" and engine.identity()["activations"] == "float32"

@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.engines.base import EngineConfig
-from batchgen.engines.vllm import llm_kwargs
+from batchgen.engines.vllm import VLLMConfig, llm_kwargs
 from tests.conftest import job_overrides, run_cli, write_parquet
 
 
 def test_llm_kwargs_come_from_the_engine_keys_and_extra_args_win():
-    cfg = EngineConfig(name="vllm", model="m", dtype="auto", quantization="awq", max_model_len=4096,
+    cfg = VLLMConfig(model="m", dtype="auto", quantization="awq", max_model_len=4096,
                        tensor_parallel_size=4, gpu_memory_utilization=0.8, enable_prefix_caching=False,
                        max_batch_size=32, extra_args={"enforce_eager": True, "gpu_memory_utilization": 0.7})
     kwargs = llm_kwargs(cfg)
@@ -51,15 +50,15 @@ def test_vllm_on_cpu_sizes_its_kv_cache_to_free_memory_unless_told(tmp_path, mon
     assert engine.available_memory() > 0 or not Path("/proc/meminfo").exists()
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.setattr(engine, "available_memory", lambda: 6 * GiB)
-    cfg = EngineConfig(name="vllm", model=str(tmp_path))
+    cfg = VLLMConfig(model=str(tmp_path))
     kwargs = llm_kwargs(cfg, cpu=True)
     assert kwargs["kv_cache_memory_bytes"] == 2 * GiB and "gpu_memory_utilization" not in kwargs
     assert "kv_cache_memory_bytes" not in llm_kwargs(cfg, cpu=False)  # on GPU vLLM's own default (0.9)
-    assert llm_kwargs(EngineConfig(name="vllm", model=str(tmp_path), gpu_memory_utilization=0.5),
+    assert llm_kwargs(VLLMConfig(model=str(tmp_path), gpu_memory_utilization=0.5),
                       cpu=True)["gpu_memory_utilization"] == 0.5
-    assert "kv_cache_memory_bytes" not in llm_kwargs(EngineConfig(name="vllm", model=str(tmp_path),
+    assert "kv_cache_memory_bytes" not in llm_kwargs(VLLMConfig(model=str(tmp_path),
                                                                   gpu_memory_utilization=0.5), cpu=True)
-    explicit = EngineConfig(name="vllm", model=str(tmp_path), extra_args={"kv_cache_memory_bytes": 123})
+    explicit = VLLMConfig(model=str(tmp_path), extra_args={"kv_cache_memory_bytes": 123})
     assert llm_kwargs(explicit, cpu=True)["kv_cache_memory_bytes"] == 123
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
     assert "kv_cache_memory_bytes" not in llm_kwargs(cfg, cpu=True)  # vLLM reads the variable itself
@@ -70,7 +69,7 @@ def test_the_kv_cache_ceiling_is_what_the_sequences_can_fill(tiny_model):
     from batchgen.engines import vllm as engine
 
     # tiny: 2 layers, 2 KV heads of 16, 2048 positions; K and V in 2 bytes; 256 sequences (vLLM's default) or 8
-    assert engine.kv_cache_ceiling(EngineConfig(name="vllm", model=tiny_model)) == 2 * 2 * 2 * 16 * 2 * 2048 * 256
-    small = EngineConfig(name="vllm", model=tiny_model, max_model_len=512, max_batch_size=8, dtype="float32")
+    assert engine.kv_cache_ceiling(VLLMConfig(model=tiny_model)) == 2 * 2 * 2 * 16 * 2 * 2048 * 256
+    small = VLLMConfig(model=tiny_model, max_model_len=512, max_batch_size=8, dtype="float32")
     assert engine.kv_cache_ceiling(small) == 2 * 2 * 2 * 16 * 4 * 512 * 8
-    assert engine.kv_cache_ceiling(EngineConfig(name="vllm", model="/no/such/model")) is None
+    assert engine.kv_cache_ceiling(VLLMConfig(model="/no/such/model")) is None

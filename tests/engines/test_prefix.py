@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from batchgen.engines.base import EngineConfig
+from batchgen.engines.hf.config import HFConfig
 from batchgen.engines.hf.engine import HFEngine
 from batchgen.engines.hf.prefix import BLOCK, PrefixCache
 from batchgen.records import Request
@@ -36,7 +36,7 @@ def shared_prompt_rows(tokenizer, rows: int, seed: int = 0) -> tuple[list[list[i
 
 
 def engine(tiny_model, tokenizer, mode: str, **kw) -> HFEngine:
-    return HFEngine(EngineConfig(model=tiny_model, dtype="float32", prefix_cache=mode, max_batch_size=6, **kw),
+    return HFEngine(HFConfig(model=tiny_model, dtype="float32", prefix_cache=mode, max_batch_size=6, **kw),
                     tokenizer)
 
 
@@ -103,14 +103,15 @@ def test_prefix_cache_lookup_sharing_and_its_memory_bound():
 
 
 def test_prefix_cache_values_are_checked(tiny_model, tmp_path):
+    from batchgen.commands.cli import compose_checked
     from batchgen.errors import ConfigError
-    from tests.conftest import compose_job, job_overrides, write_parquet
+    from tests.conftest import job_overrides, write_parquet
 
     data = write_parquet(tmp_path / "in.parquet", [{"prompt": "a"}])
     with pytest.raises(ConfigError, match=r"engine.prefix_cache must be one of auto, on, off"):
-        compose_job(job_overrides(tiny_model, data, tmp_path / "o", "engine.prefix_cache=sometimes"))
+        compose_checked(job_overrides(tiny_model, data, tmp_path / "o", "engine.prefix_cache=sometimes"))
     with pytest.raises(ConfigError, match=r"engine.prefix_cache=.* is a setting of engine=hf"):
-        compose_job(job_overrides(tiny_model, data, tmp_path / "o", "engine=vllm", "engine.prefix_cache=off"))
+        compose_checked(job_overrides(tiny_model, data, tmp_path / "o", "engine=vllm", "engine.prefix_cache=off"))
 
 
 def test_a_job_with_a_shared_system_prompt_writes_the_same_with_and_without_the_cache(tiny_model, tokenizer, tmp_path):

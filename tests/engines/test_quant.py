@@ -254,7 +254,7 @@ def test_quick_benchmark_prints_the_table(tmp_path):
 def test_cuda_schemes_generate(small_model, scheme):
     from transformers import AutoTokenizer
 
-    from batchgen.engines.base import EngineConfig
+    from batchgen.engines.hf.config import HFConfig
     from batchgen.engines.hf.engine import HFEngine
     from batchgen.records import Request
     from batchgen.sampling import SampleParams
@@ -263,7 +263,7 @@ def test_cuda_schemes_generate(small_model, scheme):
     if importlib.util.find_spec(package) is None:
         pytest.skip(f"{scheme} needs {package}")
     tokenizer = AutoTokenizer.from_pretrained(small_model)
-    engine = HFEngine(EngineConfig(model=small_model, device="cuda", quantization=scheme), tokenizer)
+    engine = HFEngine(HFConfig(model=small_model, device="cuda", quantization=scheme), tokenizer)
     params = SampleParams(max_new_tokens=4, temperature=0.0, top_p=1.0, top_k=0, stop=(), ignore_eos=True)
     results = engine.generate([Request(key=0, prompt_ids=[1, 20, 30], params=params, seed=None)])
     assert results[0].num_generated_tokens == 4 and engine.identity()["quantization"] == scheme
@@ -281,8 +281,8 @@ def test_quantized_projections_fuse_and_generate_what_unfused_ones_do(small_mode
     int4 groups run along the input, so nothing is requantized); greedy generations equal the unfused model's."""
     from transformers import AutoTokenizer
 
-    from batchgen.engines.base import EngineConfig
     from batchgen.engines.hf import engine as hf
+    from batchgen.engines.hf.config import HFConfig
     from batchgen.engines.hf.step import FusedSlice
     from batchgen.records import Request
     from batchgen.sampling import SampleParams
@@ -292,7 +292,7 @@ def test_quantized_projections_fuse_and_generate_what_unfused_ones_do(small_mode
     kind = {"int8": int8.Int8WeightOnlyLinear, "int4": int4.Int4WeightOnlyLinear}[scheme]
     tokenizer = AutoTokenizer.from_pretrained(small_model)
     # float32: in bf16 a fused GEMM may block its sums differently from the parts and round apart
-    config = EngineConfig(model=small_model, quantization=scheme, device="cpu", dtype="float32", max_batch_size=8)
+    config = HFConfig(model=small_model, quantization=scheme, device="cpu", dtype="float32", max_batch_size=8)
     fused = hf.HFEngine(config, tokenizer)
     layers = fused.model.config.num_hidden_layers
     attn = fused.model.model.layers[0].self_attn
@@ -398,12 +398,12 @@ def test_quantized_bf16_runs_its_prefill_gemms_in_bf16_and_float32_around_them(s
     their many-row GEMMs; the model and batchgen's kernels stay float32; logits track the float32 engine's."""
     from transformers import AutoTokenizer
 
-    from batchgen.engines.base import EngineConfig
+    from batchgen.engines.hf.config import HFConfig
     from batchgen.engines.hf.engine import HFEngine
 
     native_or_skip()
     tokenizer = AutoTokenizer.from_pretrained(small_model)
-    engines = {dtype: HFEngine(EngineConfig(model=small_model, quantization=scheme, device="cpu", dtype=dtype),
+    engines = {dtype: HFEngine(HFConfig(model=small_model, quantization=scheme, device="cpu", dtype=dtype),
                                tokenizer) for dtype in ("bfloat16", "float32")}
     bf16 = engines["bfloat16"]
     kind = {"int8": int8.Int8WeightOnlyLinear, "int4": int4.Int4WeightOnlyLinear}[scheme]

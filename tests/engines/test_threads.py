@@ -151,14 +151,14 @@ def test_outputs_do_not_depend_on_the_thread_count(tmp_path: Path, dtype: str) -
     import torch
     from transformers import AutoTokenizer
 
-    from batchgen.engines.base import EngineConfig
+    from batchgen.engines.hf.config import HFConfig
     from batchgen.engines.hf.engine import HFEngine
     from batchgen.engines.hf.step import LlamaStepper
     from batchgen.engines.toymodel import build_model
 
     model = tmp_path / "small"
     build_model(model, [f"row {i} " + "word " * (i % 17) for i in range(200)], size="small")
-    engine = HFEngine(EngineConfig(model=str(model), dtype=dtype, device="cpu"), AutoTokenizer.from_pretrained(model))
+    engine = HFEngine(HFConfig(model=str(model), dtype=dtype, device="cpu"), AutoTokenizer.from_pretrained(model))
     stepper = LlamaStepper(engine.model, engine.activation_dtype, engine.dtype)
     before = torch.get_num_threads()
     outs = {}

@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from batchgen.engines.base import EngineConfig
+from batchgen.engines.hf.config import HFConfig
 from batchgen.errors import ResumeMismatchError
 from batchgen.job import JobConfig, RunConfig
 from batchgen.output.manifest import (
@@ -38,7 +38,7 @@ def fake_model(path, *, header: dict | None = None, data: bytes = b"\x00" * 64, 
 
 
 def job(model: str = "m", data: str = "/data/in.jsonl", **sampling) -> JobConfig:
-    return JobConfig(name="t", output_dir="/out", engine=EngineConfig(name="hf", model=model, dtype="float32"),
+    return JobConfig(name="t", output_dir="/out", engine=HFConfig(model=model, dtype="float32"),
                      dataset=DatasetConfig(path=data, prompt_column="prompt"), sampling=SamplingConfig(**sampling),
                      run=RunConfig(rows_per_part=8))
 

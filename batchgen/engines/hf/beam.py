@@ -52,10 +52,7 @@ def search(model: Any, prompt_ids: list[int], *, num_beams: int, max_new_tokens:
     running = torch.zeros((num_beams, max_new_tokens), dtype=torch.long, device=device)
     running_scores = torch.full((num_beams,), NEG, device=device)
     running_scores[0] = 0.0  # beams start identical: only the first one expands at the first step
-    done = torch.zeros((num_beams, max_new_tokens), dtype=torch.long, device=device)
-    done_scores = torch.full((num_beams,), NEG, device=device)
-    done_len = torch.zeros((num_beams,), dtype=torch.long, device=device)
-    done_full = torch.zeros((num_beams,), dtype=torch.bool, device=device)
+    done = _Finished.empty(num_beams, max_new_tokens, device)
     improvable = True
     for t in range(max_new_tokens):
         vocab = logits.shape[-1]
@@ -67,31 +64,55 @@ def search(model: Any, prompt_ids: list[int], *, num_beams: int, max_new_tokens:
         ends = torch.isin(token, eos) | (t + 1 >= max_new_tokens)
         # finished: the candidates among the top num_beams that end here, against those finished before
         finishing = ends & (torch.arange(keep, device=device) < num_beams)
-        scored = top_scores / ((t + 1) ** length_penalty)
-        blocked = (early_stopping is True and bool(done_full.all())) or not improvable
-        scored = torch.where(finishing & (not blocked), scored, scored + NEG)
-        merged = torch.cat((done_scores, scored))
-        best = torch.topk(merged, num_beams).indices
-        done = torch.cat((done, seqs))[best]
-        done_len = torch.cat((done_len, torch.full((keep,), t + 1, device=device)))[best]
-        done_full = torch.cat((done_full, finishing))[best]
-        done_scores = merged[best]
+        blocked = (early_stopping is True and bool(done.full.all())) or not improvable
+        done = done.merge(seqs, top_scores / ((t + 1) ** length_penalty), finishing, t + 1, blocked)
         # running: the best num_beams candidates that do not end here
         alive = top_scores + ends.float() * NEG
         nxt = torch.topk(alive, num_beams).indices
         running, running_scores = seqs[nxt], alive[nxt]
         # stop when no running beam can beat the worst finished one (transformers' heuristic)
         length = max_new_tokens if early_stopping == "never" and length_penalty > 0.0 else t + 1
-        worst = float(done_scores.min()) if bool(done_full.all()) else NEG
+        worst = float(done.scores.min()) if bool(done.full.all()) else NEG
         improvable = improvable and float(running_scores[0]) / (length ** length_penalty) > worst
-        if not improvable or (bool(done_full.all()) and early_stopping is True) or bool(ends.all()):
+        if not improvable or (bool(done.full.all()) and early_stopping is True) or bool(ends.all()):
             break
         cache.reorder_cache(parent[nxt])
         out = model(input_ids=running[:, t:t + 1], use_cache=True, **{kw: cache})
         logits = out.logits[:, -1, :].float()
-    return [Hypothesis(done[i, :int(done_len[i])].tolist(), float(done_scores[i]),
-                       int(done[i, int(done_len[i]) - 1]) in eos_ids) for i in range(num_beams)
-            if float(done_scores[i]) > NEG / 2]
+    return done.hypotheses(eos_ids)
+
+
+@dataclass(frozen=True)
+class _Finished:
+    """The num_beams best finished hypotheses so far: tokens [num_beams, max_new_tokens], length-penalized scores
+    (NEG: none yet), lengths, and whether each slot holds a finished hypothesis (not a placeholder)."""
+
+    tokens: torch.Tensor
+    scores: torch.Tensor
+    lengths: torch.Tensor
+    full: torch.Tensor
+
+    @staticmethod
+    def empty(num_beams: int, max_new_tokens: int, device: torch.device) -> _Finished:
+        return _Finished(torch.zeros((num_beams, max_new_tokens), dtype=torch.long, device=device),
+                         torch.full((num_beams,), NEG, device=device),
+                         torch.zeros((num_beams,), dtype=torch.long, device=device),
+                         torch.zeros((num_beams,), dtype=torch.bool, device=device))
+
+    def merge(self, seqs: torch.Tensor, scored: torch.Tensor, finishing: torch.Tensor, length: int,
+              blocked: bool) -> _Finished:
+        """These and the candidates that finish here (`finishing`; `scored` length-penalized; none where
+        `blocked`), the best num_beams."""
+        merged = torch.cat((self.scores, torch.where(finishing & (not blocked), scored, scored + NEG)))
+        best = torch.topk(merged, len(self.scores)).indices
+        lengths = torch.full((len(seqs),), length, device=self.lengths.device)
+        return _Finished(torch.cat((self.tokens, seqs))[best], merged[best],
+                         torch.cat((self.lengths, lengths))[best], torch.cat((self.full, finishing))[best])
+
+    def hypotheses(self, eos_ids: set[int]) -> list[Hypothesis]:
+        return [Hypothesis(self.tokens[i, :int(self.lengths[i])].tolist(), float(self.scores[i]),
+                           int(self.tokens[i, int(self.lengths[i]) - 1]) in eos_ids)
+                for i in range(len(self.scores)) if float(self.scores[i]) > NEG / 2]
 
 
 class BeamSearcher:

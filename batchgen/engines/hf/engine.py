@@ -17,9 +17,10 @@ from typing import Any, Optional
 
 import torch
 
-from batchgen.engines.base import EngineConfig, Source, generate_by_stream, stream_windows
+from batchgen.engines.base import Source, generate_by_stream, stream_windows
 from batchgen.engines.hf import device, prefix, quant
 from batchgen.engines.hf.beam import BeamSearcher, with_beams
+from batchgen.engines.hf.config import HFConfig
 from batchgen.engines.hf.cpu import kernels, onednn, runtime, threads
 from batchgen.engines.hf.generic import GenericGenerator
 from batchgen.engines.hf.sampler import Sampler, eos_ids
@@ -34,7 +35,7 @@ cpu_has_fast_bf16 = runtime.has_native_bf16  # the flag; engine.dtype=auto measu
 
 
 class HFEngine:
-    def __init__(self, cfg: EngineConfig, tokenizer: Any):
+    def __init__(self, cfg: HFConfig, tokenizer: Any):
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.cfg = cfg
@@ -83,14 +84,14 @@ class HFEngine:
                  "oneDNN, %d fused q/k/v or gate/up projections", cfg.model, self.device, self.dtype, between,
                  self.max_batch_tokens, self.max_batch_size, self.prepacked, self.fused)
 
-    def mixed_bf16_pays(self, cfg: EngineConfig) -> bool:
+    def mixed_bf16_pays(self, cfg: HFConfig) -> bool:
         """bf16 GEMMs with batchgen's float32 kernels between them (onednn.mixed_bf16): a bf16 model on a CPU
         with native bf16 (the flag: on an emulating CPU the pure bf16 path stays as it was measured), where the
         kernels are built and oneDNN can prepack bf16 weights."""
         return (self.device.type == "cpu" and self.dtype == torch.bfloat16 and cfg.prepack and not cfg.quantization
                 and cpu_has_fast_bf16() and kernels.load() is not None and onednn.available(torch.bfloat16))
 
-    def quantized_bf16_gemms(self, cfg: EngineConfig) -> bool:
+    def quantized_bf16_gemms(self, cfg: HFConfig) -> bool:
         """int8/int4 in bf16 on CPU through batchgen's kernels: the model computes in float32 (the kernels for few
         rows take float32), and each quantized linear runs its dequantized GEMM (prefill) in bf16."""
         return (self.device.type == "cpu" and cfg.quantization in ("int8", "int4") and self.dtype == torch.bfloat16
@@ -166,7 +167,7 @@ class HFEngine:
             self.max_batch_size = scheduler.max_batch_size
 
 
-def _load_model(cfg: EngineConfig, on: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def _load_model(cfg: HFConfig, on: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """quant.load_model; a pickled checkpoint that torch.load refuses under weights_only (the default since torch
     2.6: a pickled object other than tensors and plain containers) is a ModelLoadError (exit 2) saying what to do."""
     try:

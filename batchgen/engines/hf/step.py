@@ -41,6 +41,22 @@ def supports(model: Any, max_len: int) -> bool:
     return all(hasattr(model.model, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb"))
 
 
+@dataclass(frozen=True)
+class _PrefillBatch:
+    """What every layer of one prefill shares: where the prompts go in the cache, their padded shape ([n, T], with
+    `valid` marking real tokens, None when none is padded, and `pad` making [N, C] into [n, T, C]), the attention
+    over a cached prefix (None: plain causal attention), and the rotary embedding's cos and sin."""
+
+    cache: SlotKVCache
+    first_slot: int
+    n: int
+    width: int
+    valid: Optional[torch.Tensor]
+    pad: Callable[[torch.Tensor], torch.Tensor]
+    attend: Optional[Callable[..., torch.Tensor]]
+    cos_sin: Any
+
+
 class LlamaStepper:
     def __init__(self, model: Any, dtype: Optional[torch.dtype] = None, kv_dtype: Optional[torch.dtype] = None):
         """dtype: the activations' (float32 around bf16 GEMMs, onednn.mixed_bf16); default the model's parameters'.
@@ -118,35 +134,42 @@ class LlamaStepper:
         if starts is not None:
             positions = positions + torch.tensor(starts, device=self.device)[:, None]
             attend = self._after_prefix(cache, first_slot, starts, lengths, positions)
-        cos_sin = self.inner.rotary_emb(x, positions)
+        batch = _PrefillBatch(cache, first_slot, n, width, valid, pad, attend, self.inner.rotary_emb(x, positions))
+        h = None
         if self.native_step:  # batchgen's RMSNorm (fused with the residual adds) and SiLU, over every prompt token
             x = x.contiguous()
             h = self._norm(self.layers[0].input_layernorm, x, self.gemm_inputs[0][0])
         for i, layer in enumerate(self.layers):
-            if not self.native_step:
-                h = layer.input_layernorm(x)
-            q, k, v = (t.to(self.dtype) for t in self._qkv(layer.self_attn, h, cos_sin, pad))
-            if attend is None:
-                cache.write_prefill(i, first_slot, k, v)  # [n, kv_heads, T, d], rounded to the cache's dtype
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
-            else:
-                out = attend(i, q, k, v)
-            out = out.transpose(1, 2).reshape(n, width, -1)  # [n, T, heads * d]
-            attended = layer.self_attn.o_proj(out.view(-1, out.shape[-1]) if valid is None else out[valid])
-            if self.native_step:
-                _, _, gate_up_in, down_in = self.gemm_inputs[i]
-                h = self._add_norm(x, attended, layer.post_attention_layernorm, gate_up_in)
-                gate_up = layer.mlp.gate_up_proj(h)
-                down = layer.mlp.down_proj(cpu_kernels.silu_mul(self.native, gate_up.contiguous(), down_in))
-                # the next layer's input norm (its GEMM input dtype); after the last layer, the residual add alone
-                h = (self._add_norm(x, down, self.layers[i + 1].input_layernorm, self.gemm_inputs[i + 1][0])
-                     if i + 1 < len(self.layers) else x.add_(down))
-            else:
-                x = x + attended
-                x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
+            x, h = self._prefill_layer(i, layer, x, h, batch)
         cache.set_lengths(first_slot, full)
         ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
         return self.model.lm_head(self.inner.norm(x[ends])).float()  # [n, hidden] -> [n, V]
+
+    def _prefill_layer(self, i: int, layer: nn.Module, x: torch.Tensor, h: Optional[torch.Tensor],
+                       batch: _PrefillBatch) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Decoder layer i over the packed prompt tokens: x is the residual stream [N, hidden]; on the native step h
+        is x normed for this layer (its GEMM input dtype). Returns both for the next layer (the native step adds
+        into x in place and norms for the next layer here)."""
+        if not self.native_step:
+            h = layer.input_layernorm(x)
+        q, k, v = (t.to(self.dtype) for t in self._qkv(layer.self_attn, h, batch.cos_sin, batch.pad))
+        if batch.attend is None:
+            batch.cache.write_prefill(i, batch.first_slot, k, v)  # [n, kv_heads, T, d], in the cache's dtype
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
+        else:
+            out = batch.attend(i, q, k, v)
+        out = out.transpose(1, 2).reshape(batch.n, batch.width, -1)  # [n, T, heads * d]
+        attended = layer.self_attn.o_proj(out.view(-1, out.shape[-1]) if batch.valid is None else out[batch.valid])
+        if not self.native_step:
+            x = x + attended
+            return x + _mlp(layer.mlp, layer.post_attention_layernorm(x)), None
+        _, _, gate_up_in, down_in = self.gemm_inputs[i]
+        h = self._add_norm(x, attended, layer.post_attention_layernorm, gate_up_in)
+        gate_up = layer.mlp.gate_up_proj(h)
+        down = layer.mlp.down_proj(cpu_kernels.silu_mul(self.native, gate_up.contiguous(), down_in))
+        if i + 1 < len(self.layers):  # the next layer's input norm (its GEMM input dtype)
+            return x, self._add_norm(x, down, self.layers[i + 1].input_layernorm, self.gemm_inputs[i + 1][0])
+        return x.add_(down), None  # after the last layer, the residual add alone
 
     def _after_prefix(self, cache: SlotKVCache, first_slot: int, starts: list[int], counts: list[int],
                       positions: torch.Tensor) -> Callable[..., torch.Tensor]:

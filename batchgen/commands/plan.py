@@ -230,6 +230,13 @@ def main(argv: list[str], compose_checked: Callable[[list[str]], JobConfig]) -> 
     """The CLI's `batchgen plan`; `compose_checked` (cli.py, the one module that knows Hydra) makes the config."""
     from batchgen.errors import BatchgenError
 
+    if "-h" in argv or "--help" in argv:
+        print(f"usage: batchgen plan [--calibrate] [job=NAME] [key=value ...]\n\n{__doc__.split(':', 1)[1].strip()}")
+        return 0
+    unknown = [a for a in argv if a.startswith("-") and a != "--calibrate"]
+    if unknown:
+        print(f"batchgen plan: error: unknown option {unknown[0]} (batchgen plan --help)", file=sys.stderr)
+        return 2
     calibrate_engine = "--calibrate" in argv
     overrides = [a for a in argv if a != "--calibrate"]
     try:

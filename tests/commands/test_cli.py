@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.conftest import REPO, corpus, job_overrides, read_output, run_cli, write_parquet
 
 
@@ -125,3 +127,47 @@ def test_second_writer_is_refused_and_a_dead_holder_lock_is_taken_over(tiny_mode
     for lock in out.glob("_lock*"):
         lock.unlink()
     assert run_cli(["status", str(out)], timeout=60).returncode == 0 and not list(out.glob("_lock*"))  # reads only
+
+
+def test_the_cli_explains_itself():
+    """`batchgen --help` lists every command and every config group's options; each command has its own --help;
+    `--version` is batchgen's, not Hydra's."""
+    from batchgen.commands.cli import COMMANDS, GROUPS, group_options
+    from batchgen.version import __version__
+
+    shown = run_cli(["--help"])
+    assert shown.returncode == 0, shown.stderr
+    for name, line in COMMANDS.items():
+        assert f"  {name:<9} {line}" in shown.stdout
+    for group in GROUPS:
+        assert f"  {group:<9} {', '.join(group_options(group))}" in shown.stdout
+    assert "hf, vllm" in shown.stdout.replace("dummy, ", "") and "demo" in shown.stdout
+    version = run_cli(["--version"])
+    assert version.returncode == 0 and version.stdout.strip() == f"batchgen {__version__}"
+    for name in COMMANDS:
+        helped = run_cli([name, "--help"])
+        assert helped.returncode == 0 and f"batchgen {name}" in helped.stdout, (name, helped.stderr[-2000:])
+    wrong = run_cli(["plan", "--calibrat"])
+    assert wrong.returncode == 2 and "unknown option --calibrat" in wrong.stderr
+
+
+def test_config_mistakes_are_named_with_what_to_do(tiny_model, tmp_path):
+    """A misspelt group option lists the options; a value of the wrong type keeps its reason; a value Hydra's grammar
+    cannot read names its key and the quoting that works (and that quoting does work)."""
+    from batchgen.commands.cli import compose_checked
+    from batchgen.errors import ConfigError
+
+    data = write_parquet(tmp_path / "in.parquet", [{"prompt": "a"}])
+    base = job_overrides(tiny_model, data, tmp_path / "o")
+    cases = {"sampling=greedyy": "sampling=greedyy: no such option (did you mean sampling=greedy?); choices: greedy, "
+                                 "sample",
+             "sampling.temperature=hot": "Value 'hot' of type 'str' could not be converted to Float",
+             "dataset.system_prompt=Be brief Ω {x}": "dataset.system_prompt: Hydra's override grammar cannot read "
+                                                     "this value unquoted"}
+    for override, expected in cases.items():
+        with pytest.raises(ConfigError) as err:
+            compose_checked([*base, override])
+        assert len(err.value.problems) == 1 and expected in err.value.problems[0], err.value.problems
+    advice = err.value.problems[0].split("shell's quotes: '")[1].split("', or")[0]
+    assert advice == 'dataset.system_prompt="Be brief Ω {x}"'
+    assert compose_checked([*base, advice]).dataset.system_prompt == "Be brief Ω {x}"

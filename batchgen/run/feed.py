@@ -50,9 +50,9 @@ class PartProgress(Protocol):
 
     stop: GracefulStop  # its shielded() keeps a stop signal out of a journal append or a commit
 
-    def start_part(self, index: int, planned: int, reused: int) -> None: ...
+    def start_part(self, index: int, planned: int, reused: int, rows: int = 0) -> None: ...
 
-    def journaled(self, index: int, count: int) -> None: ...
+    def journaled(self, index: int, count: int, tokens: int = 0) -> None: ...
 
     def committed(self, index: int, stats: PartStats, generated_tokens: int) -> None: ...
 
@@ -64,10 +64,10 @@ class Unreported:
 
     stop: GracefulStop
 
-    def start_part(self, index: int, planned: int, reused: int) -> None:
+    def start_part(self, index: int, planned: int, reused: int, rows: int = 0) -> None:
         pass
 
-    def journaled(self, index: int, count: int) -> None:
+    def journaled(self, index: int, count: int, tokens: int = 0) -> None:
         pass
 
     def committed(self, index: int, stats: PartStats, generated_tokens: int) -> None:
@@ -149,9 +149,10 @@ class Feed:
         with self.progress.stop.shielded(), writing(op.path):
             op.journal.append_all(done)
             kill_point("samples journaled")
-        self.progress.journaled(op.planned.part.index, len(done))
+        tokens = sum(r.num_generated_tokens for r in done)
+        self.progress.journaled(op.planned.part.index, len(done), tokens)
         op.results += done
-        op.generated_tokens += sum(r.num_generated_tokens for r in done)
+        op.generated_tokens += tokens
         op.left -= len(done)
         if op.left == 0:
             self._commit(op)
@@ -181,7 +182,7 @@ class Feed:
         op = OpenPart(planned, journal, path, results, left=len(todo))
         self.open[part.index] = op
         self.max_in_flight = max(self.max_in_flight, len(self.open))
-        self.progress.start_part(part.index, len(planned.requests), len(results))
+        self.progress.start_part(part.index, len(planned.requests), len(results), len(part.ids))
         if not todo:  # every sample journaled already (or only error rows): commit now
             self._commit(op)
             return []

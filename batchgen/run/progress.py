@@ -78,8 +78,12 @@ class Summary:
 
 
 class Progress:
-    """tqdm over rows with generated tokens/s, and the _status.json heartbeat: written per part opened and
-    committed, and in between at most every HEARTBEAT_S seconds with the samples journaled so far."""
+    """tqdm over rows with generated tokens/s and an ETA, and the _status.json heartbeat: written per part opened
+    and committed, and in between at most every HEARTBEAT_S seconds with the samples journaled so far.
+
+    The bar moves per journaled sample, not per committed part: a part of R rows and P samples advances it R/P
+    rows a sample (its error rows, which have no sample, when it commits), so a slow model's first part shows its
+    progress long before it commits. The rate and the ETA come from the tokens and samples journaled in this run."""
 
     HEARTBEAT_S = 2.0
 
@@ -97,31 +101,55 @@ class Progress:
         self.run_tokens = 0
         self.duplicate_ids = 0
         self.parts: dict[int, dict[str, int]] = {}  # parts in flight: index, samples planned, journaled, reused
+        self.shown: dict[int, float] = {}  # parts in flight: the rows the bar has advanced for their samples
+        self.part_rows: dict[int, int] = {}  # parts in flight: their rows
+        self.part_tokens: dict[int, int] = {}  # parts in flight: tokens generated in this run, journaled
+        self.run_progress = 0.0  # rows this run, committed or advanced per journaled sample
         self.written_at = 0.0
         self.opened: dict[int, float] = {}  # parts in flight: when this run opened them (their time in the history)
         self.engine: Any = None  # once loaded: its counters (OOM backoffs, decode steps) go into the status
         self.bar = tqdm(total=self.total, initial=min(done.rows, self.total or done.rows), unit="row",
-                        disable=not cfg.run.progress, dynamic_ncols=True)
+                        disable=not cfg.run.progress, dynamic_ncols=True,
+                        bar_format="{l_bar}{bar}| {n:.0f}/{total_fmt} rows [{elapsed}<{remaining}{postfix}]")
         self.write("running")
 
-    def start_part(self, index: int, planned: int, reused: int) -> None:
+    def start_part(self, index: int, planned: int, reused: int, rows: int = 0) -> None:
+        """Part `index` opened: `planned` samples for its `rows` rows, `reused` of them journaled by an earlier run."""
         self.parts[index] = {"index": index, "samples_planned": planned, "samples_journaled": reused,
                              "samples_reused": reused}
         self.opened.setdefault(index, time.time())
+        self.part_rows[index], self.shown[index], self.part_tokens[index] = rows, 0.0, 0
+        self._advance(index, reused, this_run=False)
         self.write("running")
 
-    def journaled(self, index: int, count: int) -> None:
+    def journaled(self, index: int, count: int, tokens: int = 0) -> None:
+        """`count` samples of part `index` journaled, `tokens` generated for them."""
         self.parts[index]["samples_journaled"] += count
+        self.part_tokens[index] = self.part_tokens.get(index, 0) + tokens
+        self.run_tokens += tokens
+        self._advance(index, count)
         if time.monotonic() - self.written_at >= self.HEARTBEAT_S:
+            self.bar.set_postfix(tok_s=f"{self.rate():.1f}", errors=self.done.error_rows)
             self.write("running")
+
+    def _advance(self, index: int, samples: int, this_run: bool = True) -> None:
+        planned = self.parts[index]["samples_planned"]
+        if planned and samples:
+            step = self.part_rows.get(index, 0) * samples / planned
+            self.shown[index] = self.shown.get(index, 0.0) + step
+            self.run_progress += step if this_run else 0.0
+            self.bar.update(step)
 
     def committed(self, index: int, stats: PartStats, generated_tokens: int, worker: Optional[str] = None) -> None:
         self._history(index, stats, generated_tokens, worker)
         self.done.add(stats)
         self.run_rows += stats.rows
-        self.run_tokens += generated_tokens
+        self.run_tokens += max(generated_tokens - self.part_tokens.pop(index, 0), 0)  # not counted as journaled
         self.parts.pop(index, None)
-        self.bar.update(stats.rows)
+        self.part_rows.pop(index, None)
+        rest = stats.rows - self.shown.pop(index, 0.0)
+        self.run_progress += rest
+        self.bar.update(rest)
         self.bar.set_postfix(tok_s=f"{self.rate():.1f}", errors=self.done.error_rows)
         self.write("running")
 
@@ -150,7 +178,9 @@ class Progress:
         total = self.total if total_rows is None else shard_rows(total_rows, self.cfg.rows_per_part,
                                                                  self.cfg.run.shard, self.cfg.run.num_shards)
         left = None if total is None else max(total - self.done.rows, 0)
-        eta = None if left is None or not self.run_rows else left / (self.run_rows / elapsed)
+        in_flight = sum(self.shown.values())  # rows' worth of samples journaled in parts not yet committed
+        left = None if left is None else max(left - in_flight, 0)
+        eta = None if left is None or self.run_progress <= 0 else left / (self.run_progress / elapsed)
         beat = Heartbeat(
             state=state, rows_done=self.done.rows, rows_failed=self.done.error_rows, rows_total=total,
             errors=dict(Counter(self.done.errors)), samples_done=self.done.samples,

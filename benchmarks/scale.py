@@ -41,7 +41,7 @@ def job(model: Path, data: Path, out: Path, *extra: str):
 
     from hydra import compose, initialize_config_dir
 
-    from batchgen.commands.cli import CONF_DIR, to_job_config
+    from batchgen.commands.compose import CONF_DIR, to_job_config
 
     shutil.rmtree(out, ignore_errors=True)
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

@@ -81,7 +81,7 @@ def reference_run(args: list[str]) -> tuple[pa.Table, float]:
     """The uninterrupted run, in this process."""
     from hydra import compose, initialize_config_dir
 
-    from batchgen.commands.cli import CONF_DIR, to_job_config
+    from batchgen.commands.compose import CONF_DIR, to_job_config
     from batchgen.run.runner import run_job
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

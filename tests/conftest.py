@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from hydra import compose, initialize_config_dir
 
-from batchgen.commands.cli import CONF_DIR, to_job_config
+from batchgen.commands.compose import CONF_DIR, to_job_config
 from batchgen.job import JobConfig
 
 WORDS = ("the river town market opened closed with many people after rain sun night lamp bread "
@@ -116,3 +116,11 @@ def s3(tmp_path_factory):
         else:
             os.environ[k] = v
     server.stop()
+
+
+def dummy_overrides(tokenizer_dir: str, data: Path, out: Path, *extra: str) -> list[str]:
+    """job_overrides on engine=dummy (batchgen/engines/dummy.py): no model, each generation a deterministic function
+    of its request, so a test of the pipeline (reading, parts, resume, retry, output files) runs without loading
+    weights; `tokenizer_dir` gives the tokenizer (the tiny model's directory serves)."""
+    return ["name=t", f"output_dir={out}", f"dataset.path={data}", "dataset.format=auto", "engine=dummy",
+            f"engine.model={tokenizer_dir}", "run.progress=false", *extra]

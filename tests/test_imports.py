@@ -93,6 +93,21 @@ def test_functions_read_as_steps():
     assert not long, long
 
 
+def test_hydra_is_known_in_one_place():
+    """commands/compose.py composes the config (and cli.py runs the job under hydra.main); nothing else imports
+    hydra or omegaconf: the rest of the package sees plain dataclasses."""
+    import ast
+
+    knowing = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n.split(".")[0] in ("hydra", "omegaconf") for n in names):
+                knowing.add(str(path.relative_to(PACKAGE)))
+    assert knowing == {"commands/compose.py", "commands/cli.py"}, knowing
+
+
 # The rooms in data-flow order: a module imports from its own room or from rooms further down, never up. The shared
 # vocabulary (records, sampling, constraints, errors, fsutil, version) is the ground floor; the job's root config
 # (job.py) composes the rooms' configs, and the package's __init__ / __main__ are its front doors: those three may

@@ -1,8 +1,7 @@
-"""The command line: the one module that knows Hydra.
-
-`batchgen [job=NAME] [key=value ...]` composes conf/, converts it to JobConfig dataclasses once,
-validates it and runs the job. `batchgen status OUTPUT_DIR` reads a run's progress off disk; `plan`, `retry` and
-`finalize` are their own modules, handed the config composition they need from here.
+"""The command line: `batchgen [job=NAME] [key=value ...]` runs a job under hydra.main (its config composed and
+checked first by commands/compose.py, the one module that composes Hydra's config); `batchgen COMMAND ...` runs a
+command's module (plan, status, report, retry, finalize), handed the composition it needs. `--config-dir DIR` (the
+user's presets) applies to every command; `--help` and `--version` explain the CLI.
 Exit codes (docs/contract.md section 7): 0 done, 1 runtime failure or error rate exceeded, 2 config or input error;
 143 / 130 stopped by SIGTERM / SIGINT after journaling finished results (rerun the same command to resume).
 """
@@ -14,8 +13,6 @@ from batchgen.engines import prepare_process
 prepare_process()  # before torch loads: OpenMP's threads spin briefly, then sleep (engines/hf/cpu/runtime.py)
 
 import contextlib  # noqa: E402
-import dataclasses  # noqa: E402
-import json  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
@@ -24,45 +21,28 @@ from pathlib import Path  # noqa: E402
 from typing import Optional  # noqa: E402
 
 import hydra  # noqa: E402
-from hydra.core.config_store import ConfigStore  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
-from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
-from batchgen.engines import ENGINES, foreign_key  # noqa: E402
-from batchgen.errors import BatchgenError, ConfigError  # noqa: E402
-from batchgen.job import (  # noqa: E402
-    JobConfig,
-    LauncherConfig,  # noqa: E402
-    OutputConfig,
-    RunConfig,
-    validate,
+from batchgen.commands.compose import (  # noqa: E402
+    CONF_DIR,
+    GROUPS,
+    USER_CONF_ENV,
+    compose_checked,
+    config_from,
+    group_options,
+    take_config_dirs,
+    to_job_config,
+    with_search_path,
 )
+from batchgen.errors import BatchgenError, ConfigError  # noqa: E402
+from batchgen.job import JobConfig  # noqa: E402
 from batchgen.output.remote import RemoteOutput, is_remote  # noqa: E402
-from batchgen.reader import DatasetConfig  # noqa: E402
 from batchgen.run.stopping import StopRequested  # noqa: E402
-from batchgen.sampling import SamplingConfig  # noqa: E402
 
 log = logging.getLogger("batchgen")
-CONF_DIR = os.environ.get("BATCHGEN_CONF_DIR") or str(Path(__file__).resolve().parents[2] / "conf")
 _entered_job = False  # set once Hydra has composed the config and handed it to us
 LOGS = "_logs"  # Hydra's run folders, in output_dir (conf/config.yaml: hydra.run.dir)
 _logs_home: Optional[tuple[Path, Optional[set[str]]]] = None  # where they go, and what was there before the run
-
-ConfigStore.instance().store(name="batchgen_schema", node=JobConfig)
-for _name, _spec in ENGINES.items():  # each engine's config class, under its group file (conf/engine/NAME.yaml)
-    ConfigStore.instance().store(group="engine", name=f"{_name}_schema", node=_spec.config)
-
-
-def to_job_config(cfg: DictConfig) -> JobConfig:
-    """The one conversion from Hydra's config to dataclasses."""
-    try:
-        job = OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or "config"
-        raise ConfigError([f"{key}: {getattr(exc, 'msg', exc)}"]) from exc
-    assert isinstance(job, JobConfig)
-    return validate(job)
-
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
@@ -75,7 +55,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         resolved = OmegaConf.to_container(cfg, resolve=True)
         summary = run_job(job, resolved)  # type: ignore[arg-type]
     except BatchgenError as exc:
-        log.error("%s", exc)
+        _to_log_file(logging.ERROR, f"{exc}")  # the console gets it once, from the line below
         print(f"batchgen: error: {exc}", file=sys.stderr)
         if exc.exit_code == 2:
             _forget_refused_run()
@@ -88,6 +68,14 @@ def _hydra_main(cfg: DictConfig) -> None:
         print("batchgen: interrupted; committed parts are kept, rerun the same command to resume", file=sys.stderr)
         sys.exit(130)
     print(summary.render())
+
+
+def _to_log_file(level: int, message: str) -> None:
+    """`message` into the run's log file only (Hydra's file handler): for what the CLI prints to the console itself."""
+    record = log.makeRecord(log.name, level, __file__, 0, message, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def _entries(directory: Path) -> Optional[set[str]]:
@@ -124,200 +112,6 @@ def _exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-GROUPS = ("job", "engine", "dataset", "sampling", "launcher")  # config groups: `engine=vllm` picks a file, not a key
-
-
-def unknown_keys(overrides: list[str], engine: Optional[str] = None) -> list[str]:
-    """Every override naming a key JobConfig does not have (Hydra stops at the first), with a likely spelling; an
-    engine.* key is checked against `engine`'s config class (against every engine's when it is not known)."""
-    problems = []
-    for arg in overrides:
-        key = arg.split("=", 1)[0].lstrip("+~")
-        if "=" not in arg or key.startswith("hydra") or key in GROUPS:
-            continue
-        if key.startswith("engine."):
-            problems += _engine_key_problems(key, arg.split("=", 1)[1], engine)
-            continue
-        node: object = JobConfig
-        for i, name in enumerate(key.split(".")):
-            if not dataclasses.is_dataclass(node):
-                break  # a dict-valued key: any sub-key goes
-            fields = {f.name: f for f in dataclasses.fields(node)}
-            if name not in fields:
-                problems.append(_no_such_key(key, ".".join(key.split(".")[:i]), list(fields)))
-                break
-            typ = fields[name].type
-            node = SECTIONS.get(typ if isinstance(typ, str) else getattr(typ, "__name__", ""))
-    return problems
-
-
-# JobConfig's sections by type name (its annotations are strings), for walking a dotted key
-SECTIONS = {"DatasetConfig": DatasetConfig, "SamplingConfig": SamplingConfig, "RunConfig": RunConfig,
-            "LauncherConfig": LauncherConfig, "OutputConfig": OutputConfig}
-
-
-def _no_such_key(key: str, prefix: str, names: list[str]) -> str:
-    import difflib
-
-    known = [f"{prefix}.{name}" if prefix else name for name in names]
-    close = difflib.get_close_matches(key, known, n=1)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    return f"{key}: no such config key{hint}; see docs/configuration.md \"Config reference\""
-
-
-def _engine_key_problems(key: str, value: str, engine: Optional[str]) -> list[str]:
-    """engine.KEY: a key of the chosen engine's config class (any engine's when the choice is not known yet); a
-    dict-valued key (engine.extra_args.*) takes any sub-key."""
-    name = key.split(".")[1]
-    every = {f.name for spec in ENGINES.values() for f in dataclasses.fields(spec.config)}
-    if name not in every:
-        return [_no_such_key(key, "engine", sorted(every))]
-    if engine in ENGINES and name not in {f.name for f in dataclasses.fields(ENGINES[engine].config)}:
-        return [foreign_key(name, value, engine)]
-    return []
-
-
-def _chosen_engine(overrides: list[str]) -> Optional[str]:
-    """engine.name as the config groups picked in `overrides` (engine=..., job=...) make it; None when they do not
-    compose (the full composition then says why). Call inside Hydra's initialize_config_dir."""
-    from hydra import compose
-
-    groups = [arg for arg in overrides if arg.split("=", 1)[0].lstrip("+~") in GROUPS]
-    groups += [arg for arg in overrides if arg.split("=", 1)[0].lstrip("+~") == "engine.name"]
-    try:
-        return compose(config_name="config", overrides=groups).engine.name
-    except Exception:  # noqa: BLE001 - reported by the full composition
-        return None
-
-
-def compose_checked(overrides: list[str]) -> JobConfig:
-    """The job config from `overrides`, composed without starting a Hydra run (nothing written), and validated;
-    ConfigError with every problem (unknown keys with their likely spelling, composition errors, bad values)."""
-    from hydra import compose, initialize_config_dir
-
-    problems = unreadable(overrides) + unknown_options(overrides)
-    if problems:
-        raise ConfigError(problems)
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        problems = unknown_keys(overrides, _chosen_engine(overrides))
-        if not problems:
-            try:
-                cfg = compose(config_name="config", overrides=overrides)
-                if OmegaConf.is_missing(cfg, "name"):
-                    problems.append("name is required: pick a job (job=demo) or set name=...")
-                else:
-                    return to_job_config(cfg)
-            except ConfigError as exc:
-                problems += exc.problems
-            except Exception as exc:  # Hydra's composition errors: a bad value for a key's type, say
-                problems.append(hydra_reason(exc))
-    raise ConfigError(problems)
-
-
-def unreadable(overrides: list[str]) -> list[str]:
-    """Overrides Hydra's grammar cannot read (braces, `\\n`, non-ASCII characters... in an unquoted value): one
-    problem each, naming the key and the quoting that works."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
-
-    parser, problems = OverridesParser.create(), []
-    for arg in overrides:
-        try:
-            parser.parse_overrides([arg])
-        except OverrideParseException:
-            key, _, value = arg.partition("=")
-            quoted = value.replace('"', '\\"')
-            problems.append(f"{key}: Hydra's override grammar cannot read this value unquoted (braces, quotes, "
-                            f"backslashes or non-ASCII characters need quoting). Quote it for Hydra inside the "
-                            f"shell's quotes: '{key}=\"{quoted[:60]}{'...' if len(quoted) > 60 else ''}\"', or set "
-                            f"it in a preset (a YAML file: docs/configuration.md, \"Running jobs\"), where any text "
-                            f"goes")
-    return problems
-
-
-def unknown_options(overrides: list[str]) -> list[str]:
-    """GROUP=CHOICE naming no file of conf/GROUP/: the choices, and the likely one."""
-    import difflib
-
-    problems = []
-    for arg in overrides:
-        group, _, choice = arg.partition("=")
-        group = group.lstrip("+~")
-        if group not in GROUPS or choice in ("", "null") or (Path(CONF_DIR) / group / f"{choice}.yaml").is_file():
-            continue
-        options = group_options(group)
-        close = difflib.get_close_matches(choice, options, n=1)
-        hint = f" (did you mean {group}={close[0]}?)" if close else ""
-        problems.append(f"{group}={choice}: no such option{hint}; choices: {', '.join(options)}")
-    return problems
-
-
-def group_options(group: str) -> list[str]:
-    """The choices of config group `group`: its files in conf/."""
-    return sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
-
-
-def hydra_reason(exc: Exception) -> str:
-    """Hydra's composition error as one line with its reason (its first line alone drops it: "Error merging
-    override sampling.temperature=hot"); OmegaConf's key and type bookkeeping left out."""
-    text = "\n".join(str(e) for e in (exc, exc.__cause__) if e is not None)
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    keep = [line for line in lines if not line.startswith(("full_key:", "reference_type=", "object_type=",
-                                                           "To append to your config"))]
-    return ": ".join(keep[:2]) if keep else type(exc).__name__
-
-
-def config_from(resolved: dict, overrides: list[str]) -> JobConfig:
-    """A job config from an earlier run's resolved config (its manifest's `config`) with `overrides` on top, validated
-    (batchgen retry); ConfigError naming every problem."""
-    engine = resolved.get("engine") if isinstance(resolved.get("engine"), dict) else {}
-    spec = ENGINES.get(engine.get("name", "hf"))
-    problems = group_switches(overrides, resolved) + unknown_keys(overrides, engine.get("name", "hf"))
-    if problems:
-        raise ConfigError(problems)
-    if spec is not None:  # its engine's class; an output written before engines had their own keeps only those
-        mine = {f.name for f in dataclasses.fields(spec.config)}
-        resolved = resolved | {"engine": {k: v for k, v in engine.items() if k in mine}}
-    schema = OmegaConf.structured(JobConfig)
-    try:
-        if spec is not None:
-            schema = OmegaConf.merge(schema, {"engine": OmegaConf.structured(spec.config)})
-        cfg = OmegaConf.merge(schema, resolved, OmegaConf.from_dotlist(overrides))
-    except OmegaConfBaseException as exc:
-        raise ConfigError([f"{getattr(exc, 'full_key', None) or 'config'}: {getattr(exc, 'msg', exc)}"]) from exc
-    return to_job_config(cfg)  # type: ignore[arg-type]
-
-
-def group_switches(overrides: list[str], resolved: dict) -> list[str]:
-    """A config group picked on top of an earlier run's resolved config (`sampling=sample` on a retry): Hydra picks
-    a group's file when it composes, and that config is composed already. One problem each, naming what to set
-    instead."""
-    problems = []
-    for arg in overrides:
-        key, _, choice = arg.partition("=")
-        group = key.lstrip("+~")
-        if group in GROUPS:
-            problems.append(f"{arg}: a retry cannot switch the config group {group} (it starts from the job's "
-                            f"resolved config); {_instead(group, choice, resolved.get(group))}")
-    return problems
-
-
-def _instead(group: str, choice: str, current: object) -> str:
-    """What to set instead of `group=choice`: the keys of conf/GROUP/CHOICE.yaml whose values differ from the
-    job's (`current`)."""
-    path = Path(CONF_DIR) / group / f"{choice}.yaml"
-    if group == "job":  # a preset of the whole config
-        return "set the keys you want changed one by one, e.g. sampling.temperature=0.7"
-    picked = OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else None
-    if not isinstance(picked, dict) or not isinstance(current, dict):
-        return f"set the keys under {group} one by one, e.g. {group}.KEY=VALUE"
-    changes = " ".join(f"{group}.{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in picked.items()
-                       if not isinstance(v, dict) and current.get(k) != v)  # json: as Hydra's grammar reads it
-    if not changes:
-        return f"the job's config has what {group}/{choice}.yaml sets already: leave it out"
-    return f"set the keys it would change instead: {changes}"
 
 
 def preflight(overrides: list[str]) -> JobConfig:
@@ -360,6 +154,7 @@ commands:
 config groups (GROUP=OPTION; job=NAME picks a preset):
 {groups}
 
+Your own presets: DIR/job/NAME.yaml, with --config-dir DIR (any command) or {USER_CONF_ENV}=DIR.
 Every key, its default and meaning: docs/configuration.md, "Config reference". `batchgen job=NAME --cfg job` prints
 the composed config without running it; `batchgen --hydra-help` shows Hydra's own flags.
 Exit codes: 0 done, 1 runtime failure, 2 config or input error, 143/130 stopped by SIGTERM/SIGINT (rerun to resume).
@@ -368,6 +163,7 @@ Exit codes: 0 done, 1 runtime failure, 2 config or input error, 143/130 stopped 
 
 def main() -> None:
     global _logs_home
+    sys.argv[1:] = take_config_dirs(sys.argv[1:])  # --config-dir DIR: the user's presets, for every command
     first = sys.argv[1] if len(sys.argv) > 1 else None
     if first in ("-h", "--help", "help"):
         print(usage())
@@ -404,6 +200,7 @@ def main() -> None:
             # Hydra's logs are local files: for an output on object storage, in its staging directory
             sys.argv.append(f"hydra.run.dir={home}/{LOGS}/" + "${now:%Y-%m-%d_%H-%M-%S-%f}")
         _logs_home = (home.resolve(), _entries(home))  # before Hydra makes its run folder there
+    sys.argv[1:] = with_search_path(sys.argv[1:])
     try:
         _hydra_main()
     except SystemExit as exc:

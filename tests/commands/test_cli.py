@@ -20,7 +20,7 @@ def test_config_errors_exit_2_naming_the_key_before_the_model_loads(tiny_model, 
     cases = {
         "dataset.prompt_column: column 'prompt' not found": [],
         "dataset.path: no such file": [f"dataset.path={tmp_path / 'missing.parquet'}"],
-        "Could not find 'engine/nope'": ["engine=nope"],
+        "engine=nope: no such option; choices: dummy, hf, vllm": ["engine=nope"],
         "engine.model: no such model directory": [f"engine.model={tmp_path / 'no-model'}",
                                                   "dataset.prompt_column=text"],
         "sampling.top_p must be in (0, 1]": ["sampling.top_p=2.0", "dataset.prompt_column=text"],
@@ -132,7 +132,8 @@ def test_second_writer_is_refused_and_a_dead_holder_lock_is_taken_over(tiny_mode
 def test_the_cli_explains_itself():
     """`batchgen --help` lists every command and every config group's options; each command has its own --help;
     `--version` is batchgen's, not Hydra's."""
-    from batchgen.commands.cli import COMMANDS, GROUPS, group_options
+    from batchgen.commands.cli import COMMANDS
+    from batchgen.commands.compose import GROUPS, group_options
     from batchgen.version import __version__
 
     shown = run_cli(["--help"])
@@ -154,7 +155,7 @@ def test_the_cli_explains_itself():
 def test_config_mistakes_are_named_with_what_to_do(tiny_model, tmp_path):
     """A misspelt group option lists the options; a value of the wrong type keeps its reason; a value Hydra's grammar
     cannot read names its key and the quoting that works (and that quoting does work)."""
-    from batchgen.commands.cli import compose_checked
+    from batchgen.commands.compose import compose_checked
     from batchgen.errors import ConfigError
 
     data = write_parquet(tmp_path / "in.parquet", [{"prompt": "a"}])

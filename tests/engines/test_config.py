@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from batchgen.commands.cli import compose_checked, config_from
+from batchgen.commands.compose import compose_checked, config_from
 from batchgen.engines import ENGINES, engine_config
 from batchgen.engines.base import EngineConfig
 from batchgen.engines.dummy import DummyConfig

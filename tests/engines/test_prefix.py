@@ -103,7 +103,7 @@ def test_prefix_cache_lookup_sharing_and_its_memory_bound():
 
 
 def test_prefix_cache_values_are_checked(tiny_model, tmp_path):
-    from batchgen.commands.cli import compose_checked
+    from batchgen.commands.compose import compose_checked
     from batchgen.errors import ConfigError
     from tests.conftest import job_overrides, write_parquet
 

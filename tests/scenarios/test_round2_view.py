@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from batchgen.commands.cli import config_from
+from batchgen.commands.compose import config_from
 from batchgen.commands.retry import INPUT_FILE
 from batchgen.commands.retry import main as retry_main
 from batchgen.output.view import OCCURRENCE, duckdb_sql, latest

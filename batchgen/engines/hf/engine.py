@@ -169,7 +169,11 @@ class HFEngine:
 
 def _load_model(cfg: HFConfig, on: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """quant.load_model; a pickled checkpoint that torch.load refuses under weights_only (the default since torch
-    2.6: a pickled object other than tensors and plain containers) is a ModelLoadError (exit 2) saying what to do."""
+    2.6: a pickled object other than tensors and plain containers) is a ModelLoadError (exit 2) saying what to do.
+    transformers' own "Loading weights" bar stays off: the console is the job's bar and summary."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     try:
         return quant.load_model(cfg.model, scheme_name=cfg.quantization, device=on, dtype=dtype,
                                 trust_remote_code=cfg.trust_remote_code)

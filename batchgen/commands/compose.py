@@ -1,0 +1,288 @@
+"""The job's config from Hydra: the one module that composes it (cli.py runs the job under hydra.main). It holds
+where the config lives (batchgen/conf/, shipped in the package, and the user's own directories named by --config-dir
+or BATCHGEN_CONF_DIR), registers the dataclasses as Hydra's schemas, checks overrides before Hydra sees them
+(unknown keys with their likely spelling, another engine's keys, misspelt group options, values its grammar cannot
+read) and converts the composed config to JobConfig once (to_job_config). `batchgen retry` rebuilds a config from a
+run's manifest here too (config_from).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from batchgen.engines import ENGINES, foreign_key
+from batchgen.errors import ConfigError
+from batchgen.job import JobConfig, LauncherConfig, OutputConfig, RunConfig, validate
+from batchgen.reader import DatasetConfig
+from batchgen.sampling import SamplingConfig
+
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # the root config, the groups, the presets
+USER_CONF_ENV = "BATCHGEN_CONF_DIR"  # directories of the user's own presets (DIR/job/NAME.yaml), os.pathsep-separated
+_config_dirs: list[str] = []  # from --config-dir DIR on the command line (main() takes them out of argv)
+
+ConfigStore.instance().store(name="batchgen_schema", node=JobConfig)
+for _name, _spec in ENGINES.items():  # each engine's config class, under its group file (conf/engine/NAME.yaml)
+    ConfigStore.instance().store(group="engine", name=f"{_name}_schema", node=_spec.config)
+
+
+def to_job_config(cfg: DictConfig) -> JobConfig:
+    """The one conversion from Hydra's config to dataclasses."""
+    try:
+        job = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "config"
+        raise ConfigError([f"{key}: {getattr(exc, 'msg', exc)}"]) from exc
+    assert isinstance(job, JobConfig)
+    return validate(job)
+
+
+def user_conf_dirs() -> list[Path]:
+    """The user's config directories, searched after batchgen's own: --config-dir's, then BATCHGEN_CONF_DIR's."""
+    env = [d for d in os.environ.get(USER_CONF_ENV, "").split(os.pathsep) if d]
+    return [Path(d).expanduser().resolve() for d in [*_config_dirs, *env]]
+
+
+def conf_dirs() -> list[Path]:
+    return [Path(CONF_DIR), *user_conf_dirs()]
+
+
+def conf_dir_problems() -> list[str]:
+    return [f"{d}: no such config directory (--config-dir or {USER_CONF_ENV}); it holds your presets as "
+            f"job/NAME.yaml (and any group option as GROUP/NAME.yaml)" for d in user_conf_dirs() if not d.is_dir()]
+
+
+def with_search_path(overrides: list[str]) -> list[str]:
+    """`overrides` plus Hydra's search path override naming the user's config directories, if any."""
+    dirs = user_conf_dirs()
+    if not dirs or any(arg.startswith("hydra.searchpath=") for arg in overrides):
+        return overrides
+    quoted = ",".join("'file://" + str(d).replace("\\", "\\\\").replace("'", "\\'") + "'" for d in dirs)
+    return [*overrides, f"hydra.searchpath=[{quoted}]"]
+
+
+def take_config_dirs(argv: list[str]) -> list[str]:
+    """argv without `--config-dir DIR` / `--config-dir=DIR` / `-cd DIR`, whose directories it remembers (for the
+    job and every command alike)."""
+    rest, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("--config-dir", "-cd") and i + 1 < len(argv):
+            _config_dirs.append(argv[i + 1])
+            i += 2
+            continue
+        if arg.startswith("--config-dir="):
+            _config_dirs.append(arg.split("=", 1)[1])
+        else:
+            rest.append(arg)
+        i += 1
+    return rest
+
+
+def group_file(group: str, choice: str) -> Optional[Path]:
+    """conf/GROUP/CHOICE.yaml in batchgen's config or a user's; None where no directory has it."""
+    return next((d / group / f"{choice}.yaml" for d in conf_dirs() if (d / group / f"{choice}.yaml").is_file()),
+                None)
+
+
+GROUPS = ("job", "engine", "dataset", "sampling", "launcher")  # config groups: `engine=vllm` picks a file, not a key
+
+
+def unknown_keys(overrides: list[str], engine: Optional[str] = None) -> list[str]:
+    """Every override naming a key JobConfig does not have (Hydra stops at the first), with a likely spelling; an
+    engine.* key is checked against `engine`'s config class (against every engine's when it is not known)."""
+    problems = []
+    for arg in overrides:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        if "=" not in arg or key.startswith("hydra") or key in GROUPS:
+            continue
+        if key.startswith("engine."):
+            problems += _engine_key_problems(key, arg.split("=", 1)[1], engine)
+            continue
+        node: object = JobConfig
+        for i, name in enumerate(key.split(".")):
+            if not dataclasses.is_dataclass(node):
+                break  # a dict-valued key: any sub-key goes
+            fields = {f.name: f for f in dataclasses.fields(node)}
+            if name not in fields:
+                problems.append(_no_such_key(key, ".".join(key.split(".")[:i]), list(fields)))
+                break
+            typ = fields[name].type
+            node = SECTIONS.get(typ if isinstance(typ, str) else getattr(typ, "__name__", ""))
+    return problems
+
+
+# JobConfig's sections by type name (its annotations are strings), for walking a dotted key
+SECTIONS = {"DatasetConfig": DatasetConfig, "SamplingConfig": SamplingConfig, "RunConfig": RunConfig,
+            "LauncherConfig": LauncherConfig, "OutputConfig": OutputConfig}
+
+
+def _no_such_key(key: str, prefix: str, names: list[str]) -> str:
+    import difflib
+
+    known = [f"{prefix}.{name}" if prefix else name for name in names]
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"{key}: no such config key{hint}; see docs/configuration.md \"Config reference\""
+
+
+def _engine_key_problems(key: str, value: str, engine: Optional[str]) -> list[str]:
+    """engine.KEY: a key of the chosen engine's config class (any engine's when the choice is not known yet); a
+    dict-valued key (engine.extra_args.*) takes any sub-key."""
+    name = key.split(".")[1]
+    every = {f.name for spec in ENGINES.values() for f in dataclasses.fields(spec.config)}
+    if name not in every:
+        return [_no_such_key(key, "engine", sorted(every))]
+    if engine in ENGINES and name not in {f.name for f in dataclasses.fields(ENGINES[engine].config)}:
+        return [foreign_key(name, value, engine)]
+    return []
+
+
+def _chosen_engine(overrides: list[str]) -> Optional[str]:
+    """engine.name as the config groups picked in `overrides` (engine=..., job=...) make it; None when they do not
+    compose (the full composition then says why). Call inside Hydra's initialize_config_dir."""
+    from hydra import compose
+
+    groups = [arg for arg in overrides if arg.split("=", 1)[0].lstrip("+~") in GROUPS]
+    groups += [arg for arg in overrides if arg.split("=", 1)[0].lstrip("+~") == "engine.name"]
+    try:
+        return compose(config_name="config", overrides=with_search_path(groups)).engine.name
+    except Exception:  # noqa: BLE001 - reported by the full composition
+        return None
+
+
+def compose_checked(overrides: list[str]) -> JobConfig:
+    """The job config from `overrides`, composed without starting a Hydra run (nothing written), and validated;
+    ConfigError with every problem (unknown keys with their likely spelling, composition errors, bad values)."""
+    from hydra import compose, initialize_config_dir
+
+    problems = conf_dir_problems() or unreadable(overrides) + unknown_options(overrides)
+    if problems:
+        raise ConfigError(problems)
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        problems = unknown_keys(overrides, _chosen_engine(overrides))
+        if not problems:
+            try:
+                cfg = compose(config_name="config", overrides=with_search_path(overrides))
+                if OmegaConf.is_missing(cfg, "name"):
+                    problems.append("name is required: pick a job (job=demo) or set name=...")
+                else:
+                    return to_job_config(cfg)
+            except ConfigError as exc:
+                problems += exc.problems
+            except Exception as exc:  # Hydra's composition errors: a bad value for a key's type, say
+                problems.append(hydra_reason(exc))
+    raise ConfigError(problems)
+
+
+def unreadable(overrides: list[str]) -> list[str]:
+    """Overrides Hydra's grammar cannot read (braces, `\\n`, non-ASCII characters... in an unquoted value): one
+    problem each, naming the key and the quoting that works."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser, problems = OverridesParser.create(), []
+    for arg in overrides:
+        try:
+            parser.parse_overrides([arg])
+        except OverrideParseException:
+            key, _, value = arg.partition("=")
+            quoted = value.replace('"', '\\"')
+            problems.append(f"{key}: Hydra's override grammar cannot read this value unquoted (braces, quotes, "
+                            f"backslashes or non-ASCII characters need quoting). Quote it for Hydra inside the "
+                            f"shell's quotes: '{key}=\"{quoted[:60]}{'...' if len(quoted) > 60 else ''}\"', or set "
+                            f"it in a preset (a YAML file: docs/configuration.md, \"Running jobs\"), where any text "
+                            f"goes")
+    return problems
+
+
+def unknown_options(overrides: list[str]) -> list[str]:
+    """GROUP=CHOICE naming no file of conf/GROUP/: the choices, and the likely one."""
+    import difflib
+
+    problems = []
+    for arg in overrides:
+        group, _, choice = arg.partition("=")
+        group = group.lstrip("+~")
+        if group not in GROUPS or choice in ("", "null") or group_file(group, choice):
+            continue
+        options = group_options(group)
+        close = difflib.get_close_matches(choice, options, n=1)
+        hint = f" (did you mean {group}={close[0]}?)" if close else ""
+        problems.append(f"{group}={choice}: no such option{hint}; choices: {', '.join(options)}")
+    return problems
+
+
+def group_options(group: str) -> list[str]:
+    """The choices of config group `group`: its files in batchgen's config and the user's."""
+    return sorted({p.stem for d in conf_dirs() for p in (d / group).glob("*.yaml")})
+
+
+def hydra_reason(exc: Exception) -> str:
+    """Hydra's composition error as one line with its reason (its first line alone drops it: "Error merging
+    override sampling.temperature=hot"); OmegaConf's key and type bookkeeping left out."""
+    text = "\n".join(str(e) for e in (exc, exc.__cause__) if e is not None)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    keep = [line for line in lines if not line.startswith(("full_key:", "reference_type=", "object_type=",
+                                                           "To append to your config"))]
+    return ": ".join(keep[:2]) if keep else type(exc).__name__
+
+
+def config_from(resolved: dict, overrides: list[str]) -> JobConfig:
+    """A job config from an earlier run's resolved config (its manifest's `config`) with `overrides` on top, validated
+    (batchgen retry); ConfigError naming every problem."""
+    engine = resolved.get("engine") if isinstance(resolved.get("engine"), dict) else {}
+    spec = ENGINES.get(engine.get("name", "hf"))
+    problems = group_switches(overrides, resolved) + unknown_keys(overrides, engine.get("name", "hf"))
+    if problems:
+        raise ConfigError(problems)
+    if spec is not None:  # its engine's class; an output written before engines had their own keeps only those
+        mine = {f.name for f in dataclasses.fields(spec.config)}
+        resolved = resolved | {"engine": {k: v for k, v in engine.items() if k in mine}}
+    schema = OmegaConf.structured(JobConfig)
+    try:
+        if spec is not None:
+            schema = OmegaConf.merge(schema, {"engine": OmegaConf.structured(spec.config)})
+        cfg = OmegaConf.merge(schema, resolved, OmegaConf.from_dotlist(overrides))
+    except OmegaConfBaseException as exc:
+        raise ConfigError([f"{getattr(exc, 'full_key', None) or 'config'}: {getattr(exc, 'msg', exc)}"]) from exc
+    return to_job_config(cfg)  # type: ignore[arg-type]
+
+
+def group_switches(overrides: list[str], resolved: dict) -> list[str]:
+    """A config group picked on top of an earlier run's resolved config (`sampling=sample` on a retry): Hydra picks
+    a group's file when it composes, and that config is composed already. One problem each, naming what to set
+    instead."""
+    problems = []
+    for arg in overrides:
+        key, _, choice = arg.partition("=")
+        group = key.lstrip("+~")
+        if group in GROUPS:
+            problems.append(f"{arg}: a retry cannot switch the config group {group} (it starts from the job's "
+                            f"resolved config); {_instead(group, choice, resolved.get(group))}")
+    return problems
+
+
+def _instead(group: str, choice: str, current: object) -> str:
+    """What to set instead of `group=choice`: the keys of conf/GROUP/CHOICE.yaml whose values differ from the
+    job's (`current`)."""
+    path = group_file(group, choice)
+    if group == "job":  # a preset of the whole config
+        return "set the keys you want changed one by one, e.g. sampling.temperature=0.7"
+    picked = OmegaConf.to_container(OmegaConf.load(path)) if path is not None else None
+    if not isinstance(picked, dict) or not isinstance(current, dict):
+        return f"set the keys under {group} one by one, e.g. {group}.KEY=VALUE"
+    changes = " ".join(f"{group}.{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in picked.items()
+                       if not isinstance(v, dict) and current.get(k) != v)  # json: as Hydra's grammar reads it
+    if not changes:
+        return f"the job's config has what {group}/{choice}.yaml sets already: leave it out"
+    return f"set the keys it would change instead: {changes}"
+
+

@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any, Optional
 
@@ -96,6 +97,8 @@ def _dataset(cfg: JobConfig) -> dict[str, Any]:
     for key in LATER_DATASET_KEYS:
         if out[key] is None:
             del out[key]
+    if any(re.search(r"\\[nt\\]", text or "") for text in (cfg.dataset.template, cfg.dataset.system_prompt)):
+        out["text_escapes"] = True  # \n in them became a newline (prompts/render.py): an output made before differs
     return out
 
 

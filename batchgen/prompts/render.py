@@ -6,6 +6,7 @@ The renderer turns one part's input columns into prompt texts, or into a per-row
 
 from __future__ import annotations
 
+import re
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ def template_fields(template: str) -> list[str]:
     return names
 
 
+ESCAPE = re.compile(r"\\(\\|n|t)")  # \n, \t and \\ written as two characters in a template or a system prompt
 RenderRow = Callable[[dict], Any]  # a row (its columns) -> prompt text, or a list of {role, content} messages
 
 
@@ -44,9 +46,11 @@ class Renderer:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.render_row = render_row
+        self.template = None if cfg.template is None else config_text(cfg.template)
+        self.system_prompt = None if cfg.system_prompt is None else config_text(cfg.system_prompt)
         self.chat = cfg.messages_column is not None or cfg.system_prompt is not None
         if cfg.template is not None and cfg.messages_column is None:
-            _check_template(cfg.template)
+            _check_template(self.template)
         if self.chat and not getattr(tokenizer, "chat_template", None):
             key = "dataset.messages_column" if cfg.messages_column else "dataset.system_prompt"
             raise ConfigError([f"{key} asks for chat rendering, but the model's tokenizer has no chat template; "
@@ -94,8 +98,8 @@ class Renderer:
         return text, error
 
     def _plain(self, row: dict) -> tuple[Optional[str], Optional[str]]:
-        if self.cfg.template is not None:
-            return _format(self.cfg.template, row)
+        if self.template is not None:
+            return _format(self.template, row)
         return _check_prompt(row.get(self.cfg.prompt_column))
 
     def _chat(self, messages: Any) -> tuple[Optional[str], Optional[str]]:
@@ -106,13 +110,21 @@ class Renderer:
         messages = [{"role": m.get("role"), "content": m.get("content")} for m in messages]
         if any(not isinstance(m["role"], str) or not isinstance(m["content"], str) for m in messages):
             return None, "bad_messages: every message needs a string role and string content"
-        if self.cfg.system_prompt and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": self.cfg.system_prompt}, *messages]
+        if self.system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # jinja errors from a user's template are row errors, not job failures
             return None, f"bad_template: chat template: {type(exc).__name__}: {exc}"
         return _check_prompt(text)
+
+
+def config_text(value: str) -> str:
+    """A template or system prompt as the config holds it: the two-character escapes \\n and \\t are a newline and
+    a tab (a command line cannot pass a real newline through Hydra's grammar, and a YAML preset's single quotes keep
+    them as written), \\\\ a backslash; any other backslash stays as written. Config text only: row values are
+    data, never unescaped."""
+    return ESCAPE.sub(lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], value)
 
 
 def _check_template(template: str) -> None:

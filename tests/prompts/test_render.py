@@ -262,3 +262,26 @@ def test_render_row_bad_messages_are_error_rows():
     out = render(pa.table({"q": ["x"]}), ChatTokenizer(), render_row=lambda row: [{"role": "user"}],
                  system_prompt="sys")
     assert kinds(out.errors) == ["bad_messages"]
+
+
+def test_escapes_in_config_text_are_newlines_and_tabs_but_row_values_are_data():
+    """dataset.template and dataset.system_prompt written with \\n and \\t (a command line cannot pass a newline
+    through Hydra's grammar): a newline and a tab; \\\\n a literal backslash-n. A row's value with a backslash-n in
+    it stays as written."""
+    table = pa.table({"text": ["line one\\nstill one"], "q": ["why"]})
+    out = render(table, template="Summarize:\\n{text}\\tend \\\\n")
+    assert out.texts == ["Summarize:\nline one\\nstill one\tend \\n"]
+    chat = ChatTokenizer()
+    render(table, tokenizer=chat, system_prompt="Be brief.\\nNo lists.", prompt_column="q")
+    assert chat.calls[0][0][0] == {"role": "system", "content": "Be brief.\nNo lists."}
+
+
+def test_the_quoted_template_the_docs_show_gives_a_newline(tiny_model, tmp_path):
+    """docs/configuration.md's Parquet example, its template quoted for Hydra as the docs write it."""
+    from batchgen.commands.compose import compose_checked
+    from tests.conftest import job_overrides, write_parquet
+
+    data = write_parquet(tmp_path / "in.parquet", [{"text": "a"}])
+    cfg = compose_checked(job_overrides(tiny_model, data, tmp_path / "o", 'dataset.template="Summarize:\\n{text}"'))
+    out = Renderer(cfg.dataset, PlainTokenizer()).render(pa.table({"text": ["a"]}))
+    assert out.texts == ["Summarize:\na"]

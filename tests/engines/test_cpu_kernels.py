@@ -4,7 +4,12 @@ runs (float32 and bf16 inputs, outputs and KV cache)."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,6 +72,26 @@ def test_each_variant_is_built_once_then_loaded_from_the_cache(fresh, isa):
     stamp = built[0].stat().st_mtime_ns
     cpu_kernels.reset()
     assert cpu_kernels.load(isa) is not None and built[0].stat().st_mtime_ns == stamp
+
+
+def test_every_source_and_the_header_key_the_build(monkeypatch, tmp_path):
+    """The library is built from every kernels_*.c in the folder, and a change to any of them or to the header is
+    another cache key (a rebuild), as is another variant's flags."""
+    assert sorted(cpu_kernels.SOURCES) == sorted(cpu_kernels.HERE.glob("kernels_*.c")) and cpu_kernels.HEADER.exists()
+    files = (*cpu_kernels.SOURCES, cpu_kernels.HEADER)
+    for path in files:
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(cpu_kernels, "SOURCES", tuple(tmp_path / path.name for path in cpu_kernels.SOURCES))
+    monkeypatch.setattr(cpu_kernels, "HEADER", tmp_path / cpu_kernels.HEADER.name)
+    flags = cpu_kernels.ISAS["avx2"][1]
+    keys = [cpu_kernels.source_digest(flags)]
+    assert cpu_kernels.source_digest(flags) == keys[0]
+    for path in files:
+        copy = tmp_path / path.name
+        copy.write_bytes(copy.read_bytes() + b"\n")
+        keys.append(cpu_kernels.source_digest(flags))
+    assert len(set(keys)) == len(files) + 1
+    assert cpu_kernels.source_digest(cpu_kernels.ISAS["avx512"][1]) not in keys
 
 
 def test_the_widest_variant_by_default_and_a_narrower_one_when_forced(fresh, monkeypatch, caplog):
@@ -225,3 +250,150 @@ def test_a_layout_the_kernels_do_not_expect_is_refused_even_under_python_O(isa):
     with pytest.raises(ValueError, match="decode_layer_attention"):
         cpu_kernels.decode_layer_attention(lib, torch.randn(1, 48), torch.randn(1, 16), torch.randn(1, 16), k,
                                            k.to(torch.bfloat16), torch.tensor([0]), 1, 0.25)
+
+
+# The kernels before issue 29 part 7 split them by family: one file, every kernel written per lane width.
+PRE_SPLIT = "batchgen/engines/hf/cpu/kernels.c"
+
+
+def pre_split_source() -> str:
+    """The pre-split kernels.c from git history: the version before the commit that deleted it (or HEAD's, before
+    that commit exists). Skips, saying why, where there is no git, no repository or not that history (a shallow
+    clone, an unpacked sdist)."""
+    git = shutil.which("git")
+    if git is None:
+        pytest.skip("no git here: the pre-split kernels.c comes from git history")
+    root = Path(cpu_kernels.__file__).resolve().parents[4]
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([git, "-C", str(root), *args], capture_output=True, text=True, timeout=60)
+
+    if run("rev-parse", "--is-inside-work-tree").returncode != 0:
+        pytest.skip(f"{root.name} is not a git work tree: no history to take the pre-split kernels.c from")
+    deleted = run("log", "-1", "--format=%H", "--diff-filter=D", "--", PRE_SPLIT).stdout.strip()
+    shown = run("show", f"{deleted}^:{PRE_SPLIT}" if deleted else f"HEAD:{PRE_SPLIT}")
+    if shown.returncode != 0:
+        pytest.skip(f"the pre-split {PRE_SPLIT} is not in this repository's history ({shown.stderr.strip()})")
+    return shown.stdout
+
+
+@pytest.fixture(scope="module")
+def pre_split(tmp_path_factory):
+    """isa -> the pre-split kernels.c built as that variant (with today's flags), declared as the loader does."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        pytest.skip("no C compiler (cc or $CC)")
+    folder = tmp_path_factory.mktemp("pre_split")
+    source = folder / "kernels.c"
+    source.write_text(pre_split_source())
+    built: dict[str, ctypes.CDLL] = {}
+
+    def build(isa: str) -> ctypes.CDLL:
+        if isa not in built:
+            target = folder / f"pre_split-{isa}.so"
+            cpu_kernels._compile(compiler, target, cpu_kernels.ISAS[isa][1], (source,))
+            built[isa] = cpu_kernels.declare(ctypes.CDLL(str(target)))
+        return built[isa]
+
+    return build
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (NaN included): the raw bytes of equal shapes and dtypes."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+class Compare:
+    """The split library and the pre-split one of one variant, fixed random inputs, and `both`, which runs a kernel
+    on each and asserts the same bits."""
+
+    def __init__(self, isa: str, new: ctypes.CDLL, old: ctypes.CDLL):
+        self.isa, self.libs, self.gen = isa, (new, old), torch.Generator().manual_seed(29)
+
+    def randn(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen) * scale
+
+    def randint(self, low: int, high: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.randint(low, high, shape, generator=self.gen, dtype=dtype)
+
+    def both(self, fn, *args, mutated: tuple[int, ...] = ()) -> None:
+        """fn on each library with copies of args: its output and every argument in `mutated` (written in place)
+        bit for bit alike."""
+        got = []
+        for lib in self.libs:
+            copies = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+            got.append([fn(lib, *copies), *(copies[i] for i in mutated)])
+        shapes = [(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args]
+        for i, (a, b) in enumerate(zip(*got)):
+            assert same_bits(a, b), (self.isa, fn.__name__, shapes, "output" if i == 0 else f"arg {mutated[i - 1]}")
+
+
+@pytest.fixture(params=ISAS or ["none"])
+def compare(request):
+    """Each variant this CPU (as /proc/cpuinfo shows it) runs: its split build (kernels.load, as a job loads it) and
+    the pre-split kernels.c built as the same variant; two OpenMP threads, the kernels' loops split as in a job."""
+    isa = request.param
+    if isa == "none":
+        pytest.skip("this CPU (as /proc/cpuinfo shows it) runs no variant of batchgen's kernels (x86-64 with AVX2 "
+                    "and FMA): torch's operations run, there is nothing to compare")
+    new, old = kernels(isa), request.getfixturevalue("pre_split")(isa)
+    assert new.batchgen_isa().decode() == isa and old.batchgen_isa().decode() == isa
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield Compare(isa, new, old)
+    torch.set_num_threads(threads)
+
+
+# The split sources (kernels_*.c over kernels_simd.h) against the one-file kernels.c they came from, built as the
+# same variant, on fixed random inputs with tails: K not a multiple of 8 or 16, N not a multiple of 4, odd rows,
+# cache lengths off the vector width; float32 and bf16 inputs, outputs and caches.
+
+def test_split_gemms_give_the_pre_split_bits(compare):
+    for m, k, n in [(1, 64, 4), (1, 100, 7), (2, 256, 12), (3, 23, 5), (5, 1000, 9), (8, 768, 64), (17, 130, 33)]:
+        x, q = compare.randn(m, k), compare.randint(-127, 128, (n, k), torch.int8)
+        scale, bias = compare.randn(n).abs() / 64, compare.randn(n)
+        compare.both(cpu_kernels.int8_gemm, x, q, scale, bias)
+        compare.both(cpu_kernels.int8_gemm, x, q, scale, None)
+    for m, k, n, group in [(1, 64, 4, 64), (1, 256, 7, 64), (1, 512, 9, 128), (2, 128, 5, 64), (3, 256, 12, 128),
+                           (7, 384, 13, 64), (32, 768, 16, 128)]:
+        x, packed = compare.randn(m, k), compare.randint(0, 256, (n, k // 2), torch.uint8)
+        scale = (compare.randn(n, k // group).abs() / 8).to(torch.bfloat16)
+        mins = (compare.randn(n, k // group) / 4).to(torch.bfloat16)
+        compare.both(cpu_kernels.int4_gemm, x, packed, scale, mins, group, compare.randn(n))
+        compare.both(cpu_kernels.int4_gemm, x, packed, scale, mins, group, None)
+        compare.both(cpu_kernels.int4_dequantize, packed, scale, mins, group)
+
+
+def test_split_norms_and_activations_give_the_pre_split_bits(compare):
+    """Decode rows on one thread and a prefill's rows (128 and more) split over threads."""
+    for rows, hidden in [(1, 8), (3, 13), (5, 100), (64, 768), (130, 200), (300, 64)]:
+        x, weight = compare.randn(rows, hidden, scale=3.0), compare.randn(hidden)
+        for out in (torch.float32, torch.bfloat16):
+            compare.both(cpu_kernels.rms_norm, x, weight, 1e-6, out)
+            for delta in (torch.float32, torch.bfloat16):
+                compare.both(cpu_kernels.add_rms_norm, x, compare.randn(rows, hidden).to(delta), weight, 1e-5, out,
+                             mutated=(0,))
+            for gate_up in (torch.float32, torch.bfloat16):
+                compare.both(cpu_kernels.silu_mul, compare.randn(rows, 2 * hidden, scale=8.0).to(gate_up), out)
+
+
+def test_split_attention_gives_the_pre_split_bits(compare):
+    """Head sizes that take the 16-wide attention in the AVX-512 variants (64, 128, 48) and the 8-wide one (8, 24,
+    80); the layer kernel (rotary embedding, cache write, attention) for head sizes of multiples of 16, with the
+    rotated qkv and the written caches compared too."""
+    for n, heads, kv_heads, d, lengths in [(3, 4, 2, 64, [1, 7, 40]), (2, 6, 2, 80, [17, 5]),
+                                           (4, 8, 8, 8, [1, 2, 9, 33]), (2, 9, 3, 24, [15, 16]),
+                                           (3, 12, 4, 128, [3, 31, 64]), (1, 4, 1, 48, [100])]:
+        cache = max(lengths) + 4
+        k, v = compare.randn(n, kv_heads, cache, d), compare.randn(n, kv_heads, cache, d)
+        compare.both(cpu_kernels.decode_attention, compare.randn(n, heads, d), k, v, torch.tensor(lengths),
+                     1 / d ** 0.5)
+        if d % 16:
+            continue
+        qkv, cos, sin = compare.randn(n, (heads + 2 * kv_heads) * d), compare.randn(n, d), compare.randn(n, d)
+        for qkv_dtype in (torch.float32, torch.bfloat16):
+            for kv in (torch.float32, torch.bfloat16):
+                for out in (torch.float32, torch.bfloat16):
+                    compare.both(cpu_kernels.decode_layer_attention, qkv.to(qkv_dtype), cos, sin, k.to(kv), v.to(kv),
+                                 torch.tensor(lengths) - 1, heads, 0.125, out, mutated=(0, 3, 4))

@@ -1,4 +1,4 @@
-"""batchgen's own CPU kernels (`kernels.c`), compiled on first use, for x86-64 CPUs with AVX2 and FMA
+"""batchgen's own CPU kernels (`kernels_*.c`), compiled on first use, for x86-64 CPUs with AVX2 and FMA
 (AVX-512 ones included): the decode step between the GEMMs (attention over the slot KV cache, rotary
 embedding and cache write, RMSNorm, SiLU-and-multiply; float32 arithmetic, inputs, outputs and cache in
 float32 or bf16), and int8 and int4 weight-only GEMMs for few rows.
@@ -15,17 +15,18 @@ loop made an int8 decode step of one row no faster than bfloat16, although it re
 float32 inputs, so a small batch runs at the rate the weights stream from memory. The int4 kernel does
 the same from group-wise 4-bit weights laid out so that a shift and a mask unpack 8 of them.
 
-One source file, several instruction-set variants (ISAS): `avx2` (8-wide float vectors), `avx512`
-(AVX-512 F/BW/VL/DQ: 16-wide vectors in the kernels where they paid) and `avx512_bf16` (the same, built
-with AVX-512 BF16 allowed). The variant is picked at load time from the CPU's flags, the widest the CPU
-runs; `BATCHGEN_CPU_ISA=avx2` (or any narrower variant the CPU supports) forces one, so that an AVX-512
-machine also runs and tests the AVX2 kernels. Each variant is compiled once per source version, compiler
-flags and CPU model with the system C compiler (`$CC`, else `cc`) into a cache directory
-(`$BATCHGEN_CACHE_DIR`, else `~/.cache/batchgen`), the ISA in its file name, written under a temporary
-name and renamed, so concurrent jobs sharing the cache never load a half-written library. Where there is
-no compiler, no AVX2/FMA (ARM, older x86), or `BATCHGEN_NATIVE_KERNELS=0`, `load()` returns None and the
-engine uses torch's operations and int8 kernels, and torchao's int4 (logged once). Knows tensors and
-pointers, not models.
+Sources (SOURCES), one per family: `kernels_attention.c` (decode attention, rotary embedding and cache write),
+`kernels_norms.c` (RMSNorm, SiLU-and-multiply), `kernels_int8.c`, `kernels_int4.c`, each written once against the
+vector vocabulary of `kernels_simd.h` (8 and 16 float lanes). They are built together into one library per
+instruction-set variant (ISAS): `avx2` (8-wide float vectors), `avx512` (AVX-512 F/BW/VL/DQ: 16-wide vectors in the
+kernels where they paid) and `avx512_bf16` (the same, built with AVX-512 BF16 allowed). The variant is picked at
+load time from the CPU's flags, the widest the CPU runs; `BATCHGEN_CPU_ISA=avx2` (or any narrower variant the CPU
+supports) forces one, so that an AVX-512 machine also runs and tests the AVX2 kernels. Each variant is compiled
+once per version of the sources, compiler flags and CPU model with the system C compiler (`$CC`, else `cc`) into a
+cache directory (`$BATCHGEN_CACHE_DIR`, else `~/.cache/batchgen`), the ISA in its file name, written under a
+temporary name and renamed, so concurrent jobs sharing the cache never load a half-written library. Where there is
+no compiler, no AVX2/FMA (ARM, older x86), or `BATCHGEN_NATIVE_KERNELS=0`, `load()` returns None and the engine
+uses torch's operations and int8 kernels, and torchao's int4 (logged once). Knows tensors and pointers, not models.
 """
 
 from __future__ import annotations
@@ -47,12 +48,15 @@ import torch
 from batchgen.engines.hf.cpu.runtime import cpu_flags, cpu_model
 
 log = logging.getLogger(__name__)
-SOURCE = Path(__file__).with_name("kernels.c")
+HERE = Path(__file__).parent
+# Compiled together into one library; the header is in the cache key as well (a change to either rebuilds).
+SOURCES = tuple(HERE / f"kernels_{name}.c" for name in ("attention", "norms", "int8", "int4"))
+HEADER = HERE / "kernels_simd.h"
 # -ffp-contract=off: a * b + c stays two roundings unless a kernel asks for an FMA (rotary embedding matches torch)
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
-# Variants, narrowest first: the /proc/cpuinfo flags each needs, and its compiler flags. One source file: the
-# AVX-512 code is under #ifdef BATCHGEN_AVX512 (cpu/kernels.c).
+# Variants, narrowest first: the /proc/cpuinfo flags each needs, and its compiler flags. The same sources for each:
+# the 16-lane vocabulary and the code that uses it are under #ifdef BATCHGEN_AVX512 (kernels_simd.h).
 ISAS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     "avx2": (frozenset({"avx2", "fma"}), ("-mavx2", "-mfma")),
     "avx512": (frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
@@ -130,19 +134,33 @@ def _load(isa: str) -> Optional[ctypes.CDLL]:
     if compiler is None:
         log.info("no C compiler (cc or $CC) found: torch's decode attention and int8 kernels run (slower here)")
         return None
-    source = SOURCE.read_bytes()
-    flags = " ".join(CFLAGS + ISAS[isa][1] + LIBS).encode()
-    digest = hashlib.sha256(source + flags + cpu_model().encode() + platform.machine().encode()).hexdigest()[:16]
-    target = cache_dir() / f"cpu_kernels-{isa}-{digest}.so"
     try:
+        target = cache_dir() / f"cpu_kernels-{isa}-{source_digest(ISAS[isa][1])}.so"
         if not target.exists():
             _compile(compiler, target, ISAS[isa][1])
-        lib = ctypes.CDLL(str(target))
+        lib = declare(ctypes.CDLL(str(target)))
     except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
         detail = getattr(exc, "stderr", None) or exc
         log.warning("building batchgen's CPU kernels failed (%s): torch's decode attention and int8 kernels run "
                     "(slower here)", detail)
         return None
+    log.info("batchgen's CPU kernels loaded (%s, %s variant): float32 decode steps (attention, rotary embedding, "
+             "RMSNorm, SiLU), int8 and int4 GEMMs for small batches", target.name, lib.batchgen_isa().decode())
+    return lib
+
+
+def source_digest(isa_flags: tuple[str, ...]) -> str:
+    """The cache key of a build: every source and the header (names and bytes), the compiler flags, the CPU model."""
+    sha = hashlib.sha256()
+    for path in (*SOURCES, HEADER):
+        sha.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    sha.update(" ".join(CFLAGS + isa_flags + LIBS).encode() + cpu_model().encode() + platform.machine().encode())
+    return sha.hexdigest()[:16]
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Set the argument and result types of the exported kernels on `lib` (the tests also declare a build of an
+    older source this way); returns lib."""
     fn = lib.batchgen_int8_gemm
     fn.restype = None
     ptr = ctypes.c_void_p  # tensors go in as data_ptr() integers (a ctypes.cast per argument cost microseconds)
@@ -171,18 +189,17 @@ def _load(isa: str) -> Optional[ctypes.CDLL]:
                                       ctypes.c_int]
     lib.batchgen_isa.restype = ctypes.c_char_p
     lib.batchgen_isa.argtypes = []
-    log.info("batchgen's CPU kernels loaded (%s, %s variant): float32 decode steps (attention, rotary embedding, "
-             "RMSNorm, SiLU), int8 and int4 GEMMs for small batches", target.name, lib.batchgen_isa().decode())
     return lib
 
 
-def _compile(compiler: str, target: Path, isa_flags: tuple[str, ...]) -> None:
+def _compile(compiler: str, target: Path, isa_flags: tuple[str, ...], sources: tuple[Path, ...] = SOURCES) -> None:
+    """Build `sources` (default: SOURCES) with `isa_flags` into the library `target`, atomically."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *CFLAGS, *isa_flags, str(SOURCE), *LIBS, "-o", tmp], check=True, capture_output=True,
-                       text=True, timeout=120)
+        subprocess.run([compiler, *CFLAGS, *isa_flags, *map(str, sources), *LIBS, "-o", tmp], check=True,
+                       capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)  # atomic: another process sees the old state or the whole library
     finally:
         if os.path.exists(tmp):

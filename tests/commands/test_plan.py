@@ -1,5 +1,6 @@
 """`batchgen plan`: the input streamed and tokenized without the model; figures, _plan.json, the histogram PNG,
-exit codes; `--calibrate` probes the engine on the longest prompts."""
+exit codes; `--calibrate` probes the engine on the longest prompts. The plan and its job run engine=dummy (the
+figures are the tokenizer's and the planner's); the calibration probes the hf engine, whose speed it measures."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ def test_plan_counts_what_the_job_would_do_without_loading_the_model(tiny_model,
     texts = corpus(30, seed=2) + ["word " * 300]  # one prompt over max_model_len - max_new_tokens
     data = write_parquet(tmp_path / "in.parquet", [{"prompt": t} for t in texts] + [{"prompt": ""}])
     out = tmp_path / "out"
-    args = ["plan", "name=p", f"output_dir={out}", f"dataset.path={data}", f"engine.model={tiny_model}",
-            "engine.max_model_len=256", "sampling.max_new_tokens=16", "run.rows_per_part=8", "run.num_shards=3"]
+    args = ["plan", "name=p", f"output_dir={out}", f"dataset.path={data}", "engine=dummy",
+            f"engine.model={tiny_model}", "engine.max_model_len=256", "sampling.max_new_tokens=16",
+            "run.rows_per_part=8", "run.num_shards=3"]
     proc = run_cli(args)
     assert proc.returncode == 0, proc.stderr
     plan = json.loads((out / "_plan.json").read_text())

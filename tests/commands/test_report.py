@@ -1,5 +1,6 @@
 """batchgen report: a self-contained HTML page of a run (two shards, error rows, a retry), rendered in a real
-headless Chromium; the screenshot must show the plots (pixels of the plots' own colours in several regions)."""
+headless Chromium; the screenshot must show the plots (pixels of the plots' own colours in several regions). The run
+is on engine=dummy: the page reads the run's files, whichever engine wrote them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import subprocess
 import pytest
 
 from batchgen.commands.report import COLORS, REPORT, history
-from tests.conftest import corpus, job_overrides, run_cli, write_parquet
+from tests.conftest import corpus, dummy_overrides, run_cli, write_parquet
 
 
 def browser() -> str:
@@ -34,9 +35,9 @@ def reported(tiny_model, tmp_path_factory):
     data = write_parquet(tmp / "in.parquet", rows)
     out = tmp / "out"
     for shard in (0, 1):
-        done = run_cli(job_overrides(tiny_model, data, out, "dataset.id_column=uid", "run.rows_per_part=5",
-                                     "engine.max_model_len=64", "sampling.max_new_tokens=12",
-                                     "run.too_long=skip", f"run.shard={shard}", "run.num_shards=2"))
+        done = run_cli(dummy_overrides(tiny_model, data, out, "dataset.id_column=uid", "run.rows_per_part=5",
+                                       "engine.max_model_len=64", "sampling.max_new_tokens=12",
+                                       "run.too_long=skip", f"run.shard={shard}", "run.num_shards=2"))
         assert done.returncode == 0, done.stderr[-2000:]
     assert (out / "_SUCCESS").exists()
     assert run_cli(["retry", str(out), "run.too_long=truncate_left"]).returncode == 0

@@ -1,5 +1,7 @@
 """batchgen retry: the erring rows of a finished job generated again in attempt parts beside the originals, the
-latest-attempt view (pyarrow, pandas, datasets, duckdb) one row per (id, sample_index), resumable after SIGKILL."""
+latest-attempt view (pyarrow, pandas, datasets, duckdb) one row per (id, sample_index), resumable after SIGKILL. On
+engine=dummy, but for the SIGKILL test: there the hf engine is killed mid-part and its resumed rows must equal an
+uninterrupted retry's."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import pytest
 from batchgen.commands.retry import ID_COLUMN, INPUT_FILE
 from batchgen.output.view import duckdb_sql, latest
 from batchgen.run.runner import run_job
-from tests.conftest import REPO, compose_job, corpus, job_overrides, run_cli, write_parquet
+from tests.conftest import REPO, compose_job, corpus, dummy_overrides, job_overrides, run_cli, write_parquet
 
 MAX_LEN, NEW = 64, 16
 
@@ -35,16 +37,16 @@ def dataset(tmp_path: Path) -> tuple[Path, list[str]]:
     return write_parquet(tmp_path / "in.parquet", rows), [f"r{i:02d}" for i in sorted(long_rows)]
 
 
-def job_args(model: str, data: Path, out: Path, *extra: str) -> list[str]:
-    return job_overrides(model, data, out, "dataset.id_column=uid", f"engine.max_model_len={MAX_LEN}",
-                         f"sampling.max_new_tokens={NEW}", "sampling.ignore_eos=true", "run.too_long=skip",
-                         "run.rows_per_part=5", "run.max_error_rate=0.9", *extra)
+def job_args(model: str, data: Path, out: Path, *extra: str, overrides=dummy_overrides) -> list[str]:
+    return overrides(model, data, out, "dataset.id_column=uid", f"engine.max_model_len={MAX_LEN}",
+                     f"sampling.max_new_tokens={NEW}", "sampling.ignore_eos=true", "run.too_long=skip",
+                     "run.rows_per_part=5", "run.max_error_rate=0.9", *extra)
 
 
-def finished_job(model: str, tmp_path: Path, name: str = "out") -> tuple[Path, list[str]]:
+def finished_job(model: str, tmp_path: Path, name: str = "out", overrides=dummy_overrides) -> tuple[Path, list[str]]:
     data, long_ids = dataset(tmp_path)
     out = tmp_path / name
-    summary = run_job(compose_job(job_args(model, data, out)))
+    summary = run_job(compose_job(job_args(model, data, out, overrides=overrides)))
     assert summary.state == "done" and summary.totals.errors == {"too_long": len(long_ids)}
     return out, long_ids
 
@@ -136,7 +138,7 @@ def committed(attempt: Path) -> int:
 
 @pytest.mark.slow
 def test_a_retry_killed_with_sigkill_resumes_to_the_same_rows_exactly_once(tiny_model, tmp_path):
-    out, long_ids = finished_job(tiny_model, tmp_path)
+    out, long_ids = finished_job(tiny_model, tmp_path, overrides=job_overrides)  # the hf engine
     clean = tmp_path / "clean"
     shutil.copytree(out, clean)
     args = ["retry", "--kinds", "too_long", "run.too_long=truncate_left", "run.rows_per_part=1",

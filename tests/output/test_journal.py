@@ -1,15 +1,16 @@
 """The part journal: results survive a reopen, a torn tail is cut off, a foreign journal is not trusted;
-and in a job, an interrupted part resumes from its journal without generating its journaled samples again."""
+and in a job, an interrupted part resumes from its journal without generating its journaled samples again (on
+engine=dummy; the hf engine killed mid-part and resumed: tests/scenarios/test_crash.py's kill harness)."""
 
 from __future__ import annotations
 
 import pytest
 
-from batchgen.engines.hf import engine as hf_engine
+from batchgen.engines.dummy import DummyEngine
 from batchgen.output.journal import Journal, journal_key, read_journal
 from batchgen.records import Result
 from batchgen.run.runner import run_job
-from tests.conftest import compose_job, corpus, job_overrides, read_output, write_parquet
+from tests.conftest import compose_job, corpus, dummy_overrides, read_output, write_parquet
 
 KEY = journal_key(part=3, first_row=30, ids=["a", "b", "c"], config_hash="abc", n=1)
 
@@ -91,10 +92,9 @@ def test_an_interrupted_part_resumes_from_its_journal(tiny_model, tmp_path, monk
     and the result equals an uninterrupted run's. One part at a time (look-ahead 0), so that the first 10
     results are part 0's; tests/run/test_feed.py stops with several parts in flight."""
     data = write_parquet(tmp_path / "in.parquet", [{"prompt": t} for t in corpus(20, seed=2)])
-    extra = ("run.rows_per_part=10", "run.lookahead_parts=0", "sampling.max_new_tokens=6",
-             "sampling.ignore_eos=true", "engine.max_batch_size=3")
-    run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "clean", *extra)))
-    real_stream = hf_engine.HFEngine.stream
+    extra = ("run.rows_per_part=10", "run.lookahead_parts=0", "sampling.max_new_tokens=6", "sampling.ignore_eos=true")
+    run_job(compose_job(dummy_overrides(tiny_model, data, tmp_path / "clean", *extra)))
+    real_stream = DummyEngine.stream
     seen = {"results": 0}
 
     def dying_stream(self, source, on_result):
@@ -107,11 +107,11 @@ def test_an_interrupted_part_resumes_from_its_journal(tiny_model, tmp_path, monk
         return real_stream(self, source, counted)
 
     out = tmp_path / "out"
-    cfg = compose_job(job_overrides(tiny_model, data, out, *extra))
-    monkeypatch.setattr(hf_engine.HFEngine, "stream", dying_stream)
+    cfg = compose_job(dummy_overrides(tiny_model, data, out, *extra))
+    monkeypatch.setattr(DummyEngine, "stream", dying_stream)
     with pytest.raises(Interrupted):
         run_job(cfg)
-    monkeypatch.setattr(hf_engine.HFEngine, "stream", real_stream)
+    monkeypatch.setattr(DummyEngine, "stream", real_stream)
     assert [p.name for p in out.glob("part-*")] == ["part-00000.parquet"]
     key, journaled, torn = read_journal(out / "_part-00001.journal")
     assert len(journaled) == 7 and torn == 0 and key["part"] == 1

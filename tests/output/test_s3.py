@@ -1,6 +1,7 @@
 """output_dir on object storage: a real S3 API served locally (moto's server mode, started here) reached through
 s3fs. A job writes there exactly once; killed and resumed it still does, and `_SUCCESS` is written once, at the end;
-a resume under another config is refused from the manifest in the bucket."""
+a resume under another config is refused from the manifest in the bucket. On engine=dummy: the storage is what is
+tested."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 
 from batchgen.errors import ResumeMismatchError
 from batchgen.run.runner import run_job
-from tests.conftest import REPO, compose_job, job_overrides, keyed_rows, read_output, write_parquet
+from tests.conftest import REPO, compose_job, dummy_overrides, keyed_rows, read_output, write_parquet
 
 pytest.importorskip("moto.server", reason="the S3 tests need moto[server]")
 s3fs = pytest.importorskip("s3fs", reason="the S3 tests need s3fs")
@@ -29,8 +30,8 @@ def data(tmp_path_factory):
 
 
 def args(model, data, out, *extra):
-    return job_overrides(model, data, out, "dataset.id_column=uid", f"run.rows_per_part={PART}",
-                         "sampling=sample", "sampling.max_new_tokens=10", *extra)
+    return dummy_overrides(model, data, out, "dataset.id_column=uid", f"run.rows_per_part={PART}",
+                           "sampling=sample", "sampling.max_new_tokens=10", *extra)
 
 
 def read_s3(fs, prefix):

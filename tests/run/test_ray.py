@@ -1,6 +1,6 @@
-"""launcher=ray on a local Ray cluster (2 CPUs, 2 workers, the tiny model): the output equals a single-process
-run's, a worker whose engine raises has its part retried on the other worker, and a worker killed mid-job
-(ray.kill) loses nothing and duplicates nothing."""
+"""launcher=ray on a local Ray cluster (2 CPUs, 2 workers, engine=dummy): the output equals a single-process run's, a
+worker whose engine raises has its part retried on the other worker, and a worker killed mid-job (ray.kill) loses
+nothing and duplicates nothing. The hf engine on a Ray worker: tests/scenarios/test_round2_exits.py (case 11)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 
 from batchgen.run.runner import run_job
-from tests.conftest import compose_job, job_overrides, keyed_rows, read_output, write_parquet
+from tests.conftest import compose_job, dummy_overrides, keyed_rows, read_output, write_parquet
 
 ray = pytest.importorskip("ray", reason="launcher=ray needs ray: pip install 'batchgen[ray]'")
 pytestmark = pytest.mark.ray
@@ -38,8 +38,8 @@ def data(tmp_path_factory):
 
 
 def overrides(model, data, out, *extra):
-    return job_overrides(model, data, out, "dataset.id_column=uid", f"run.rows_per_part={PART}", "sampling.n=2",
-                         "sampling=sample", "sampling.max_new_tokens=12", "engine.threads=1", *extra)
+    return dummy_overrides(model, data, out, "dataset.id_column=uid", f"run.rows_per_part={PART}", "sampling.n=2",
+                           "sampling=sample", "sampling.max_new_tokens=12", *extra)
 
 
 @pytest.fixture(scope="module")

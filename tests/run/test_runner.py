@@ -167,4 +167,5 @@ def test_chat_without_a_chat_template_is_a_config_error(tiny_model, tmp_path):
     cfg_file.write_text(json.dumps(kept))
     data = write_parquet(tmp_path / "in.parquet", rows_of(2))
     with pytest.raises(ConfigError, match="dataset.system_prompt asks for chat rendering.*no chat template"):
-        run_job(compose_job(job_overrides(str(model), data, tmp_path / "out", "dataset.system_prompt=hi")))
+        run_job(compose_job(job_overrides(str(model), data, tmp_path / "out", "engine=dummy",
+                                          "dataset.system_prompt=hi")))

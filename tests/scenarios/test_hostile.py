@@ -1,5 +1,6 @@
 """A hostile dataset: every kind of bad row costs one row (an error row with its reason), duplicate ids are
-kept and counted, over-long prompts follow run.too_long, and unreadable or empty inputs behave (DESIGN 7)."""
+kept and counted, over-long prompts follow run.too_long, and unreadable or empty inputs behave (DESIGN 7). On
+engine=dummy: every case is the reader's, the planner's or the runner's, none a model's."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from batchgen.errors import BatchgenError, TooLongError
 from batchgen.run.runner import run_job
-from tests.conftest import compose_job, job_overrides, read_output, write_jsonl
+from tests.conftest import compose_job, dummy_overrides, read_output, write_jsonl
 
 LONG = "the river " * 400
 HOSTILE = [  # (line, expected id, expected error prefix or None)
@@ -42,9 +43,9 @@ def hostile_jsonl(tmp_path):
 
 
 def run(tiny_model, data, out, *extra):
-    cfg = compose_job(job_overrides(tiny_model, data, out, "dataset.id_column=id", "sampling=sample",
-                                    f"sampling.n={N}", "sampling.max_new_tokens=4", "engine.max_model_len=64",
-                                    "run.rows_per_part=5", "run.max_error_rate=1.0", *extra))
+    cfg = compose_job(dummy_overrides(tiny_model, data, out, "dataset.id_column=id", "sampling=sample",
+                                      f"sampling.n={N}", "sampling.max_new_tokens=4", "engine.max_model_len=64",
+                                      "run.rows_per_part=5", "run.max_error_rate=1.0", *extra))
     return run_job(cfg)
 
 
@@ -88,7 +89,7 @@ def test_unreadable_inputs_stop_before_generation_with_exit_2(tiny_model, tmp_pa
     corrupt.write_bytes(corrupt.read_bytes()[:-30])  # footer cut off
     for path, message in ((corrupt, "corrupt.parquet"), (tmp_path / "missing.jsonl", "missing.jsonl")):
         with pytest.raises(BatchgenError, match=message) as err:
-            run_job(compose_job(job_overrides(tiny_model, path, tmp_path / "out")))
+            run_job(compose_job(dummy_overrides(tiny_model, path, tmp_path / "out")))
         assert err.value.exit_code == 2
         assert not (tmp_path / "out" / "_manifest.json").exists()
 
@@ -96,6 +97,6 @@ def test_unreadable_inputs_stop_before_generation_with_exit_2(tiny_model, tmp_pa
 def test_an_empty_parquet_dataset_gives_a_valid_empty_result(tiny_model, tmp_path):
     data = tmp_path / "empty.parquet"
     pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), data)
-    summary = run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "out")))
+    summary = run_job(compose_job(dummy_overrides(tiny_model, data, tmp_path / "out")))
     assert summary.state == "done" and read_output(tmp_path / "out").num_rows == 0
     assert json.loads((tmp_path / "out" / "_status.json").read_text())["rows_done"] == 0

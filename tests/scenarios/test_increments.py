@@ -1,5 +1,6 @@
 """Nightly increments (run.skip_existing): a second night over yesterday's rows plus new ones generates only the new
-ones, and the union equals one run over all rows; a different output config is refused."""
+ones, and the union equals one run over all rows; a different output config is refused. On engine=dummy (its
+samples are a function of each request, as a real engine's are of its seed)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from batchgen.errors import ConfigError
 from batchgen.run.runner import run_job
-from tests.conftest import compose_job, corpus, job_overrides, read_output, run_cli, write_parquet
+from tests.conftest import compose_job, corpus, dummy_overrides, read_output, run_cli, write_parquet
 
 TEXTS = corpus(60, seed=17)
 
@@ -20,8 +21,8 @@ def rows(lo, hi):
 
 
 def night(model, data, out, *extra):
-    return compose_job(job_overrides(model, data, out, "dataset.id_column=uid", "run.rows_per_part=16",
-                                     "sampling=sample", "sampling.max_new_tokens=8", *extra))
+    return compose_job(dummy_overrides(model, data, out, "dataset.id_column=uid", "run.rows_per_part=16",
+                                       "sampling=sample", "sampling.max_new_tokens=8", *extra))
 
 
 def by_id(table: pa.Table) -> list[dict]:

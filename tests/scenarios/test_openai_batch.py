@@ -1,6 +1,8 @@
 """OpenAI batch JSONL: a request file in the official format (custom_id, method, url, body with response_format) in,
 the Parquet parts and `_openai_batch_output.jsonl` out; every output line parses with the `openai` package's types,
-and each body's settings (max_tokens, temperature, top_p, stop, n, seed, response_format) apply to its row."""
+and each body's settings (max_tokens, temperature, top_p, stop, n, seed, response_format) apply to its row. The tests
+of the bodies' sampling settings and response_format run the hf engine (engine=dummy ignores temperature and top_p
+and has no constraints); the endpoint, bad-line, refusal and retry tests run engine=dummy."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 
 from batchgen.output.openai_out import RESULTS
 from batchgen.run.runner import run_job
-from tests.conftest import compose_job, corpus, job_overrides, read_output, run_cli, write_jsonl
+from tests.conftest import compose_job, corpus, dummy_overrides, job_overrides, read_output, run_cli, write_jsonl
 
 TICKET = {"type": "object",
           "properties": {"label": {"enum": ["bug", "billing", "other"]}, "urgent": {"type": "boolean"}},
@@ -41,11 +43,11 @@ def requests() -> list[dict]:
     ]
 
 
-def run(tiny_model, tmp_path, lines, *extra):
+def run(tiny_model, tmp_path, lines, *extra, overrides=job_overrides):
     data = write_jsonl(tmp_path / "batch.jsonl", lines)
     out = tmp_path / "out"
-    summary = run_job(compose_job(job_overrides(tiny_model, data, out, "dataset.format=openai_batch",
-                                                "output.format=openai_batch", "sampling.max_new_tokens=64", *extra)))
+    summary = run_job(compose_job(overrides(tiny_model, data, out, "dataset.format=openai_batch",
+                                            "output.format=openai_batch", "sampling.max_new_tokens=64", *extra)))
     return summary, out
 
 
@@ -108,7 +110,7 @@ def test_completions_bodies_and_bad_lines(tiny_model, tmp_path):
               "body": {"model": "m", "prompt": t, "max_tokens": 5, "temperature": 0}} for i, t in enumerate(TEXTS[:4])]
     lines[2] = {"custom_id": "c2", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": []}}
     lines.append("{not json")
-    summary, out = run(tiny_model, tmp_path, lines)
+    summary, out = run(tiny_model, tmp_path, lines, overrides=dummy_overrides)
     results = [json.loads(line) for line in (out / RESULTS).read_text().splitlines()]
     assert [x["response"]["status_code"] for x in results] == [200, 200, 400, 200, 400]
     assert "differs from the file's endpoint" in results[2]["response"]["body"]["error"]["message"]
@@ -121,17 +123,18 @@ def test_completions_bodies_and_bad_lines(tiny_model, tmp_path):
 
 def test_a_bad_output_format_and_a_template_are_refused(tiny_model, tmp_path):
     data = write_jsonl(tmp_path / "b.jsonl", requests()[:1])
-    bad = run_cli(job_overrides(tiny_model, data, tmp_path / "o", "dataset.format=openai_batch", "output.format=csv"))
+    bad = run_cli(dummy_overrides(tiny_model, data, tmp_path / "o", "dataset.format=openai_batch",
+                                  "output.format=csv"))
     assert bad.returncode == 2 and "output.format must be parquet or openai_batch" in bad.stderr
     with pytest.raises(Exception, match="dataset.template: an openai_batch request carries"):
-        compose_job(job_overrides(tiny_model, data, tmp_path / "o", "dataset.format=openai_batch",
-                                  "dataset.template='Q: {prompt}'"))
+        compose_job(dummy_overrides(tiny_model, data, tmp_path / "o", "dataset.format=openai_batch",
+                                    "dataset.template='Q: {prompt}'"))
 
 
 def test_a_retry_of_an_openai_batch_job_rewrites_its_results_file(tiny_model, tmp_path):
     lines = [chat(f"r{i}", t * (8 if i % 3 == 0 else 1), max_tokens=6, temperature=0) for i, t in enumerate(TEXTS)]
     _, out = run(tiny_model, tmp_path, lines, "run.too_long=skip", "engine.max_model_len=96",
-                 "run.max_error_rate=0.9")
+                 "run.max_error_rate=0.9", overrides=dummy_overrides)
     codes = [json.loads(x)["response"]["status_code"] for x in (out / RESULTS).read_text().splitlines()]
     assert 400 in codes
     done = run_cli(["retry", str(out), "--kinds", "too_long", "run.too_long=truncate_left"])

@@ -1,6 +1,8 @@
 """Issue 28, round 2, the cases about row values: a value from a row is data, never a path, a format string, a
 template or a reference to fetch (case 9), and a row's own n under beam search is refused above sampling.num_beams
-rather than filled with duplicate hypotheses (case 13a). Each test is named after its case."""
+rather than filled with duplicate hypotheses (case 13a). Each test is named after its case. The jobs run the hf engine
+where it is the engine's part that is tested (a row's schema constraint, its stop strings in the sampler, beam
+search); the OpenAI batch roles test runs engine=dummy (a request's messages are checked before any engine)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,16 @@ from batchgen.prompts.rowparams import RowParams
 from batchgen.reader import DatasetConfig
 from batchgen.run.runner import run_job
 from batchgen.sampling import SamplingConfig, find_stop
-from tests.conftest import REPO, compose_job, corpus, job_overrides, read_output, write_jsonl, write_parquet
+from tests.conftest import (
+    REPO,
+    compose_job,
+    corpus,
+    dummy_overrides,
+    job_overrides,
+    read_output,
+    write_jsonl,
+    write_parquet,
+)
 
 SECRET = "hunter2-do-not-leak"
 TEXTS = corpus(8, seed=28)
@@ -272,8 +283,8 @@ def test_case9_openai_batch_message_roles_outside_the_api_are_bad_request(tiny_m
               "body": {"messages": [{"role": role, "content": "the river"}, {"role": "user", "content": "town"}],
                        "max_tokens": 2}} for i, role in enumerate(roles)]
     data = write_jsonl(tmp_path / "batch.jsonl", lines)
-    run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "out", "dataset.format=openai_batch",
-                                      "run.max_error_rate=1")))
+    run_job(compose_job(dummy_overrides(tiny_model, data, tmp_path / "out", "dataset.format=openai_batch",
+                                        "run.max_error_rate=1")))
     rows = read_output(tmp_path / "out").to_pylist()
     assert [r["error"] is None for r in rows] == [True, True, True, True, False, False, False]
     for r in rows[4:]:

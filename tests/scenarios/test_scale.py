@@ -1,5 +1,6 @@
 """Scaling out on one machine: a Slurm-style array of shards as separate processes (some concurrent), each reading
-only its own parts of a Parquet input, then `batchgen finalize`; shard defaults from the Slurm environment."""
+only its own parts of a Parquet input, then `batchgen finalize`; shard defaults from the Slurm environment. On
+engine=dummy: which rows each shard reads and whether the shards' parts equal one process's are the pipeline's."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchgen.run.runner import run_job
-from tests.conftest import REPO, compose_job, corpus, job_overrides, read_output, run_cli
+from tests.conftest import REPO, compose_job, corpus, dummy_overrides, read_output, run_cli
 
 ROWS, PART = 40, 8  # 5 parts: shard 0 of 3 has parts 0 and 3, shard 1 parts 1 and 4, shard 2 part 2
 
@@ -27,8 +28,8 @@ def sharded_input(tmp_path):
 
 
 def args(model, data, out):
-    return job_overrides(model, data, out, "dataset.id_column=uid", f"run.rows_per_part={PART}",
-                         "sampling.max_new_tokens=6")
+    return dummy_overrides(model, data, out, "dataset.id_column=uid", f"run.rows_per_part={PART}",
+                           "sampling.max_new_tokens=6")
 
 
 def shard(model, data, out, k):

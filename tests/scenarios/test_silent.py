@@ -1,5 +1,7 @@
 """Nothing silently wrong (issue "Nothing silently wrong"): every value is kept exactly or its row errs alone, a
-resume refuses a changed model or dtype (and only then), and one writer layout per output directory."""
+resume refuses a changed model or dtype (and only then), and one writer layout per output directory. The jobs run
+engine=dummy (reading, rendering, parts, the manifest's guard and the lock are what they test), but for the two
+dtype tests, where the hf engine's own resolution of engine.dtype=auto is the case."""
 
 from __future__ import annotations
 
@@ -16,10 +18,17 @@ import pytest
 
 from batchgen.reader import DatasetConfig, is_json_text, open_reader
 from batchgen.run.runner import run_job
-from tests.conftest import compose_job, job_overrides, read_output, write_jsonl
+from tests.conftest import compose_job, dummy_overrides, job_overrides, read_output, write_jsonl
 
 
 def run(tiny_model, data, out, *extra):
+    cfg = compose_job(dummy_overrides(tiny_model, data, out, "sampling.max_new_tokens=2", "run.max_error_rate=1.0",
+                                      *extra))
+    return run_job(cfg)
+
+
+def run_hf(tiny_model, data, out, *extra):
+    """The same job on the hf engine (the tiny model in float32 unless `extra` says otherwise)."""
     cfg = compose_job(job_overrides(tiny_model, data, out, "sampling.max_new_tokens=2", "run.max_error_rate=1.0",
                                     *extra))
     return run_job(cfg)
@@ -155,8 +164,8 @@ def test_float_max_new_tokens_from_pandas(tiny_model, tmp_path):
 
 # -- 2. the resume guard ---------------------------------------------------------------------------------------
 
-def shard_run(model, data, out, shard, *extra):
-    return run(model, data, out, "run.rows_per_part=2", "run.num_shards=2", f"run.shard={shard}", *extra)
+def shard_run(model, data, out, shard, *extra, job=run):
+    return job(model, data, out, "run.rows_per_part=2", "run.num_shards=2", f"run.shard={shard}", *extra)
 
 
 @pytest.fixture
@@ -191,11 +200,11 @@ def test_the_same_model_and_input_under_other_spellings_resume(own_model, tmp_pa
     minimum): all resume, no refusal."""
     data = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"the river {i}"} for i in range(8)])
     out = tmp_path / "out"
-    assert shard_run(own_model, data, out, 0, "engine.dtype=auto").state == "partial"
+    assert shard_run(own_model, data, out, 0, "engine.dtype=auto", job=run_hf).state == "partial"
     (tmp_path / "link").symlink_to(own_model)
     os.utime(data, (1_000_000_000, 1_000_000_000))
     monkeypatch.chdir(tmp_path)
-    assert shard_run("link", data, out, 1, "engine.dtype=float32").state == "done"
+    assert shard_run("link", data, out, 1, "engine.dtype=float32", job=run_hf).state == "done"
     assert len(read_output(out)) == 8
 
 
@@ -207,10 +216,10 @@ def test_auto_resolving_to_another_dtype_on_resume_is_refused(own_model, tmp_pat
 
     data = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"the river {i}"} for i in range(8)])
     out = tmp_path / "out"
-    assert shard_run(own_model, data, out, 0, "engine.dtype=auto").state == "partial"
+    assert shard_run(own_model, data, out, 0, "engine.dtype=auto", job=run_hf).state == "partial"
     monkeypatch.setattr(calibration, "fastest_dtype", lambda features: torch.bfloat16)  # another CPU kind
     with pytest.raises(ResumeMismatchError, match=r"engine.dtype: was 'float32', now 'bfloat16'"):
-        shard_run(own_model, data, out, 1, "engine.dtype=auto")
+        shard_run(own_model, data, out, 1, "engine.dtype=auto", job=run_hf)
     assert json.loads((out / "_manifest.json").read_text())["engine_resolved"]["dtype"] == "float32"
 
 

@@ -60,6 +60,10 @@ def endpoint_of(cfg: DatasetConfig) -> tuple[Optional[str], list[str]]:
 
 def configure(cfg: DatasetConfig) -> list[str]:
     """Point the dataset.*_column keys the user left unset at the request's columns, by the file's endpoint."""
+    if cfg.template is not None:  # before the columns are pointed: the template is the one key in the way
+        return [f"dataset.template={cfg.template!r} (set on the command line or by a preset such as job=demo) with "
+                f"dataset.format=openai_batch: each request carries its own prompt or messages; leave the template "
+                f"unset (dataset.template=null), or run without the preset"]
     endpoint, problems = endpoint_of(cfg)
     if problems:
         return problems
@@ -70,8 +74,6 @@ def configure(cfg: DatasetConfig) -> list[str]:
         cfg.messages_column = cfg.messages_column or "messages"
     else:
         cfg.prompt_column = "prompt"
-    if cfg.template is not None:
-        return ["dataset.template: an openai_batch request carries its own prompt or messages; leave it unset"]
     return []
 
 

@@ -40,7 +40,7 @@ def quantize_int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """q: [N, K] uint8 in [0, 15], K a multiple of 64 -> [N, K / 2] uint8 in the kernel's layout (cpu/kernels.c):
+    """q: [N, K] uint8 in [0, 15], K a multiple of 64 -> [N, K / 2] uint8 in the kernel's layout (cpu/kernels_int4.c):
     each 64-weight block is 8 little-endian uint32 lanes, lane j holding q[8 i + j] in bits 4 i .. 4 i + 3."""
     n, k = q.shape
     planes = q.reshape(n, k // 64, 4, 2, 8)  # [n, block, byte b of a lane, low/high nibble, lane j]: plane 2 b + h

@@ -111,7 +111,7 @@ def localized(command: str, model: str) -> list[str]:
             continue
         out.append(word)
     if out[0] == "batchgen":
-        sub = out[1] if len(out) > 1 and out[1] in ("status", "retry", "report", "plan", "finalize") else None
+        sub = out[1] if len(out) > 1 and out[1] in ("status", "retry", "report", "plan", "finalize", "view") else None
         if sub in (None, "plan", "retry"):
             keys = {w.split("=", 1)[0] for w in out}
             out += [f"{k}={v}" for k, v in SMALL.items() if k not in keys

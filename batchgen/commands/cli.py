@@ -133,6 +133,7 @@ COMMANDS = {
     "report": "one self-contained HTML page of what a run did",
     "retry": "generate again the rows of a finished job that erred with a retryable kind (too_long, ...)",
     "finalize": "after the shards of a job ran: write _SUCCESS once every part of every shard exists",
+    "view": "the latest-attempt view of an output (retried rows in place) as JSON lines, or --to a .parquet/.jsonl",
 }
 
 
@@ -173,26 +174,18 @@ def main() -> None:
 
         print(f"batchgen {__version__}")
         sys.exit(0)
-    if first == "status":
-        from batchgen.commands.status import main as status_main
+    if first in COMMANDS:  # each its own module; plan and retry are handed the config composition they need
+        import importlib
 
-        sys.exit(status_main(sys.argv[2:]))
-    if first == "plan":
-        from batchgen.commands.plan import main as plan_main
-
-        sys.exit(plan_main(sys.argv[2:], compose_checked))
-    if first == "report":
-        from batchgen.commands.report import main as report_main
-
-        sys.exit(report_main(sys.argv[2:]))
-    if first == "retry":
-        from batchgen.commands.retry import main as retry_main
-
-        sys.exit(retry_main(sys.argv[2:], config_from))
-    if first == "finalize":
-        from batchgen.commands.finalize import main as finalize_main
-
-        sys.exit(finalize_main(sys.argv[2:]))
+        command = importlib.import_module(f"batchgen.commands.{first}")
+        handed = {"plan": (compose_checked,), "retry": (config_from,)}.get(first, ())
+        try:
+            code = command.main(sys.argv[2:], *handed)
+            sys.stdout.flush()
+        except BrokenPipeError:  # `batchgen view OUT | head`: the reader had enough; no traceback
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            code = 0
+        sys.exit(code)
     if not any(arg.startswith("-") for arg in sys.argv[1:]):  # Hydra's own flags (--help, -m) go straight to it
         cfg = preflight(sys.argv[1:])
         home = RemoteOutput(cfg.output_dir).staging if is_remote(cfg.output_dir) else Path(cfg.output_dir)

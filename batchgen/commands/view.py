@@ -1,0 +1,111 @@
+"""`batchgen view OUTPUT_DIR [--to FILE.parquet|FILE.jsonl] [--columns a,b] [--limit N]`: the latest-attempt view
+of an output (output/view.py: one row per row of the job, a retried row's latest attempt without error in its
+place), streamed batch by batch: into one Parquet or JSONL file with --to (written under a temporary name and
+renamed when complete), else as JSON lines on stdout. Only committed parts are read; nothing in OUTPUT_DIR changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchgen.output.manifest import MANIFEST
+from batchgen.output.view import latest_batches
+
+FORMATS = (".parquet", ".jsonl")
+
+
+def _jsonable(value: Any) -> Any:
+    """A value as JSON takes it: bytes as text where they decode, else their hex; everything else as pyarrow gives."""
+    if isinstance(value, bytes):
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            return value.hex()
+    return value
+
+
+def _lines(table: pa.Table) -> list[str]:
+    return [json.dumps({k: _jsonable(v) for k, v in row.items()}, ensure_ascii=False, default=str) + "\n"
+            for row in table.to_pylist()]
+
+
+class _Sink:
+    """Where the view goes: stdout as JSON lines, or a .parquet / .jsonl file written under a temporary name and
+    renamed once complete (an interrupted export leaves no file that looks whole)."""
+
+    def __init__(self, to: Optional[Path]):
+        self.to = to
+        self.temp = None if to is None else to.with_name(f".{to.name}.tmp-{os.getpid()}")
+        self.parquet: Optional[pq.ParquetWriter] = None
+        self.text = sys.stdout if to is None else (open(self.temp, "w", encoding="utf-8") if to.suffix == ".jsonl"
+                                                   else None)
+
+    def write(self, table: pa.Table) -> None:
+        if self.text is not None:
+            self.text.writelines(_lines(table))
+            return
+        self.parquet = self.parquet or pq.ParquetWriter(self.temp, table.schema)
+        self.parquet.write_table(table)
+
+    def close(self, complete: bool) -> None:
+        if self.to is None:
+            return
+        if self.parquet is not None:
+            self.parquet.close()
+        elif self.text is None and complete:  # no rows at all: an empty table
+            pq.write_table(pa.table({}), self.temp)
+        if self.text is not None:
+            self.text.close()
+        if complete:
+            os.replace(self.temp, self.to)
+        else:
+            self.temp.unlink(missing_ok=True)
+
+
+def export(output_dir: Path, to: Optional[Path], columns: Optional[list[str]], limit: Optional[int]) -> int:
+    """Write the view; the number of rows written."""
+    rows, sink, complete = 0, _Sink(to), False
+    try:
+        for table in latest_batches(output_dir, columns):
+            table = table if limit is None else table.slice(0, max(limit - rows, 0))
+            sink.write(table)
+            rows += table.num_rows
+            if limit is not None and rows >= limit:
+                break
+        complete = True
+    finally:
+        sink.close(complete)
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="batchgen view", description=__doc__.split("\n\n")[0])
+    parser.add_argument("output_dir", type=Path)
+    parser.add_argument("--to", type=Path, help="a .parquet or .jsonl file (default: JSON lines on stdout)")
+    parser.add_argument("--columns", help="comma-separated columns (default: all)")
+    parser.add_argument("--limit", type=int, help="the first N rows only")
+    args = parser.parse_args(argv)
+    if not (args.output_dir / MANIFEST).is_file():
+        print(f"batchgen view: error: {args.output_dir}: no {MANIFEST}; point it at a job's output_dir",
+              file=sys.stderr)
+        return 2
+    if args.to is not None and args.to.suffix not in FORMATS:
+        print(f"batchgen view: error: --to {args.to}: write a {' or '.join(FORMATS)} file", file=sys.stderr)
+        return 2
+    columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
+    try:
+        rows = export(args.output_dir, args.to, columns, args.limit)
+    except (KeyError, ValueError, pa.ArrowInvalid) as exc:  # an unknown column, an unreadable part
+        print(f"batchgen view: error: {exc}", file=sys.stderr)
+        return 2
+    if args.to is not None:
+        print(f"{rows} rows written to {args.to}", file=sys.stderr)
+    return 0

@@ -8,6 +8,13 @@ CLI validates its config) and call run_job, optionally with a row-rendering func
     cfg.dataset.path, cfg.engine.model = "reviews.parquet", "models/my-llama"
     summary = run_job(cfg, render_row=lambda row: f"Review: {row['text']}\nSentiment:")
 
+or load a preset with overrides and run rows held in memory, getting the output back as a pyarrow Table:
+
+    from batchgen import generate, load_job
+    cfg = load_job("classify", ["engine.model=models/my-llama"])
+    table = generate([{"ticket_id": 1, "messages": [...]}], cfg)             # a temporary output, removed
+    table = generate(rows, cfg, output_dir="data/outputs/tickets")           # resumable, as a job from a file
+
 The contract (config keys, output, resume, exit codes) is docs/contract.md.
 """
 
@@ -17,11 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 from batchgen.version import __version__
 
-__all__ = ["BatchgenError", "JobConfig", "Summary", "run_job", "__version__"]
+__all__ = ["BatchgenError", "JobConfig", "Summary", "generate", "load_job", "run_job", "__version__"]
 
 if TYPE_CHECKING:
+    from batchgen.commands.compose import load_job
     from batchgen.errors import BatchgenError
     from batchgen.job import JobConfig
+    from batchgen.run.api import generate
     from batchgen.run.runner import Summary, run_job
 
 
@@ -30,6 +39,14 @@ def __getattr__(name: str) -> Any:  # lazy: `import batchgen` stays cheap (no to
         import batchgen.run.runner as runner
 
         return getattr(runner, name)
+    if name == "generate":
+        from batchgen.run.api import generate
+
+        return generate
+    if name == "load_job":
+        from batchgen.commands.compose import load_job
+
+        return load_job
     if name == "JobConfig":
         from batchgen.job import JobConfig
 

@@ -33,15 +33,40 @@ for _name, _spec in ENGINES.items():  # each engine's config class, under its gr
     ConfigStore.instance().store(group="engine", name=f"{_name}_schema", node=_spec.config)
 
 
-def to_job_config(cfg: DictConfig) -> JobConfig:
-    """The one conversion from Hydra's config to dataclasses."""
+def to_job_config(cfg: DictConfig, check: bool = True) -> JobConfig:
+    """The one conversion from Hydra's config to dataclasses; validated unless `check` is false (load_job: run_job
+    validates once the caller has set what the preset leaves open)."""
     try:
         job = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "config"
         raise ConfigError([f"{key}: {getattr(exc, 'msg', exc)}"]) from exc
     assert isinstance(job, JobConfig)
-    return validate(job)
+    return validate(job) if check else job
+
+
+def load_job(preset: Optional[str] = None, overrides: Optional[list[str]] = None,
+             config_dir: Optional[str] = None) -> JobConfig:
+    """batchgen.load_job: a preset (job=NAME, from batchgen's presets or `config_dir`'s) with key=value overrides,
+    as the command line composes it, checked for unknown keys and bad values; the paths it names are checked when
+    the job runs (run_job or generate), so that the caller can set them first."""
+    from hydra import compose, initialize_config_dir
+
+    if config_dir is not None and config_dir not in _config_dirs:
+        _config_dirs.append(config_dir)
+    overrides = ([f"job={preset}"] if preset else []) + list(overrides or [])
+    problems = conf_dir_problems() or unreadable(overrides) + unknown_options(overrides)
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        problems = problems or unknown_keys(overrides, _chosen_engine(overrides))
+        if problems:
+            raise ConfigError(problems)
+        try:
+            cfg = compose(config_name="config", overrides=with_search_path(overrides))
+        except Exception as exc:  # Hydra's composition errors
+            raise ConfigError([hydra_reason(exc)]) from exc
+    if OmegaConf.is_missing(cfg, "name"):
+        cfg.name = preset or "job"
+    return to_job_config(cfg, check=False)
 
 
 def user_conf_dirs() -> list[Path]:

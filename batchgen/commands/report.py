@@ -4,7 +4,8 @@ reasons, error kinds with example rows, per-shard and per-worker progress, retri
 
 The plots are inline SVG (matplotlib, `pip install 'batchgen[plot]'`; without it the page has the tables only) and
 the page loads nothing from the network. Written to OUTPUT_DIR/_report.html by default. The rows are read through
-the latest-attempt view, a column at a time (lengths, finish reasons and errors only, never the generations).
+the latest-attempt view, a column at a time (lengths, finish reasons and errors; the generations of the first ten
+rows only, for the example table).
 An output on object storage (`s3://...`, through fsspec) is read the same way from a local copy of those columns,
 its manifest and status files (status.fetch_remote) and the history its staging directory holds on this machine;
 its page goes where --out says (nothing is written into the bucket). Knows the output layout, not engines.
@@ -80,6 +81,7 @@ def gather(output_dir: Path) -> dict[str, Any]:
     return {"manifest": manifest, "rows": rows, "samples": len(generated), "prompt": prompt, "generated": generated,
             "reasons": reasons, "errors": errors, "error_counts": counts, "history": history(output_dir),
             "beats": [(p.name, b) for p, b in read_heartbeats(output_dir)], "retries": retries,
+            "examples": example_rows(output_dir),
             "complete": (output_dir / "_SUCCESS").exists()}
 
 
@@ -103,46 +105,75 @@ def plots(facts: dict[str, Any]) -> dict[str, str]:
     except ImportError:
         return {}
     out = {}
-    hist = facts["history"]
-    if hist:
+    if facts["history"]:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
-        t0 = hist[0]["t"]
-        by_worker: dict[str, list[dict]] = defaultdict(list)
-        for h in hist:
-            by_worker[_worker(h)].append(h)
-        for k, (worker, items) in enumerate(sorted(by_worker.items())):
-            total, xs, ys = 0, [], []
-            for h in items:
-                total += h.get("generated_tokens", 0)
-                xs.append(h["t"] - t0)
-                ys.append(total)
-            ax1.plot(xs, ys, marker="o", ms=3, color=COLORS[k % len(COLORS)], label=worker)
-        ax1.set_title("generated tokens (cumulative)")
-        ax1.set_xlabel("seconds since the first commit")
-        if len(by_worker) > 1:
-            ax1.legend(fontsize=7)
-        rates = [(h["t"] - t0, h["generated_tokens"] / h["part_s"]) for h in hist if h.get("part_s")]
-        if rates:
-            ax2.bar([x for x, _ in rates], [y for _, y in rates], width=max(1.0, (rates[-1][0] or 1) / 60),
-                    color=COLORS[0])
-        ax2.set_title("tok/s per part (generated / part's time in flight)")
-        ax2.set_xlabel("seconds since the first commit")
+        _throughput(ax1, ax2, facts["history"])
         out["throughput"] = _svg(fig)
-    for name, values, title in (("prompt", facts["prompt"], "prompt tokens per row"),
-                                ("generated", facts["generated"], "generated tokens per sample")):
+    for name, values, title, unit in (("prompt", facts["prompt"], "prompt tokens per row", "rows"),
+                                      ("generated", facts["generated"], "generated tokens per sample", "samples")):
         if values:
             fig, ax = plt.subplots(figsize=(5, 3))
             ax.hist(values, bins=min(30, max(len(set(values)), 1)), color=COLORS[0 if name == "prompt" else 2])
             ax.set_title(title)
-            ax.set_ylabel("count")
+            ax.set_xlabel(title.split(" per ")[0])
+            ax.set_ylabel(unit)
             out[name] = _svg(fig)
     if facts["reasons"]:
         fig, ax = plt.subplots(figsize=(5, 3))
         names = sorted(facts["reasons"])
         ax.bar(names, [facts["reasons"][n] for n in names], color=COLORS[1])
         ax.set_title("finish reasons (samples)")
+        ax.set_xlabel("finish_reason")
+        ax.set_ylabel("samples")
         out["reasons"] = _svg(fig)
     return out
+
+
+RATE_BINS = 12  # the generated-tokens rate is drawn over this many equal spans of the job's time
+
+
+def job_start(hist: list[dict[str, Any]]) -> float:
+    """When the first run began generating: its first part's commit time less that part's time in flight."""
+    return min(h["t"] - (h.get("part_s") or 0) for h in hist)
+
+
+def _throughput(ax1: Any, ax2: Any, hist: list[dict[str, Any]]) -> None:
+    """Cumulative generated tokens per worker, and the job's generated tokens per second over equal spans of time
+    (the engine's rate, every part in flight together; not a part's tokens over its own time in flight, which
+    undercounts by the parts that share the engine). Time from the job's start: nothing left of zero."""
+    t0 = job_start(hist)
+    by_worker: dict[str, list[dict]] = defaultdict(list)
+    for h in hist:
+        by_worker[_worker(h)].append(h)
+    for k, (worker, items) in enumerate(sorted(by_worker.items())):
+        total, xs, ys = 0, [0.0], [0]
+        for h in items:
+            total += h.get("generated_tokens", 0)
+            xs.append(h["t"] - t0)
+            ys.append(total)
+        ax1.plot(xs, ys, marker="o", ms=3, color=COLORS[k % len(COLORS)], label=worker)
+    ax1.set_title("generated tokens (cumulative)")
+    ax1.set_ylabel("tokens")
+    end = max(h["t"] for h in hist) - t0 or 1.0
+    width = end / RATE_BINS
+    tokens = [0.0] * RATE_BINS
+    for h in hist:  # a part's tokens spread over its time in flight, clipped to the job's span
+        start, stop = h["t"] - t0 - (h.get("part_s") or 0), h["t"] - t0
+        for i in range(RATE_BINS):
+            overlap = min(stop, (i + 1) * width) - max(start, i * width)
+            if stop == start and i * width <= stop <= (i + 1) * width:
+                overlap = 1.0 if i == min(int(stop / width), RATE_BINS - 1) else 0.0
+            if overlap > 0:
+                tokens[i] += h.get("generated_tokens", 0) * (overlap / (stop - start) if stop > start else 1.0)
+    ax2.bar([i * width for i in range(RATE_BINS)], [t / width for t in tokens], width=width, align="edge",
+            color=COLORS[0])
+    ax2.set_title("generated tokens per second (all parts in flight)")
+    ax2.set_ylabel("tok/s")
+    for ax in (ax1, ax2):
+        ax.set_xlabel("seconds since the job started")
+        ax.set_xlim(left=0)
+    if len(by_worker) > 1:
+        ax1.legend(fontsize=7)
 
 
 def _worker(h: dict[str, Any]) -> str:
@@ -162,8 +193,7 @@ def render(output_dir: str | Path, facts: dict[str, Any]) -> str:
     errors_total = sum(facts["error_counts"].values())
     sections = [
         "<h2>Summary</h2>" + _table(["", ""], _summary_rows(facts)),
-        "<h2>Throughput over time</h2>" + (svg.get("throughput") or "<p>no history recorded (a run older than the "
-                                                                   "history file, or no part committed yet)</p>"),
+        "<h2>Throughput over time</h2>" + _throughput_section(facts, svg),
         "<h2>Lengths</h2><div class='row'>" + svg.get("prompt", "") + svg.get("generated", "") + "</div>",
         "<h2>Finish reasons</h2><div class='row'>" + svg.get("reasons", "") + _table(
             ["finish_reason", "samples"], sorted(facts["reasons"].items())) + "</div>",
@@ -171,6 +201,8 @@ def render(output_dir: str | Path, facts: dict[str, Any]) -> str:
                                     [[k, n, " | ".join(f"{i}: {e[:160]}" for i, e in facts["errors"][k])]
                                      for k, n in facts["error_counts"].most_common()]) if errors_total
                              else "<p>none</p>"),
+        "<h2>Example rows</h2>" + _table(["id", "input columns kept in the output", "generation", "finish_reason"],
+                                          facts["examples"]),
         *_run_sections(facts),
         "<h2>Model</h2><pre>" + html.escape(json.dumps({"model": m.get("model"), "engine": m.get("engine_resolved")},
                                                        indent=2)) + "</pre>",
@@ -187,11 +219,42 @@ STYLE = ("body{font-family:sans-serif;margin:24px;max-width:1100px} table{border
          " svg{max-width:100%;height:auto}")
 
 
+def _throughput_section(facts: dict[str, Any], svg: dict[str, str]) -> str:
+    if svg.get("throughput"):
+        return svg["throughput"]
+    hist = facts["history"]
+    if not hist:
+        return "<p>no history recorded (a run older than the history file, or no part committed yet)</p>"
+    span = max(h["t"] for h in hist) - job_start(hist)
+    tokens = sum(h.get("generated_tokens", 0) for h in hist)
+    return (f"<p>{len(hist)} parts committed, {tokens} tokens generated in {span:.1f} s "
+            f"({tokens / max(span, 1e-9):.1f} tok/s). The plots need matplotlib: "
+            f"pip install 'batchgen[plot]'</p>")
+
+
+def example_rows(output_dir: Path, count: int = 10) -> list[list[str]]:
+    """The first `count` rows of the latest view (sample 0): id, the input columns the output keeps (excerpts),
+    the generation's start, the finish reason. The page escapes them."""
+    contract = set(ROW_COLUMNS) | {"generation", "seed", "attempt", "parsed", "choice_scores", "logprobs",
+                                   "reasoning"}
+    out: list[list[str]] = []
+    for table in latest_batches(output_dir):
+        for row in table.to_pylist():
+            if row.get("sample_index", 0) != 0:
+                continue
+            inputs = "; ".join(f"{k}: {str(v)[:80]}" for k, v in row.items() if k not in contract and v is not None)
+            out.append([row["id"], inputs[:240], (row.get("generation") or "")[:200], row["finish_reason"]])
+            if len(out) == count:
+                return out
+    return out
+
+
 def _summary_rows(facts: dict[str, Any]) -> list[list[Any]]:
     m, hist = facts["manifest"], facts["history"]
     span = hist[-1]["t"] - hist[0]["t"] + (hist[0].get("part_s") or 0) if hist else 0
     return [["state", "complete" if facts["complete"] else "incomplete"], ["rows", facts["rows"]],
-            ["samples", facts["samples"]], ["error samples", sum(facts["error_counts"].values())],
+            ["samples", facts["samples"]],
+            ["error samples (latest view: after retries)", sum(facts["error_counts"].values())],
             ["rows skipped (run.skip_existing)", sum(b.rows_skipped for _, b in facts["beats"])],
             ["invalid outputs", sum(b.invalid_outputs for _, b in facts["beats"])],
             ["generated tokens (history)", sum(h.get("generated_tokens", 0) for h in hist)],
@@ -212,8 +275,8 @@ def _run_sections(facts: dict[str, Any]) -> list[str]:
     retries = [[r["attempt"], r["complete"], ",".join(r.get("kinds", [])), " ".join(r.get("overrides", [])),
                 r.get("rows")] for r in facts["retries"]]
     return [
-        "<h2>Shards</h2>" + _table(["status file", "state", "rows done", "error rows", "generated tokens",
-                                    "updated"], shard_rows),
+        "<h2>Shards</h2>" + _table(["status file", "state", "rows done", "error rows (the job's runs, before "
+                                    "retries)", "generated tokens", "updated"], shard_rows),
         "<h2>Workers</h2>" + _table(["worker (host:pid or Ray worker)", "parts", "rows", "generated tokens"],
                                     [[k, int(v["parts"]), int(v["rows"]), int(v["tokens"])]
                                      for k, v in sorted(workers.items())]),

@@ -91,3 +91,32 @@ def test_a_headless_browser_renders_the_plots(reported, tmp_path, capsys):
     with capsys.disabled():
         print(f"\nreport screenshot {shot}: plot-coloured pixels {[int(m.sum()) for m in plotted]}, "
               f"bands with plots {sum(bands)} of {len(bands)}")
+
+
+def test_the_page_tells_the_truth(reported, tmp_path):
+    """Time runs from the job's start (no point or bar left of zero) and the rate is the job's, in equal
+    non-overlapping spans; error counts say which view they count; ten example rows, as a browser renders them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from batchgen.commands.report import _throughput
+
+    out, page = reported
+    fig, (ax1, ax2) = plt.subplots(1, 2)
+    _throughput(ax1, ax2, history(out))
+    assert all(min(line.get_xdata()) >= 0 for line in ax1.get_lines())
+    bars = sorted((p.get_x(), p.get_x() + p.get_width()) for p in ax2.patches)
+    assert bars[0][0] == 0 and all(a[1] <= b[0] + 1e-9 for a, b in zip(bars, bars[1:]))
+    assert sum(p.get_height() * p.get_width() for p in ax2.patches) == pytest.approx(
+        sum(h["generated_tokens"] for h in history(out)))  # every generated token counted once
+    plt.close(fig)
+    text = page.read_text()
+    assert "error samples (latest view: after retries)" in text and "before retries" in text
+    dom = subprocess.run([browser(), "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", page.as_uri()],
+                         capture_output=True, text=True, timeout=120).stdout
+    table = dom[dom.index("Example rows"):].split("</table>")[0]
+    ids = re.findall(r"<td>(r\d\d)</td>", table)
+    assert len(ids) == 10 and ids == sorted(ids), ids
+    assert "finish_reason" in table and ("stop" in table or "length" in table)

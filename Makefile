@@ -3,20 +3,26 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+BASE_STAMP := $(VENV)/.installed-base
 
 .PHONY: demo test test-all test-vllm lint venv clean bench bench-quick
 
-$(STAMP): pyproject.toml
+# The base install: what a job needs (the demo too). Extras add features (docs/engines.md); dev adds the tests'.
+$(BASE_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch 2.13.0 pinned first: on these machines it is the CPU build (an unpinned torch pulls CUDA, GBs)
 	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e .
+	touch $(BASE_STAMP)
+
+$(STAMP): $(BASE_STAMP)
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
 venv: $(STAMP)
 
-demo: $(STAMP)
+demo: $(BASE_STAMP)
 	$(BIN)/python scripts/build_demo_model.py
 	$(BIN)/batchgen job=demo
 	$(BIN)/python scripts/preview.py data/outputs/demo --expect-rows $$(grep -c . data/demo/prompts.jsonl)

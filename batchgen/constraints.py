@@ -194,7 +194,7 @@ def compile_problem(constraint: Constraint) -> Optional[str]:
     try:
         grammar(constraint)
     except ImportError as exc:
-        return f"constrained decoding needs xgrammar: pip install xgrammar ({exc})"
+        return f"constrained decoding needs xgrammar: pip install 'batchgen[constraints]' ({exc})"
     except RuntimeError as exc:  # xgrammar reports a bad schema, regex or grammar as a RuntimeError
         return f"does not compile: {str(exc).strip().splitlines()[-1]}"
     return None

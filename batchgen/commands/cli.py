@@ -43,6 +43,11 @@ log = logging.getLogger("batchgen")
 _entered_job = False  # set once Hydra has composed the config and handed it to us
 LOGS = "_logs"  # Hydra's run folders, in output_dir (conf/config.yaml: hydra.run.dir)
 _logs_home: Optional[tuple[Path, Optional[set[str]]]] = None  # where they go, and what was there before the run
+_command = "batchgen"  # the command as typed (main() records it): the line that resumes a stopped run
+
+
+def resume_line() -> str:
+    return f"rerun the same command to resume: {_command}"
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
@@ -59,13 +64,14 @@ def _hydra_main(cfg: DictConfig) -> None:
         print(f"batchgen: error: {exc}", file=sys.stderr)
         if exc.exit_code == 2:
             _forget_refused_run()
+        else:  # a runtime failure: what is committed and journaled stays, and the same command resumes
+            print(f"batchgen: committed parts and journaled results are kept; {resume_line()}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except StopRequested as exc:
-        print(f"batchgen: {exc}; committed parts and journaled results are kept, rerun the same command to resume",
-              file=sys.stderr)
+        print(f"batchgen: {exc}; committed parts and journaled results are kept, {resume_line()}", file=sys.stderr)
         _exit_now(exc.exit_code)
     except KeyboardInterrupt:
-        print("batchgen: interrupted; committed parts are kept, rerun the same command to resume", file=sys.stderr)
+        print(f"batchgen: interrupted; committed parts are kept, {resume_line()}", file=sys.stderr)
         sys.exit(130)
     print(summary.render())
 
@@ -163,7 +169,10 @@ Exit codes: 0 done, 1 runtime failure, 2 config or input error, 143/130 stopped 
 
 
 def main() -> None:
-    global _logs_home
+    global _logs_home, _command
+    import shlex
+
+    _command = shlex.join(["batchgen", *sys.argv[1:]])
     sys.argv[1:] = take_config_dirs(sys.argv[1:])  # --config-dir DIR: the user's presets, for every command
     first = sys.argv[1] if len(sys.argv) > 1 else None
     if first in ("-h", "--help", "help"):

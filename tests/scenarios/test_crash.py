@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -68,7 +69,8 @@ def test_sigterm_and_sigint_stop_within_10s_with_finished_rows_journaled(tiny_mo
         proc.wait(timeout=10)
         waited = time.monotonic() - sent
         assert proc.returncode == code, proc.stderr[-3000:]
-        assert waited < 10 and "rerun the same command to resume" in proc.stderr.read()
+        last = proc.stderr.read().strip().splitlines()[-1]  # the last line says the command that resumes the run
+        assert waited < 10 and last.endswith(f"rerun the same command to resume: {shlex.join(['batchgen', *args])}")
         status = json.loads((out / "_status.json").read_text())
         journaled = journaled_samples(out)
         assert status["state"] == "stopped" and status["pid"] == proc.pid

@@ -118,8 +118,10 @@ class Progress:
         self.parts[index] = {"index": index, "samples_planned": planned, "samples_journaled": reused,
                              "samples_reused": reused}
         self.opened.setdefault(index, time.time())
-        self.part_rows[index], self.shown[index], self.part_tokens[index] = rows, 0.0, 0
-        self._advance(index, reused, this_run=False)
+        self.part_rows[index] = rows
+        if index not in self.shown:  # a part opened again (requeued on a Ray worker) keeps what the bar showed
+            self.shown[index], self.part_tokens[index] = 0.0, 0
+            self._advance(index, reused, this_run=False)
         self.write("running")
 
     def journaled(self, index: int, count: int, tokens: int = 0) -> None:

@@ -170,11 +170,13 @@ def _drive_workers(cfg: JobConfig, render_row: Optional[RenderRow], committer: C
         check_engine(committer.output_dir, identity)
     summary.load_s = time.perf_counter() - started
     progress.engine = _WorkerStats(pool.per_worker)
+    watch = _JournalWatch(cfg, committer.output_dir, progress, parts)
     try:
         while todo or pool.running:
             if stop.signum is not None:
                 raise StopRequested(stop.signum)
             pool.dispatch(todo)
+            watch.look({k for _, k in pool.running.values()})
             ready = _wait(stop, list(pool.running))
             for ref in ready:
                 done = pool.collect(ref, todo)
@@ -247,6 +249,40 @@ class _Pool:
         self.per_worker[i]["parts"] += 1
         self.per_worker[i]["rows"] += out["stats"].rows
         return i, k, out
+
+
+class _JournalWatch:
+    """The driver's bar per journaled sample: the workers journal into the shared output_dir, and the driver counts
+    the samples in the journals of the parts in flight (at most every heartbeat), as `batchgen status` does. A
+    part's samples are planned as its rows times sampling.n here (the worker knows its error rows and per-row n; the
+    commit then moves the bar to the part's exact rows)."""
+
+    def __init__(self, cfg: JobConfig, output_dir: Path, progress: Progress, parts: int):
+        self.cfg, self.output_dir, self.progress, self.parts = cfg, output_dir, progress, parts
+        self.seen: dict[int, int] = {}
+        self.looked = 0.0
+
+    def look(self, running: set[int]) -> None:
+        from batchgen.output.journal import journal_path, read_journal
+
+        for k in running - set(self.seen):  # a part's first run (a requeued part keeps what it counted)
+            rows = self.cfg.rows_per_part if k < self.parts - 1 or not self.progress.total else (
+                self.progress.total - self.cfg.rows_per_part * (self.parts - 1))
+            self.progress.start_part(k, max(rows, 1) * self.cfg.sampling.n, 0, max(rows, 1))
+            self.seen[k] = 0
+        if time.monotonic() - self.looked < Progress.HEARTBEAT_S:
+            return
+        self.looked = time.monotonic()
+        for k in running:
+            try:
+                _, results, _ = read_journal(journal_path(self.output_dir, k))
+            except (OSError, ValueError):
+                continue  # not written yet, or committed and removed meanwhile
+            planned = self.progress.parts.get(k, {}).get("samples_planned", 0)
+            new = min(len(results), planned) - self.seen[k]
+            if new > 0 and k in self.progress.parts:
+                self.progress.journaled(k, new, sum(r.num_generated_tokens for r in results[-new:]))
+                self.seen[k] += new
 
 
 def _wait(stop: GracefulStop, refs: list[Any]) -> list[Any]:

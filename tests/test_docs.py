@@ -84,8 +84,8 @@ def test_the_readme_links_every_docs_page():
 
 
 def test_every_config_key_is_in_the_config_reference():
-    """Every key of every config section and of every engine's own config class appears in docs/configuration.md
-    (the launcher's in the table docs/scaling-out.md holds, which the reference links)."""
+    """Every key of every config section and of every engine's own config class appears in the reference
+    (batchgen/conf/reference.md; the launcher's in the table docs/scaling-out.md holds, which the reference links)."""
     import dataclasses
 
     from batchgen.engines import ENGINES
@@ -93,7 +93,7 @@ def test_every_config_key_is_in_the_config_reference():
     from batchgen.reader import DatasetConfig
     from batchgen.sampling import SamplingConfig
 
-    reference = (ROOT / "docs" / "configuration.md").read_text()
+    reference = (ROOT / "batchgen" / "conf" / "reference.md").read_text()
     scaling = (ROOT / "docs" / "scaling-out.md").read_text()
     sections = [("dataset", DatasetConfig, reference), ("sampling", SamplingConfig, reference),
                 ("run", RunConfig, reference), ("output", OutputConfig, reference),
@@ -102,3 +102,11 @@ def test_every_config_key_is_in_the_config_reference():
     missing = {f"{section}.{f.name}" for section, cls, doc in sections for f in dataclasses.fields(cls)
                if f.name != "name" and f"`{section}.{f.name}`" not in doc}
     assert not missing, f"config keys not in the reference: {sorted(missing)}"
+
+
+def test_the_docs_reference_is_the_one_batchgen_help_shows():
+    """docs/configuration.md's "Config reference" is generated from batchgen/conf/reference.md, which `batchgen help`
+    reads: regenerate it (python -m batchgen.commands.keys --write-docs docs/configuration.md) after editing."""
+    from batchgen.commands.keys import docs_block
+
+    assert docs_block() in (ROOT / "docs" / "configuration.md").read_text()

@@ -162,7 +162,8 @@ config groups (GROUP=OPTION; job=NAME picks a preset):
 {groups}
 
 Your own presets: DIR/job/NAME.yaml, with --config-dir DIR (any command) or {USER_CONF_ENV}=DIR.
-Every key, its default and meaning: docs/configuration.md, "Config reference". `batchgen job=NAME --cfg job` prints
+What a key means: batchgen help KEY (dataset.template), or a section (batchgen help sampling); all of them in
+docs/configuration.md, "Config reference". `batchgen job=NAME --cfg job` prints
 the composed config without running it; `batchgen --hydra-help` shows Hydra's own flags.
 Exit codes: 0 done, 1 runtime failure, 2 config or input error, 143/130 stopped by SIGTERM/SIGINT (rerun to resume).
 """
@@ -175,9 +176,13 @@ def main() -> None:
     _command = shlex.join(["batchgen", *sys.argv[1:]])
     sys.argv[1:] = take_config_dirs(sys.argv[1:])  # --config-dir DIR: the user's presets, for every command
     first = sys.argv[1] if len(sys.argv) > 1 else None
-    if first in ("-h", "--help", "help"):
+    if first in ("-h", "--help") or sys.argv[1:] == ["help"]:
         print(usage())
         sys.exit(0)
+    if first == "help":  # batchgen help KEY: what a config key means (commands/keys.py)
+        from batchgen.commands.keys import main as keys_main
+
+        sys.exit(keys_main(sys.argv[2:]))
     if first in ("-V", "--version"):
         from batchgen.version import __version__
 

@@ -75,6 +75,7 @@ def test_a_wheel_runs_a_preset_job_and_every_command_from_another_directory(inst
     assert "rows 12/12" in run([batchgen, "status", "out"], home).stdout
     run([batchgen, "report", "out"], home)
     assert (home / "out" / "_report.html").exists()
+    assert "newline" in run([batchgen, "help", "dataset.template"], home).stdout  # the reference ships too
     helped = run([batchgen, "--config-dir", "my-presets", "--help"], home).stdout
     assert "annotate, annotate_json, classify, demo, mine" in helped
 

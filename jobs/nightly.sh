@@ -35,7 +35,9 @@ case $code in
   0) echo "nightly $job: $(grep -m1 '^batchgen: ' "$log" | sed 's/^batchgen: //')" ;;
   2) echo "nightly $job: config or input error, not retried: $(grep -m1 'error' "$log")" >&2 ;;
   130|143) echo "nightly $job: stopped by a signal; the next run resumes" >&2 ;;
-  *) echo "nightly $job: failed (exit $code); the next run resumes. Log: $log" >&2 ;;
+  1) echo "nightly $job: failed (exit 1); the next run resumes where this one stopped. Log: $log" >&2 ;;
+  *) echo "nightly $job: exited $code, not one of batchgen's codes (the command itself did not run as meant);" \
+       "the next run will fail the same way until that is fixed. Log: $log" >&2 ;;
 esac
 if [ -n "$out" ]; then "$python" -m batchgen status "$out" || true; fi
 exit $code

@@ -126,7 +126,7 @@ def test_a_bad_output_format_and_a_template_are_refused(tiny_model, tmp_path):
     bad = run_cli(dummy_overrides(tiny_model, data, tmp_path / "o", "dataset.format=openai_batch",
                                   "output.format=csv"))
     assert bad.returncode == 2 and "output.format must be parquet or openai_batch" in bad.stderr
-    with pytest.raises(Exception, match="dataset.template: an openai_batch request carries"):
+    with pytest.raises(Exception, match=r"dataset.template=.* with dataset.format=openai_batch: each request carries"):
         compose_job(dummy_overrides(tiny_model, data, tmp_path / "o", "dataset.format=openai_batch",
                                     "dataset.template='Q: {prompt}'"))
 

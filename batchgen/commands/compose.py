@@ -304,6 +304,7 @@ def _instead(group: str, choice: str, current: object) -> str:
     picked = OmegaConf.to_container(OmegaConf.load(path)) if path is not None else None
     if not isinstance(picked, dict) or not isinstance(current, dict):
         return f"set the keys under {group} one by one, e.g. {group}.KEY=VALUE"
+    picked.pop("defaults", None)  # the group file's schema, not a key
     changes = " ".join(f"{group}.{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in picked.items()
                        if not isinstance(v, dict) and current.get(k) != v)  # json: as Hydra's grammar reads it
     if not changes:

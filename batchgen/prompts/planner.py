@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Optional
 
 import pyarrow as pa
 
+from batchgen.engines import ENGINES
 from batchgen.errors import TooLongError
 from batchgen.job import JobConfig
 from batchgen.prompts.render import Renderer
@@ -45,7 +46,10 @@ class Planner:
         self.only: Optional[set[int]] = None  # a Ray worker's part: parts() yields these only
         self.existing = existing  # existing.Existing: ids run.skip_existing's output generated already
         self.shard, self.num_shards = share(cfg)
-        self.row_params = RowParams(cfg.dataset, cfg.sampling)  # each row's cap, temperature, stops, constraint
+        spec = ENGINES.get(cfg.engine.name)
+        unconstrained = (None if spec is None or spec.constraints else
+                         f"engine={cfg.engine.name} does not constrain its output; use engine=hf or engine=vllm")
+        self.row_params = RowParams(cfg.dataset, cfg.sampling, unconstrained)  # each row's cap, stops, constraint
         s = cfg.sampling
         self.reasoning = None if s.reasoning == "off" else Reasoning(
             end_ids=tuple(tokenizer(s.reasoning_end, add_special_tokens=False)["input_ids"]), start=s.reasoning_start,

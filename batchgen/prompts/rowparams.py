@@ -48,9 +48,12 @@ def _beam_problem(row: RowSettings, num_beams: int) -> Optional[str]:
 
 
 class RowParams:
-    def __init__(self, dataset: Any, sampling: Any):
+    def __init__(self, dataset: Any, sampling: Any, unconstrained: Optional[str] = None):
+        """unconstrained: why the engine cannot apply a row's constraint (it does not constrain its output); such a
+        row is its own bad_schema error, never generated unconstrained."""
         self.ds = dataset
         self.sampling = sampling
+        self.unconstrained = unconstrained
         self.constraint = sampling.constraint()  # the job's, for rows without their own
         self.schemas = sampling.named_schemas() if sampling.schemas else {}
         self._choices: dict[tuple[str, ...], Optional[str]] = {}  # choice list -> why it does not compile (None: ok)
@@ -171,6 +174,8 @@ class RowParams:
         if not isinstance(schema, dict):  # a string is not read as a path: a row's values are data
             return (f"bad_schema: response_format json_schema.schema must be a JSON schema object, not "
                     f"{type(schema).__name__} {_shown(schema)} (dataset.response_format_column)")
+        if self.unconstrained:
+            return f"bad_schema: response_format {kind}: {self.unconstrained}"
         constraint, problem = from_row("json_schema", json.dumps(schema, sort_keys=True))
         if problem:
             return f"bad_schema: response_format: {problem}"

@@ -13,7 +13,8 @@ def test_help_shows_a_key_a_section_and_a_part_of_a_name():
     section = run_cli(["help", "run"]).stdout
     assert all(k in section for k in ("run.rows_per_part", "run.too_long", "run.skip_existing"))
     assert [r.keys for r in matching("prefix_cache")] == [["engine.prefix_cache"], ["engine.prefix_cache_mb"]]
-    assert [r.keys for r in matching("sampling.top_p")] == [["sampling.temperature", "sampling.top_p", "sampling.top_k"]]
+    together = [["sampling.temperature", "sampling.top_p", "sampling.top_k"]]
+    assert [r.keys for r in matching("sampling.top_p")] == together
     missing = run_cli(["help", "nothinghere"])
     assert missing.returncode == 2 and "no config key matches" in missing.stderr
     assert run_cli(["help"]).stdout.startswith("batchgen ")  # `batchgen help` alone: the usage

@@ -71,3 +71,25 @@ def test_sharded_and_killed_runs_write_what_an_uninterrupted_run_writes(tiny_mod
     assert not (killed / "_SUCCESS").exists()
     assert subprocess.run(args, cwd=REPO, capture_output=True, timeout=300).returncode == 0
     assert read_output(killed).sort_by([("id", "ascending"), ("sample_index", "ascending")]).equals(want)
+
+
+def test_a_row_constraint_the_dummy_cannot_apply_is_that_rows_error(tiny_model, tmp_path):
+    """An OpenAI batch request with a response_format on engine=dummy (which does not constrain): that row is a
+    bad_schema error naming the engine, not a generation left unconstrained and judged 'truncated'; the other row
+    is generated."""
+    import json
+
+    lines = [{"custom_id": "plain", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}},
+             {"custom_id": "json", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                       "response_format": {"type": "json_object"}}}]
+    data = write_jsonl(tmp_path / "batch.jsonl", [json.dumps(line) for line in lines])
+    out = tmp_path / "out"
+    cfg = compose_job(job_overrides(tiny_model, data, out, "engine=dummy", "dataset.format=openai_batch",
+                                    "run.max_error_rate=1"))
+    run_job(cfg)
+    errors = dict(zip(*(read_output(out).column(c).to_pylist() for c in ("id", "error"))))
+    assert errors["plain"] is None
+    assert errors["json"] == ("bad_schema: response_format json_object: engine=dummy does not constrain its output; "
+                              "use engine=hf or engine=vllm")

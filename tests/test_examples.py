@@ -20,6 +20,8 @@ import pytest
 
 from tests.conftest import REPO, corpus
 
+pytestmark = pytest.mark.docs  # the docs tier: make test-docs
+
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 # Commands that cannot run here, by their first words, with where they are covered instead.

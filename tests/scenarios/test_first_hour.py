@@ -15,6 +15,8 @@ import pytest
 
 from tests.conftest import REPO, run_cli
 
+pytestmark = pytest.mark.docs  # the docs tier: make test-docs
+
 PRESET = """# @package _global_
 defaults:
   - override /dataset: jsonl

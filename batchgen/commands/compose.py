@@ -50,20 +50,9 @@ def load_job(preset: Optional[str] = None, overrides: Optional[list[str]] = None
     """batchgen.load_job: a preset (job=NAME, from batchgen's presets or `config_dir`'s) with key=value overrides,
     as the command line composes it, checked for unknown keys and bad values; the paths it names are checked when
     the job runs (run_job or generate), so that the caller can set them first."""
-    from hydra import compose, initialize_config_dir
-
     if config_dir is not None and config_dir not in _config_dirs:
         _config_dirs.append(config_dir)
-    overrides = ([f"job={preset}"] if preset else []) + list(overrides or [])
-    problems = conf_dir_problems() or unreadable(overrides) + unknown_options(overrides)
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        problems = problems or unknown_keys(overrides, _chosen_engine(overrides))
-        if problems:
-            raise ConfigError(problems)
-        try:
-            cfg = compose(config_name="config", overrides=with_search_path(overrides))
-        except Exception as exc:  # Hydra's composition errors
-            raise ConfigError([hydra_reason(exc)]) from exc
+    cfg = composed(([f"job={preset}"] if preset else []) + list(overrides or []))
     if OmegaConf.is_missing(cfg, "name"):
         cfg.name = preset or "job"
     return to_job_config(cfg, check=False)
@@ -186,25 +175,26 @@ def _chosen_engine(overrides: list[str]) -> Optional[str]:
 def compose_checked(overrides: list[str]) -> JobConfig:
     """The job config from `overrides`, composed without starting a Hydra run (nothing written), and validated;
     ConfigError with every problem (unknown keys with their likely spelling, composition errors, bad values)."""
+    cfg = composed(overrides)
+    if OmegaConf.is_missing(cfg, "name"):
+        raise ConfigError(["name is required: pick a job (job=demo) or set name=..."])
+    return to_job_config(cfg)
+
+
+def composed(overrides: list[str]) -> DictConfig:
+    """Hydra's config from `overrides`, after the checks Hydra would stop at (or word badly): the user's config
+    directories, values its grammar cannot read, unknown group options and keys; ConfigError naming each."""
     from hydra import compose, initialize_config_dir
 
     problems = conf_dir_problems() or unreadable(overrides) + unknown_options(overrides)
-    if problems:
-        raise ConfigError(problems)
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        problems = unknown_keys(overrides, _chosen_engine(overrides))
-        if not problems:
-            try:
-                cfg = compose(config_name="config", overrides=with_search_path(overrides))
-                if OmegaConf.is_missing(cfg, "name"):
-                    problems.append("name is required: pick a job (job=demo) or set name=...")
-                else:
-                    return to_job_config(cfg)
-            except ConfigError as exc:
-                problems += exc.problems
-            except Exception as exc:  # Hydra's composition errors: a bad value for a key's type, say
-                problems.append(hydra_reason(exc))
-    raise ConfigError(problems)
+        problems = problems or unknown_keys(overrides, _chosen_engine(overrides))
+        if problems:
+            raise ConfigError(problems)
+        try:
+            return compose(config_name="config", overrides=with_search_path(overrides))
+        except Exception as exc:  # Hydra's composition errors: a bad value for a key's type, say
+            raise ConfigError([hydra_reason(exc)]) from exc
 
 
 def unreadable(overrides: list[str]) -> list[str]:

@@ -118,7 +118,7 @@ def _input(path: str) -> str:
 
 # What a loaded engine reports (Engine.identity()) that changes its outputs: compared on resume. The device and
 # the linear layout are not (the same dtype's arithmetic on another device or layout).
-ENGINE_KEYS = ("engine", "dtype", "activations", "quantization")
+ENGINE_KEYS = ("engine", "dtype", "activations", "quantization", "quantization_scheme")
 
 
 def config_hash(cfg: JobConfig) -> str:
@@ -222,10 +222,14 @@ def check_engine(output_dir: Path, identity: dict[str, Any]) -> None:
     changes = _diff(recorded, resolved, "engine")
     if changes:
         lines = "\n".join(f"  {c}" for c in changes)
+        hint = f"Set them explicitly to the recorded values (e.g. engine.dtype={recorded.get('dtype')}) to resume"
+        if recorded.get("quantization_scheme") != resolved.get("quantization_scheme"):
+            hint = ("engine.quantization=int8 computes in int8 (W8A8, quantization_scheme w8a8) where the CPU's int8 "
+                    "GEMM is exact, else int8 weight-only (as batchgen did before W8A8); the recorded rows came from "
+                    "the other arithmetic: resume on a machine that resolves as recorded (weight-only was since "
+                    "renamed engine.quantization=int8_wo, a new output_dir), or write to a new output_dir")
         raise ResumeMismatchError(
-            f"{output_dir} was written by an engine whose settings resolved differently:\n{lines}\n"
-            f"Set them explicitly to the recorded values (e.g. engine.dtype={recorded.get('dtype')}) to resume, or "
-            f"write to a new output_dir.")
+            f"{output_dir} was written by an engine whose settings resolved differently:\n{lines}\n{hint}.")
 
 
 def diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

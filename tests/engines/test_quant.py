@@ -15,7 +15,7 @@ from torch import nn
 from batchgen.engines.hf import quant
 from batchgen.engines.hf.cpu import kernels as cpu_kernels
 from batchgen.engines.hf.cpu import onednn as cpu_linear
-from batchgen.engines.hf.quant import int4, int8
+from batchgen.engines.hf.quant import int4, int8, w8a8
 from batchgen.errors import ConfigError
 from batchgen.job import validate
 from batchgen.run.runner import run_job
@@ -73,6 +73,8 @@ def test_int8_weights_take_at_most_055x_of_bf16(bench_model):
     model = load(bench_model, torch.float32)
     params = sum(p.numel() for p in model.parameters())
     assert quant.weight_bytes(int8.int8_cpu(model, torch.device("cpu"))) <= 0.55 * 2 * params
+    model = load(bench_model, torch.float32)
+    assert quant.weight_bytes(int8.int8_wo_cpu(model, torch.device("cpu"))) <= 0.55 * 2 * params
 
 
 def test_int4_weights_take_at_most_035x_of_bf16(bench_model):
@@ -106,7 +108,7 @@ def test_torchao_int4_weights_take_at_most_035x_of_bf16(bench_model, dtype):
     (["engine.quantization=bnb-int8", "engine.device=cpu"], "supported devices: cuda"),
     (["engine.quantization=int4", "engine.device=cpu", "engine.dtype=float16"], "choices: auto, bfloat16, float32"),
     (["engine.quantization=int8", "engine.device=cpu", "engine.dtype=float16"], "choices: auto, float32, bfloat16"),
-    (["engine.quantization=int3"], "choices: int8, int4, bnb-int8, bnb-nf4"),
+    (["engine.quantization=int3"], "choices: int8, int8_wo, int4, bnb-int8, bnb-nf4"),
 ])
 def test_invalid_combinations_are_config_errors(tiny_model, tmp_path, extra, expected):
     overrides = [o for o in job_overrides(tiny_model, tmp_path / "in.parquet", tmp_path / "out")
@@ -141,7 +143,7 @@ def force_kernel(module: nn.Module, kernel: str, rows: int) -> None:
 
 @pytest.mark.parametrize("path", ["dequant", "aten", "native"])
 def test_int8_top1_agreement_with_the_unquantized_benchmark_model(bench_model, path):
-    """Teacher forcing on 8 x 128 seeded token ids through the 76M-param benchmark model: int8 must keep
+    """Teacher forcing on 8 x 128 seeded token ids through the 76M-param benchmark model: int8 weight-only must keep
     the unquantized model's next token at >= 90% of the positions. The 1024 positions go through one forward,
     with every linear forced through one path: `dequant` as the engine runs prefills (dequantized weights,
     float32 GEMM), `aten` (aten._weight_int8pack_mm, bfloat16 activations) and `native` (batchgen's AVX2 kernel,
@@ -150,7 +152,7 @@ def test_int8_top1_agreement_with_the_unquantized_benchmark_model(bench_model, p
     ids = torch.randint(10, model.config.vocab_size, (8, 128), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         ref = model(input_ids=ids).logits.argmax(-1)  # [8, 128]
-        int8.int8_cpu(model, torch.device("cpu"))
+        int8.int8_wo_cpu(model, torch.device("cpu"))
         force_kernel(model, path, 8 * 128)
         got = model(input_ids=ids).logits.argmax(-1)
     assert sum(isinstance(m, int8.Int8WeightOnlyLinear) for m in model.modules()) == 12 * 7 + 1  # + the LM head
@@ -224,15 +226,15 @@ def test_native_int8_kernel_matches_a_float_reference(isa):
 
 def test_a_scheme_slow_at_the_working_batch_says_so_on_a_cpu_of_the_kind_it_was_measured_on(monkeypatch, caplog):
     monkeypatch.setattr(quant, "cpu_kind", lambda: "avx2")
-    monkeypatch.setitem(quant.CPU_WORKING_BATCH_VS_UNQUANTIZED, "avx2", {"int8": 0.5})
+    monkeypatch.setitem(quant.CPU_WORKING_BATCH_VS_UNQUANTIZED, "avx2", {"int8_wo": 0.5})
     with caplog.at_level("WARNING", logger=quant.__name__):
-        quant.warn_if_slow_at_working_batch("int8")
-    assert "int8 on this CPU decodes large batches slower than the unquantized model: 0.50x" in caplog.text
+        quant.warn_if_slow_at_working_batch("int8_wo")
+    assert "int8_wo on this CPU decodes large batches slower than the unquantized model: 0.50x" in caplog.text
     assert "(avx2;" in caplog.text and "does not fit in memory unquantized" in caplog.text
     caplog.clear()
     monkeypatch.setattr(quant, "cpu_kind", lambda: "never-measured")
     with caplog.at_level("WARNING", logger=quant.__name__):
-        quant.warn_if_slow_at_working_batch("int8")
+        quant.warn_if_slow_at_working_batch("int8_wo")
     assert not caplog.text  # no figure for this kind: nothing claimed
 
 
@@ -275,7 +277,22 @@ def load(path: str, dtype: torch.dtype):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.skipif(w8a8.probe() is not None, reason=f"W8A8 does not run here: {w8a8.probe()}")
+def test_w8a8_top1_agreement_with_the_unquantized_benchmark_model(bench_model):
+    """int8 (W8A8: per-token int8 activations) keeps the unquantized model's next token at >= 90% of 8 x 128
+    teacher-forced positions, as weight-only does; every linear W8A8, the LM head included."""
+    model = load(bench_model, torch.float32)
+    ids = torch.randint(10, model.config.vocab_size, (8, 128), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ref = model(input_ids=ids).logits.argmax(-1)
+        int8.int8_cpu(model, torch.device("cpu"))
+        got = model(input_ids=ids).logits.argmax(-1)
+    assert sum(isinstance(m, w8a8.Int8DynamicLinear) for m in model.modules()) == 12 * 7 + 1
+    agreement = (ref == got).float().mean().item()
+    assert agreement >= 0.9, f"W8A8 top-1 agreement {agreement:.1%}"
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int8_wo", "int4"])
 def test_quantized_projections_fuse_and_generate_what_unfused_ones_do(small_model, monkeypatch, scheme):
     """q/k/v and gate/up of an int8 (int4) model become one weight-only linear each (scales are per output channel,
     int4 groups run along the input, so nothing is requantized); greedy generations equal the unfused model's."""
@@ -289,7 +306,10 @@ def test_quantized_projections_fuse_and_generate_what_unfused_ones_do(small_mode
 
     if scheme == "int4":
         native_or_skip()  # int8 runs aten's kernel where batchgen's is not built
-    kind = {"int8": int8.Int8WeightOnlyLinear, "int4": int4.Int4WeightOnlyLinear}[scheme]
+    if scheme == "int8" and w8a8.probe() is not None:
+        pytest.skip(f"W8A8 does not run here: {w8a8.probe()}")
+    kind = {"int8": w8a8.Int8DynamicLinear, "int8_wo": int8.Int8WeightOnlyLinear,
+            "int4": int4.Int4WeightOnlyLinear}[scheme]
     tokenizer = AutoTokenizer.from_pretrained(small_model)
     # float32: in bf16 a fused GEMM may block its sums differently from the parts and round apart
     config = HFConfig(model=small_model, quantization=scheme, device="cpu", dtype="float32", max_batch_size=8)
@@ -392,7 +412,7 @@ def test_int4_on_cpu_needs_torchao_only_without_batchgens_kernels(monkeypatch):
     assert any("needs torchao" in problem for problem in quant.check("int4", "cpu", "auto"))
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8_wo", "int4"])
 def test_quantized_bf16_runs_its_prefill_gemms_in_bf16_and_float32_around_them(small_model, scheme):
     """engine.dtype=bfloat16 with int8/int4 on CPU: the quantized linears (fused ones included) dequantize to bf16 for
     their many-row GEMMs; the model and batchgen's kernels stay float32; logits track the float32 engine's."""
@@ -406,7 +426,7 @@ def test_quantized_bf16_runs_its_prefill_gemms_in_bf16_and_float32_around_them(s
     engines = {dtype: HFEngine(HFConfig(model=small_model, quantization=scheme, device="cpu", dtype=dtype),
                                tokenizer) for dtype in ("bfloat16", "float32")}
     bf16 = engines["bfloat16"]
-    kind = {"int8": int8.Int8WeightOnlyLinear, "int4": int4.Int4WeightOnlyLinear}[scheme]
+    kind = {"int8_wo": int8.Int8WeightOnlyLinear, "int4": int4.Int4WeightOnlyLinear}[scheme]
     quantized = [m for m in bf16.model.modules() if isinstance(m, kind)]
     assert bf16.fused and quantized and all(m.gemm_dtype == torch.bfloat16 for m in quantized)
     assert bf16.identity()["activations"] == "float32" and bf16.model.model.norm.weight.dtype == torch.float32

@@ -228,7 +228,7 @@ def test_check_engine_records_the_resolved_settings_then_refuses_another_dtype(t
     check_engine(tmp_path, identity)
     manifest = json.loads((tmp_path / MANIFEST).read_text())
     assert manifest["engine_resolved"] == {"engine": "hf", "dtype": "float32", "activations": "float32",
-                                           "quantization": None}
+                                           "quantization": None, "quantization_scheme": None}
     assert manifest["config_hash"] == config_hash(cfg)  # the rest of the manifest is kept
     check_engine(tmp_path, identity | {"device": "cuda:0", "version": "2"})  # not output-affecting: resumes
     with pytest.raises(ResumeMismatchError, match=r"(?s)engine\.dtype: was 'float32', now 'bfloat16'.*"
@@ -237,6 +237,20 @@ def test_check_engine_records_the_resolved_settings_then_refuses_another_dtype(t
     with pytest.raises(ResumeMismatchError, match=r"engine\.quantization: was None, now 'int8'"):
         check_engine(tmp_path, identity | {"quantization": "int8"})
     assert json.loads((tmp_path / MANIFEST).read_text())["engine_resolved"]["dtype"] == "float32"
+
+
+def test_int8_written_weight_only_does_not_resume_as_w8a8(tmp_path):
+    """An output written with int8 weight-only (an earlier batchgen; or a CPU where W8A8 does not run), whose manifest
+    has no quantization_scheme, is not continued by W8A8 int8: its rows would come from other arithmetic."""
+    cfg = job(model=str(fake_model(tmp_path / "model")))
+    check_or_write(tmp_path, manifest_for(cfg))
+    recorded = {"engine": "hf", "dtype": "float32", "activations": "float32", "quantization": "int8"}
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest | {"engine_resolved": recorded}))  # as an older version wrote
+    check_engine(tmp_path, recorded | {"device": "cpu"})  # weight-only here too: resumes
+    with pytest.raises(ResumeMismatchError, match=r"(?s)engine\.quantization_scheme: was None, now 'w8a8'.*"
+                                                  r"engine\.quantization=int8_wo"):
+        check_engine(tmp_path, recorded | {"quantization_scheme": "w8a8"})
 
 
 def test_diff_lists_nested_differences_with_dotted_paths():

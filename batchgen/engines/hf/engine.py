@@ -58,8 +58,9 @@ class HFEngine:
             if serves_all:
                 self.fused = fuse_projections(self.model, onednn.pack_concatenated)
             self.prepacked = self.fused + onednn.pack_linears(self.model)
-        elif self.device.type == "cpu" and cfg.quantization in ("int8", "int4") and serves_all:
+        elif self.device.type == "cpu" and cfg.quantization in quant.CPU_KERNEL_SCHEMES and serves_all:
             self.fused = fuse_projections(self.model, quant.concatenate)
+        self.prepacked += quant.pack_w8a8(self.model)  # after fusing: W8A8 weights reordered for oneDNN
         if quantized_bf16:  # after fusing: the fused modules are new
             quant.set_gemm_dtype(self.model, torch.bfloat16)
         if self.device.type == "cpu":  # after loading: memory freed while loading or quantizing goes back to the OS
@@ -94,11 +95,14 @@ class HFEngine:
     def quantized_bf16_gemms(self, cfg: HFConfig) -> bool:
         """int8/int4 in bf16 on CPU through batchgen's kernels: the model computes in float32 (the kernels for few
         rows take float32), and each quantized linear runs its dequantized GEMM (prefill) in bf16."""
-        return (self.device.type == "cpu" and cfg.quantization in ("int8", "int4") and self.dtype == torch.bfloat16
+        return (self.device.type == "cpu" and cfg.quantization in quant.CPU_KERNEL_SCHEMES and self.dtype == torch.bfloat16
                 and kernels.load() is not None)
 
     def identity(self) -> dict[str, Any]:
         quantization = {"quantization": self.cfg.quantization} if self.cfg.quantization else {}
+        scheme = quant.scheme_in_use(self.model)
+        if scheme:
+            quantization["quantization_scheme"] = scheme
         prepacked = {"linear": "onednn-prepacked"} if self.prepacked else {}
         mixed = {} if self.activation_dtype == self.dtype else {
             "activations": str(self.activation_dtype).removeprefix("torch.")}

@@ -50,7 +50,7 @@ from batchgen.engines.hf.cpu.runtime import cpu_flags, cpu_model
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 # Compiled together into one library; the header is in the cache key as well (a change to either rebuilds).
-SOURCES = tuple(HERE / f"kernels_{name}.c" for name in ("attention", "norms", "int8", "int4"))
+SOURCES = tuple(HERE / f"kernels_{name}.c" for name in ("attention", "norms", "int8", "int4", "w8a8"))
 HEADER = HERE / "kernels_simd.h"
 # -ffp-contract=off: a * b + c stays two roundings unless a kernel asks for an FMA (rotary embedding matches torch)
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -187,6 +187,11 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.batchgen_silu_mul.restype = None
     lib.batchgen_silu_mul.argtypes = [ptr, ptr, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int,
                                       ctypes.c_int]
+    if hasattr(lib, "batchgen_quantize_rows"):  # kernels_w8a8.c (a build of an older source has none)
+        lib.batchgen_quantize_rows.restype = None
+        lib.batchgen_quantize_rows.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ptr, ctypes.c_int]
+        lib.batchgen_scale_rows.restype = None
+        lib.batchgen_scale_rows.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ptr, ctypes.c_int]
     lib.batchgen_isa.restype = ctypes.c_char_p
     lib.batchgen_isa.argtypes = []
     return lib
@@ -213,6 +218,29 @@ def int8_gemm(lib: ctypes.CDLL, x: torch.Tensor, qweight: torch.Tensor, scale: t
     y = torch.empty((m, n), dtype=torch.float32)
     lib.batchgen_int8_gemm(x.data_ptr(), m, k, qweight.data_ptr(), scale.data_ptr(),
                            None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
+    return y
+
+
+def quantize_rows(lib: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 (kernels_w8a8.c): x [M, K] float32 contiguous -> (q [M, K] uint8, the int8 value plus
+    128; scale [M] float32, max |x| / 127 per row, NaN for a row holding a NaN or an infinity)."""
+    _require(x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous(), "quantize_rows: x [M, K] float32")
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.uint8)
+    scale = torch.empty(m, dtype=torch.float32)
+    lib.batchgen_quantize_rows(x.data_ptr(), m, k, q.data_ptr(), scale.data_ptr(), torch.get_num_threads())
+    return q, scale
+
+
+def scale_rows(lib: ctypes.CDLL, y: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """y [M, N] float32 contiguous, in place: y * scale[:, None] (+ bias); scale [M], bias [N] float32. Returns y."""
+    _require(y.dtype == torch.float32 and y.dim() == 2 and y.is_contiguous() and scale.dtype == torch.float32
+             and scale.is_contiguous() and scale.numel() == y.shape[0]
+             and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == y.shape[1])),
+             "scale_rows: y [M, N] float32, scale [M] and bias [N] float32")
+    m, n = y.shape
+    lib.batchgen_scale_rows(y.data_ptr(), m, n, scale.data_ptr(), None if bias is None else bias.data_ptr(),
+                            torch.get_num_threads())
     return y
 
 

@@ -54,7 +54,8 @@ from batchgen.engines.hf.quant.common import (
     import_or_hint,
 )
 from batchgen.engines.hf.quant.int4 import Int4WeightOnlyLinear, int4_cpu, int4_cuda
-from batchgen.engines.hf.quant.int8 import Int8WeightOnlyLinear, int8_cpu, int8_cuda
+from batchgen.engines.hf.quant.int8 import Int8WeightOnlyLinear, int8_cpu, int8_cuda, int8_wo_cpu
+from batchgen.engines.hf.quant.w8a8 import Int8DynamicLinear, pack_all
 from batchgen.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -66,9 +67,13 @@ log = logging.getLogger(__name__)
 # A kind without figures (not measured) logs nothing. torchao: the fallback's figure, where batchgen's kernels are
 # not built.
 CPU_WORKING_BATCH_VS_UNQUANTIZED: dict[str, dict[str, float]] = {
-    "avx2": {"int8": 0.90, "int4": 0.81, "int4-torchao": 0.56},  # median of 3 repeats
-    "avx512_bf16": {"int8": 0.70, "int4": 0.65},  # one repeat; torchao's int4 not measured there
+    "avx2": {"int8_wo": 0.90, "int4": 0.81, "int4-torchao": 0.56},  # median of 3 repeats
+    "avx512_bf16": {"int8_wo": 0.70, "int4": 0.65},  # one repeat; torchao's int4 not measured there
 }
+
+
+# Schemes whose CPU linears are batchgen's modules (fused q/k/v and gate/up like the float model's)
+CPU_KERNEL_SCHEMES = ("int8", "int8_wo", "int4")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +111,17 @@ def route_rows(model: nn.Module, native_rows: Optional[int] = None, dequant_rows
     return count
 
 
+def pack_w8a8(model: nn.Module) -> int:
+    """Reorder the W8A8 linears' weights for oneDNN (after fusing projections); how many."""
+    return pack_all(model)
+
+
+def scheme_in_use(model: nn.Module) -> Optional[str]:
+    """What `engine.quantization=int8` resolved to on this CPU, for the engine's identity (compared on resume):
+    "w8a8" where W8A8 linears run; None otherwise (weight-only int8, as earlier versions ran it, and the rest)."""
+    return "w8a8" if any(isinstance(m, Int8DynamicLinear) for m in model.modules()) else None
+
+
 def set_gemm_dtype(model: nn.Module, dtype: Optional[torch.dtype]) -> int:
     """The dtype the int8/int4 weight-only linears of `model` run their dequantized GEMMs in (inputs of many rows:
     prefill). bf16 on a CPU with native bf16 (where its GEMMs ran ~2.7x float32's on the benchmark's shapes); the
@@ -121,7 +137,7 @@ def set_gemm_dtype(model: nn.Module, dtype: Optional[torch.dtype]) -> int:
 def concatenate(parts: list[nn.Module]) -> Optional[nn.Module]:
     """`fuse` for step.fuse_projections: one int8 or int4 module for parts quantized alike; else None."""
     kind = type(parts[0])
-    if kind in (Int8WeightOnlyLinear, Int4WeightOnlyLinear):
+    if kind in (Int8WeightOnlyLinear, Int4WeightOnlyLinear, Int8DynamicLinear):
         return kind.concatenate(parts)
     return None
 
@@ -143,13 +159,15 @@ def bnb_kwargs(kind: str) -> Callable[[torch.dtype], dict[str, Any]]:
 CUDA_ONLY = "bitsandbytes' kernels need CUDA"
 SCHEMES: dict[str, Scheme] = {
     "int8": Scheme("int8", {"cpu": ("float32", "bfloat16"), "cuda": ("bfloat16", "float16")}, requires=""),
+    "int8_wo": Scheme("int8_wo", {"cpu": ("float32", "bfloat16"), "cuda": ("bfloat16", "float16")}, requires=""),
     "int4": Scheme("int4", {"cpu": ("bfloat16", "float32"), "cuda": ("bfloat16",)}, requires="torchao"),
     "bnb-int8": Scheme("bnb-int8", {"cuda": ("bfloat16", "float16", "float32")}, requires="bitsandbytes",
                        load_kwargs=bnb_kwargs("int8"), why_not={"cpu": CUDA_ONLY}),
     "bnb-nf4": Scheme("bnb-nf4", {"cuda": ("bfloat16", "float16", "float32")}, requires="bitsandbytes",
                       load_kwargs=bnb_kwargs("nf4"), why_not={"cpu": CUDA_ONLY}),
 }
-CONVERTERS = {("int8", "cpu"): int8_cpu, ("int8", "cuda"): int8_cuda,
+CONVERTERS = {("int8", "cpu"): int8_cpu, ("int8", "cuda"): int8_cuda, ("int8_wo", "cpu"): int8_wo_cpu,
+              ("int8_wo", "cuda"): int8_cuda,
               ("int4", "cpu"): int4_cpu, ("int4", "cuda"): int4_cuda}
 
 
@@ -171,7 +189,7 @@ def check(scheme_name: Optional[str], device: str, dtype: str) -> list[str]:
     if dtype != "auto" and dtype not in allowed:
         problems.append(f"engine.quantization={scheme_name} on {kind} computes in {' or '.join(allowed)}; "
                         f"engine.dtype={dtype} is not supported; choices: auto, {', '.join(allowed)}")
-    package = "torchao" if (scheme_name, kind) == ("int8", "cuda") else scheme.requires
+    package = "torchao" if scheme_name in ("int8", "int8_wo") and kind == "cuda" else scheme.requires
     if (scheme_name, kind) == ("int4", "cpu") and cpu_kernels.load() is not None:
         package = ""  # batchgen's own int4 kernel (built here, about 1 s the first time); else torchao (int4_cpu)
     if package and importlib.util.find_spec(package) is None:
@@ -239,6 +257,9 @@ def warn_if_slow_at_working_batch(scheme_name: str, model: Optional[nn.Module] =
     if ratio is None or ratio >= 0.9:
         return
     if scheme_name == "int8" and model is not None and not any(
+            isinstance(m, Int8DynamicLinear) for m in model.modules()):
+        scheme_name = "int8_wo"  # W8A8 does not run here: int8 fell back to weight-only
+    if scheme_name == "int8_wo" and model is not None and not any(
             isinstance(m, Int8WeightOnlyLinear) for m in model.modules()):
         return  # the dynamic-int8 fallback: the figure is not its own
     log.warning("%s on this CPU decodes large batches slower than the unquantized model: %.2fx its output tokens/s "

@@ -1,6 +1,7 @@
-"""int8 weight-only quantization: one symmetric bf16-rounded scale per output channel, activations not quantized
-(on CPU batchgen's kernel or aten's for few rows, a dequantized GEMM for many; torchao on CUDA), and int8
-embedding rows. quant/__init__.py says what runs where."""
+"""int8 on CPU: W8A8 (quant/w8a8.py) where it is exact, else weight-only; int8 weight-only (`int8_wo`): one
+symmetric bf16-rounded scale per output channel, activations not quantized (on CPU batchgen's kernel or aten's for
+few rows, a dequantized GEMM for many; torchao on CUDA); int8 embedding rows. quant/__init__.py says what runs
+where."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 
 from batchgen.engines.hf.cpu import kernels as cpu_kernels
 from batchgen.engines.hf.cpu.onednn import replace_linears
+from batchgen.engines.hf.quant import w8a8
 from batchgen.engines.hf.quant.common import DEQUANT_ROWS, INT8_K_MULTIPLE, NATIVE_ROWS, TORCHAO_HINT, import_or_hint
 
 log = logging.getLogger(__name__)
@@ -132,6 +134,21 @@ def int8_weight_only_linears(model: nn.Module) -> tuple[int, int]:
 
 
 def int8_cpu(model: nn.Module, device: torch.device) -> nn.Module:
+    """`engine.quantization=int8` on CPU: W8A8 linears (quant/w8a8.py) where oneDNN's int8 GEMM is exact here, else
+    int8 weight-only (logged with the reason); int8 embedding rows either way."""
+    why_not = w8a8.probe()
+    if why_not is not None:
+        log.warning("engine.quantization=int8 computes in int8 only where oneDNN's int8 GEMM is exact: %s. Running "
+                    "int8 weight-only instead (engine.quantization=int8_wo asks for it explicitly)", why_not)
+        return int8_wo_cpu(model, device)
+    converted, kept = w8a8.w8a8_linears(model)
+    log.info("int8 (W8A8): %d linears with int8 weights and per-token int8 activations (oneDNN), %d left in float",
+             converted, kept)
+    quantize_embeddings_int8(model)
+    return model
+
+
+def int8_wo_cpu(model: nn.Module, device: torch.device) -> nn.Module:
     """int8 weight-only linears (per-output-channel scales, `aten._weight_int8pack_mm`), int8 embedding rows."""
     if not int8_weight_only_kernel():
         log.warning("this torch build has no aten._weight_int8pack_mm: int8 on cpu falls back to torch's dynamic "

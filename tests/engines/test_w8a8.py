@@ -1,0 +1,153 @@
+"""W8A8 int8 linears (quant/w8a8.py): per-token activation quantization (batchgen's kernel on every variant this CPU
+runs, and torch's fallback), oneDNN's int8 GEMM checked against exact integer arithmetic, the fallback to weight-only
+where the GEMM saturates."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from batchgen.engines.hf.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.quant import w8a8
+from tests.conftest import REPO
+
+ISAS = cpu_kernels.supported_isas()
+needs_w8a8 = pytest.mark.skipif(w8a8.probe() is not None, reason=f"W8A8 does not run here: {w8a8.probe()}")
+
+
+def reference_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The documented arithmetic: scale = max|x| / 127, q = round_half_even(x * (127 / max)) + 128."""
+    peak = x.abs().amax(dim=1)
+    inv = torch.where(peak > 0, 127.0 / peak, torch.zeros_like(peak))
+    return (torch.round(x * inv[:, None]) + 128).to(torch.uint8), peak / 127.0
+
+
+def rows_to_quantize() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    hot = torch.randn(5, 896)
+    hot[1] *= 50  # one large token
+    ties = torch.tensor([[0.5, 1.5, 2.5, -0.5, -2.5, 127.0, 3.5, 4.5, 5.5]]) / 127 * 127  # halves: to even
+    return [torch.randn(1, 896), hot, torch.randn(3, 13), torch.randn(64, 4864) * 3, torch.zeros(2, 40), ties,
+            torch.randn(0, 16)]
+
+
+@pytest.mark.parametrize("isa", ISAS or ["none"])
+def test_the_quantize_kernel_is_the_documented_arithmetic_on_every_variant(isa):
+    lib = cpu_kernels.load(isa) if isa != "none" else None
+    if lib is None:
+        pytest.skip("batchgen's CPU kernels are not built here (x86-64 with AVX2 and FMA, a C compiler)")
+    for x in rows_to_quantize():
+        q, scale = cpu_kernels.quantize_rows(lib, x.contiguous())
+        want_q, want_scale = reference_quantize(x)
+        assert torch.equal(q, want_q) and torch.equal(scale, want_scale), tuple(x.shape)
+
+
+def test_the_torch_fallback_quantizes_as_the_kernel_does(monkeypatch):
+    """Where the kernels are not built, torch operations give the same bytes and scales."""
+    monkeypatch.setattr(cpu_kernels, "load", lambda isa=None: None)
+    for x in rows_to_quantize():
+        q, scale = w8a8.quantize_rows(x.contiguous())
+        want_q, want_scale = reference_quantize(x)
+        assert torch.equal(q, want_q) and torch.equal(scale, want_scale), tuple(x.shape)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_row_with_a_nan_or_an_infinity_gets_a_nan_scale(monkeypatch, native):
+    if not native:
+        monkeypatch.setattr(cpu_kernels, "load", lambda isa=None: None)
+    elif cpu_kernels.load() is None:
+        pytest.skip("batchgen's CPU kernels are not built here")
+    x = torch.randn(4, 37)
+    x[1, 3], x[2, 36] = float("nan"), float("-inf")  # in the vector body and in the scalar tail
+    q, scale = w8a8.quantize_rows(x)
+    assert scale.isnan().tolist() == [False, True, True, False]
+    assert torch.equal(q[1], torch.full((37,), 128, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_scale_rows_multiplies_each_row_and_adds_the_bias(monkeypatch, bias):
+    y, scale = torch.randn(5, 37), torch.rand(5)
+    b = torch.randn(37) if bias else None
+    want = y * scale[:, None] + (0 if b is None else b)
+    if cpu_kernels.load() is not None:
+        assert torch.allclose(w8a8.scale_rows(y.clone(), scale, b), want, rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(cpu_kernels, "load", lambda isa=None: None)
+    assert torch.allclose(w8a8.scale_rows(y.clone(), scale, b), want, rtol=1e-6, atol=1e-6)
+
+
+@needs_w8a8
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_linear_is_exact_integer_arithmetic_then_the_scales(bias):
+    """Against int64 products of the same int8 values: oneDNN's int32 sums are exact; the scales are applied in
+    float32 (two roundings)."""
+    torch.manual_seed(1)
+    linear = nn.Linear(896, 200, bias=bias)
+    x = torch.randn(2, 7, 896)
+    x[0, 0] *= 20  # a hot token
+    module = w8a8.Int8DynamicLinear(linear)
+    qweight, wscale = module.qweight.clone(), module.scale.clone()
+    with torch.inference_mode():
+        got = module(x)
+        ref = linear(x)
+    q, xscale = reference_quantize(x.reshape(-1, 896))
+    exact = ((q.long() - 128) @ qweight.long().t()).double() * wscale.double() * xscale.double()[:, None]
+    if bias:
+        exact = exact + linear.bias.detach().double()
+    assert got.shape == (2, 7, 200) and got.dtype == torch.float32 and module.packed is not None
+    assert torch.allclose(got.reshape(-1, 200).double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    # against the float layer: per-token 8-bit activations, per-channel 8-bit weights, the hot token included
+    per_row = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert per_row.max() < 0.03, per_row
+
+
+@needs_w8a8
+def test_a_row_reads_the_same_whatever_its_batch():
+    """Per-token scales and exact integer sums: a row's output does not depend on the other rows (batch size,
+    a prefill cut by the prefix cache, a shrinking decode batch), bit for bit."""
+    torch.manual_seed(2)
+    module = w8a8.Int8DynamicLinear(nn.Linear(896, 1152))
+    x = torch.randn(64, 896)
+    x[5] *= 30
+    with torch.inference_mode():
+        whole = module(x)
+        assert all(torch.equal(module(x[i:i + 1])[0], whole[i]) for i in (0, 5, 63))
+        assert torch.equal(module(x[3:20]), whole[3:20])
+        assert module(x[:0]).shape == (0, 1152)
+
+
+@needs_w8a8
+def test_fused_projections_equal_their_parts():
+    torch.manual_seed(3)
+    parts = [w8a8.Int8DynamicLinear(nn.Linear(256, n, bias=b)) for n, b in ((128, True), (64, False), (64, True))]
+    fused = w8a8.Int8DynamicLinear.concatenate(parts)
+    x = torch.randn(9, 256)
+    with torch.inference_mode():
+        assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+    assert w8a8.Int8DynamicLinear.concatenate(parts) is None  # packed by the first call: nothing to fuse any more
+
+
+def test_where_onednn_saturates_int8_falls_back_to_weight_only_and_says_why():
+    """oneDNN capped below VNNI (ONEDNN_MAX_CPU_ISA=AVX2: the kernel an AVX2-only CPU such as Zen 3 gets) sums u8 x s8
+    pairs in saturating 16 bits: the probe sees it and int8 runs weight-only, logged. In a subprocess: oneDNN reads
+    the variable once."""
+    code = ("import logging, torch\n"
+            "from torch import nn\n"
+            "logging.basicConfig(level=logging.WARNING)\n"
+            "from batchgen.engines.hf.quant import int8, w8a8\n"
+            "print('probe:', w8a8.probe())\n"
+            "from transformers import LlamaConfig, LlamaForCausalLM\n"
+            "config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,\n"
+            "                     num_attention_heads=4, num_key_value_heads=2)\n"
+            "model = int8.int8_cpu(LlamaForCausalLM(config), torch.device('cpu'))\n"
+            "print('module:', type(model.model.layers[0].mlp.down_proj).__name__)\n")
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "probe: oneDNN's int8 GEMM on this CPU saturates 16-bit sums" in proc.stdout
+    assert "module: Int8WeightOnlyLinear" in proc.stdout
+    assert "Running int8 weight-only instead (engine.quantization=int8_wo" in proc.stderr

@@ -95,8 +95,8 @@ class HFEngine:
     def quantized_bf16_gemms(self, cfg: HFConfig) -> bool:
         """int8/int4 in bf16 on CPU through batchgen's kernels: the model computes in float32 (the kernels for few
         rows take float32), and each quantized linear runs its dequantized GEMM (prefill) in bf16."""
-        return (self.device.type == "cpu" and cfg.quantization in quant.CPU_KERNEL_SCHEMES and self.dtype == torch.bfloat16
-                and kernels.load() is not None)
+        return (self.device.type == "cpu" and cfg.quantization in quant.CPU_KERNEL_SCHEMES
+                and self.dtype == torch.bfloat16 and kernels.load() is not None)
 
     def identity(self) -> dict[str, Any]:
         quantization = {"quantization": self.cfg.quantization} if self.cfg.quantization else {}

@@ -234,9 +234,9 @@ def quantize_rows(lib: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torc
 
 def scale_rows(lib: ctypes.CDLL, y: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """y [M, N] float32 contiguous, in place: y * scale[:, None] (+ bias); scale [M], bias [N] float32. Returns y."""
+    bias_ok = bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == y.shape[1])
     _require(y.dtype == torch.float32 and y.dim() == 2 and y.is_contiguous() and scale.dtype == torch.float32
-             and scale.is_contiguous() and scale.numel() == y.shape[0]
-             and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == y.shape[1])),
+             and scale.is_contiguous() and scale.numel() == y.shape[0] and bias_ok,
              "scale_rows: y [M, N] float32, scale [M] and bias [N] float32")
     m, n = y.shape
     lib.batchgen_scale_rows(y.data_ptr(), m, n, scale.data_ptr(), None if bias is None else bias.data_ptr(),

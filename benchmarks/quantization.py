@@ -3,6 +3,7 @@
     python benchmarks/quantization.py            # full: 76M-param Llama, none / bf16 / int8 / int4, 3 repeats
     python benchmarks/quantization.py --quick    # tiny model, none and int8, one repeat (the test suite's guard)
     python benchmarks/quantization.py --repeats 1 --json q.json --append   # one repeat more, added to q.json
+    python benchmarks/quantization.py --shape qwen2.5-0.5b --configs none,int8,int8_wo,int4   # a real model's shape
 
 Every configuration runs in its own subprocess (so peak RSS is its own); configurations are
 interleaved (none bf16 int8 int4, repeated) and speed ratios are medians of same-repeat ratios, to
@@ -48,13 +49,16 @@ CONFIGS = {  # name: (engine.quantization, engine.dtype)
     "none": (None, "auto"),
     "bf16": (None, "bfloat16"),
     "int8": ("int8", "auto"),
+    "int8_wo": ("int8_wo", "auto"),
     "int4": ("int4", "auto"),
 }
 FULL = dict(size="bench", configs=("none", "bf16", "int8", "int4"), repeats=3, fidelity=(8, 128),
             greedy=(16, 16, 32), b1=(4, 16, 64), working=(64, 16, 16), short=(64, 16, 4))
 QUICK = dict(size="tiny", configs=("none", "int8"), repeats=1, fidelity=(2, 32), greedy=(4, 8, 8),
              b1=(2, 8, 8), working=(8, 8, 8), short=(8, 8, 2))
-# b1, working, short, greedy: (rows, prompt tokens, new tokens); fidelity: (rows, tokens)
+# b1, working, short, greedy: (rows, prompt tokens, new tokens); fidelity: (rows, tokens). At a real model's shape
+# (--shape) fewer fidelity rows: the saved log-probabilities are rows x tokens x 152k floats.
+REAL_FIDELITY = (4, 128)
 # "short" is the working batch with few decode steps: bf16 runs only that one at the working batch (its GEMMs are
 # emulated on a CPU without fast bf16 and a full run takes minutes), and every configuration runs it too, so that
 # the ratios to bf16 at the working batch compare the same workload.
@@ -109,12 +113,21 @@ def timed_generate(engine, rows: list[list[int]], new_tokens: int, batch: int) -
     return sum(r.num_generated_tokens for r in results) / (time.perf_counter() - start)
 
 
+def plan_for(args: argparse.Namespace) -> dict:
+    plan = dict(QUICK if args.quick else FULL)
+    if args.shape:
+        plan["size"] = args.shape
+        if args.shape != "bench":
+            plan["fidelity"] = REAL_FIDELITY
+    return plan
+
+
 def child(args: argparse.Namespace) -> None:
     import torch
 
     from batchgen.engines.hf import quant
 
-    plan = QUICK if args.quick else FULL
+    plan = plan_for(args)
     engine = load_engine(args.model, args.run)
     vocab = engine.model.config.vocab_size
     out = {"config": args.run, "dtype": str(engine.dtype).removeprefix("torch."),
@@ -172,6 +185,7 @@ def build(workdir: Path, size: str) -> Path:
 def spawn(args: argparse.Namespace, model: Path, config: str, *, fidelity: bool, params: int) -> dict:
     cmd = [sys.executable, __file__, "--run", config, "--model", str(model), "--workdir", str(args.workdir),
            "--params", str(params)] + (["--quick"] if args.quick else []) + (["--fidelity"] if fidelity else [])
+    cmd += ["--shape", args.shape] if args.shape else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{config} failed:\n{proc.stderr[-3000:]}")
@@ -207,6 +221,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeats", type=int, help="0 with --append: print the table of the samples in --json")
     parser.add_argument("--configs", help="comma-separated subset of " + ",".join(CONFIGS))
+    parser.add_argument("--shape", default=None, help="the model's shape: bench (default), or a real model's, "
+                        "qwen2.5-0.5b or llama-3.2-1b (random weights, the real vocabulary size; built once)")
     parser.add_argument("--workdir", type=Path, default=ROOT / ".bench")
     parser.add_argument("--json", type=Path, help="write the measurements here")
     parser.add_argument("--append", action="store_true", help="add the new repeats to the samples in --json")
@@ -217,7 +233,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.run:
         return child(args)
-    plan = QUICK if args.quick else FULL
+    plan = plan_for(args)
     configs = args.configs.split(",") if args.configs else list(plan["configs"])
     configs = ["none"] + [c for c in configs if c != "none"]
     samples: dict[str, list[dict]] = {c: [] for c in configs}

@@ -20,7 +20,12 @@ SIZES = {  # name: (hidden, layers, heads, kv_heads, intermediate, vocab)
     "small": (256, 4, 8, 4, 688, 2048),
     "mid": (512, 6, 8, 4, 1408, 8192),  # about 26M parameters
     "bench": (768, 12, 12, 4, 2048, 8192),  # about 100M parameters
+    # real models' shapes (random weights, untied LM head): the sizes users run on CPUs; their tokenizers are built
+    # to the real vocabulary size without training (synthetic_tokenizer: BPE training to 152k tokens takes minutes)
+    "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936),  # 630M parameters untied (494M as released, tied)
+    "llama-3.2-1b": (2048, 16, 32, 8, 8192, 128256),  # 1.5B parameters untied (1.24B as released, tied)
 }
+REAL_SHAPES = ("qwen2.5-0.5b", "llama-3.2-1b")
 
 
 def build_tokenizer(texts: Iterable[str], vocab_size: int, path: Path):
@@ -40,6 +45,41 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int, path: Path):
     return fast
 
 
+def synthetic_tokenizer(vocab_size: int, path: Path):
+    """A byte-level BPE tokenizer of exactly `vocab_size` tokens, built in seconds: the 256 byte symbols, the
+    special tokens, then letter strings of growing length (aa..zz, aaa..zzz, ...), each merged from its prefix and
+    its last letter. Text of letters and spaces tokenizes into chunks of up to the longest length as a real
+    vocabulary's words would; what matters for a benchmark is the embedding and LM head size."""
+    import itertools
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    for symbol in pre_tokenizers.ByteLevel.alphabet():
+        vocab.setdefault(symbol, len(vocab))
+    merges = []
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    for length in itertools.count(2):
+        for chars in itertools.product(letters, repeat=length):
+            if len(vocab) >= vocab_size:
+                break
+            token = "".join(chars)
+            vocab[token] = len(vocab)
+            merges.append((token[:-1], token[-1]))
+        if len(vocab) >= vocab_size:
+            break
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   add_bos_token=True)
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+    return fast
+
+
 def build_model(path: str | Path, texts: Iterable[str], *, size: str = "tiny", seed: int = 0,
                 max_position_embeddings: int = 2048, vocab: int | None = None) -> Path:
     """Write a random-weight Llama checkpoint with its tokenizer to `path` and return it. The vocabulary is at most
@@ -49,7 +89,10 @@ def build_model(path: str | Path, texts: Iterable[str], *, size: str = "tiny", s
 
     path = Path(path)
     hidden, layers, heads, kv_heads, inter, size_vocab = SIZES[size]
-    build_tokenizer(texts, vocab or size_vocab, path)
+    if size in REAL_SHAPES:
+        synthetic_tokenizer(vocab or size_vocab, path)
+    else:
+        build_tokenizer(texts, vocab or size_vocab, path)
     tok = AutoTokenizer.from_pretrained(path)
     config = LlamaConfig(
         vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,

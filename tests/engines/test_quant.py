@@ -434,3 +434,18 @@ def test_quantized_bf16_runs_its_prefill_gemms_in_bf16_and_float32_around_them(s
     with torch.inference_mode():  # 400 rows: the dequantized GEMM path
         got, want = (engines[d].model(input_ids=ids).logits for d in ("bfloat16", "float32"))
     assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > 0.99
+
+
+def test_a_quantized_model_holds_no_view_of_its_checkpoint(small_model):
+    """Norm weights and biases left as loaded would keep the whole safetensors file mapped (every page read while
+    quantizing counts in the resident size); tied parameters stay tied."""
+    model = quant.load_model(small_model, scheme_name="int8", device=torch.device("cpu"), dtype=torch.float32,
+                             trust_remote_code=False)
+    mapped = [line.split()[0] for line in open("/proc/self/maps") if line.rstrip().endswith(".safetensors")]
+    spans = [tuple(int(v, 16) for v in span.split("-")) for span in mapped]
+    inside = [name for name, p in model.named_parameters()
+              if any(lo <= p.untyped_storage().data_ptr() < hi for lo, hi in spans)]
+    assert not inside
+    shared = nn.Linear(8, 8)
+    tied = nn.Sequential(shared, shared)
+    assert quant.own_parameters(tied) == 2 and tied[0].weight is tied[1].weight

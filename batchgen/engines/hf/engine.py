@@ -64,6 +64,7 @@ class HFEngine:
         if quantized_bf16:  # after fusing: the fused modules are new
             quant.set_gemm_dtype(self.model, torch.bfloat16)
         if self.device.type == "cpu":  # after loading: memory freed while loading or quantizing goes back to the OS
+            runtime.return_freed_memory()
             runtime.keep_freed_memory()
         # fewer threads while other work holds the cores (cpu/threads.py); kept across windows
         self.governor = (threads.for_engine(torch.get_num_threads(), torch.set_num_threads)

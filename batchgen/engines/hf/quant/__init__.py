@@ -230,8 +230,25 @@ def load_model(path: str, *, scheme_name: Optional[str], device: torch.device, d
         log.info("quantized %s to %s on %s: %.1f MB of weights", path, scheme.name, device.type,
                  weight_bytes(model) / 1e6)
         if device.type == "cpu":
+            own_parameters(model)
             warn_if_slow_at_working_batch(scheme.name, model)
     return model.eval()
+
+
+def own_parameters(model: nn.Module) -> int:
+    """Copy the parameters a quantization left as they were loaded (norm weights, biases) into memory of their own.
+    from_pretrained maps a safetensors checkpoint and hands out views of the mapping where the dtype matches; one
+    such view keeps the whole file mapped, and every page read while quantizing counts in the process's resident
+    size: at the Qwen2.5-0.5B shape, 2.4 GB of float32 checkpoint for 0.64 GB of int8 weights. Returns how many."""
+    copies: dict[int, nn.Parameter] = {}  # a parameter shared by two modules (tied weights) stays shared
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is not None:
+                    if id(param) not in copies:
+                        copies[id(param)] = nn.Parameter(param.detach().clone(), requires_grad=False)
+                    module._parameters[name] = copies[id(param)]
+    return len(copies)
 
 
 def cpu_kind() -> str:

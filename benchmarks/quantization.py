@@ -47,6 +47,7 @@ from batchgen.engines import prepare_process  # noqa: E402
 prepare_process()  # batchgen's OpenMP defaults, before torch loads
 CONFIGS = {  # name: (engine.quantization, engine.dtype)
     "none": (None, "auto"),
+    "float32": (None, "float32"),  # where 'none' is bf16: the fidelity reference (it is then against float32)
     "bf16": (None, "bfloat16"),
     "int8": ("int8", "auto"),
     "int8_wo": ("int8_wo", "auto"),
@@ -192,8 +193,9 @@ def spawn(args: argparse.Namespace, model: Path, config: str, *, fidelity: bool,
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def fidelity(workdir: Path, config: str, ref_greedy: list[list[int]], greedy: list[list[int]]) -> dict:
-    ref = load_logprobs(workdir, "none")  # [n, T, V] log-probs
+def fidelity(workdir: Path, config: str, ref_greedy: list[list[int]], greedy: list[list[int]],
+             reference: str = "none") -> dict:
+    ref = load_logprobs(workdir, reference)  # [n, T, V] log-probs
     firsts = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), None) for r, g in zip(ref_greedy, greedy)]
     differing = [f for f in firsts if f is not None]
     out = {**agreement(ref, load_logprobs(workdir, config)), "greedy_identical": firsts.count(None) / len(firsts),
@@ -284,9 +286,15 @@ def summarize(workdir: Path, samples: dict[str, list[dict]], params: int) -> lis
                           b.get(f"tok_s_{name}") else None for r, b in zip(runs, samples.get(base, []))]
                 row[f"x_{base}_{name}"] = median_of(ratios)
         row["ratio_b1"], row["ratio_working"] = row["x_none_b1"], row["x_none_working"]  # older key names
-        row.update(fidelity(workdir, config, samples["none"][0]["greedy"], first["greedy"]))
+        reference = fidelity_reference(samples)
+        row.update(fidelity(workdir, config, samples[reference][0]["greedy"], first["greedy"], reference))
         rows.append(row)
     return rows
+
+
+def fidelity_reference(samples: dict) -> str:
+    """'float32' where it was run (a stricter reference than a bf16 'none'), else 'none'."""
+    return "float32" if "float32" in samples else "none"
 
 
 def median_of(values) -> Optional[float]:
@@ -321,7 +329,9 @@ def print_table(rows: list[dict], plan: dict, params: int, repeats: int) -> None
               f"| {num(r['tok_s_working'], '.1f')} | {x(r['x_none_working'])} "
               f"| {num(r['tok_s_short'], '.1f')} | {x(r['x_none_short'])} | {x(r['x_bf16_short'])} |")
     (n, length), (gr, gp, gn) = plan["fidelity"], plan["greedy"]
-    print(f"\nfidelity against 'none' ({base}): teacher forcing on {n} x {length} seeded token ids in one forward; "
+    reference = "float32" if any(r["config"] == "float32" for r in rows) else "none"
+    print(f"\nfidelity against '{reference}' ({'float32' if reference == 'float32' else base}): teacher forcing on "
+          f"{n} x {length} seeded token ids in one forward; "
           f"greedy generation of {gr} rows x {gp} prompt tokens, {gn} new")
     print("| config | top-1 | mean KL | greedy identical | first divergence |")
     print("|" + " --- |" * 5)

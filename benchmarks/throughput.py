@@ -2,6 +2,7 @@
 
     python benchmarks/throughput.py            # full: ~100M-param Llama, 64 rows (tables: docs/performance.md)
     python benchmarks/throughput.py --quick    # tiny model, small workload, B1 and E only (the test suite's guard)
+    python benchmarks/throughput.py --shape qwen2.5-0.5b --runners B3,E,Eint8 --repeats 2   # a real model's shape
 
 Every runner is its own subprocess; runners are interleaved (B0 B1 B2 B3 E, repeated) and medians
 reported. Workload (seeded): prompt lengths log-normal around 100 tokens, capped at 1024; output
@@ -27,7 +28,9 @@ sys.path.insert(0, str(ROOT))
 from batchgen.engines import prepare_process  # noqa: E402
 
 prepare_process()  # batchgen's OpenMP defaults, before torch loads; every runner inherits them (the same for all)
-RUNNERS = ("B0", "B1", "B2", "B3", "E", "Eoff")  # Eoff: E with engine.prefix_cache=off (not run by default)
+# Eoff: E with engine.prefix_cache=off; Eint8: E with engine.quantization=int8 (neither run by default)
+RUNNERS = ("B0", "B1", "B2", "B3", "E", "Eoff", "Eint8")
+E_RUNNERS = ("E", "Eoff", "Eint8", "ENG")  # batchgen's: in E's dtype
 DEFAULT_RUNNERS = ("B0", "B1", "B2", "B3", "E")
 WORDS = ("the river town market opened closed with many people after rain sun night lamp bread clock train "
          "harbour music quiet loud green blue small large old new fast slow city field stone road").split()
@@ -43,7 +46,7 @@ def build(workdir: Path, *, size: str, rows: int, seed: int) -> tuple[Path, Path
 
     from batchgen.engines.toymodel import build_model
 
-    model = workdir / f"model-{size}"
+    model = workdir / f"model-{size}"  # the same directory as benchmarks/quantization.py's for a real shape
     if not (model / "config.json").exists():
         rng = random.Random(seed)
         texts = [" ".join(rng.choice(WORDS) for _ in range(200)) for _ in range(200)]
@@ -261,15 +264,23 @@ def child(args: argparse.Namespace) -> None:
               "ENG": lambda: run_engine(model, data, dtype),
               "E": lambda: run_e(model, data, dtype, Path(args.workdir) / "e-out", args.rows),
               "Eoff": lambda: run_e(model, data, dtype, Path(args.workdir) / "e-out", args.rows,
-                                    "engine.prefix_cache=off")}[args.run]
-    print("RESULT " + json.dumps(runner()))
+                                    "engine.prefix_cache=off"),
+              "Eint8": lambda: run_e(model, data, dtype, Path(args.workdir) / "e-out", args.rows,
+                                     "engine.quantization=int8")}[args.run]
+    result = runner()
+    import resource
+
+    # this process's peak, or its child's (E's job, vLLM's engine process once it has exited), whichever is larger
+    result["peak_rss"] = 1024 * max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                                    resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    print("RESULT " + json.dumps(result))
 
 
 # -- orchestration --------------------------------------------------------------------------------
 
 def spawn(name: str, args: argparse.Namespace, model: Path, data: Path, python: str,
           dtype: Optional[str] = None) -> dict:
-    dtype = dtype or (args.dtype if name in ("E", "Eoff", "ENG") else args.baseline_dtype)
+    dtype = dtype or (args.dtype if name in E_RUNNERS else args.baseline_dtype)
     cmd = [python, __file__, "--run", name, "--model", str(model), "--data", str(data), "--dtype", dtype,
            "--workdir", str(args.workdir), "--rows", str(args.rows), "--b0-rows", str(args.b0_rows)]
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "2",
@@ -311,6 +322,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the medians here")
     parser.add_argument("--device", default=None, help="cpu (default) or cuda: every runner on that device (B3, "
                                                        "vLLM's CPU build, is CPU only)")
+    parser.add_argument("--shape", default=None, help="the model: bench (default; --quick: tiny), or a real model's "
+                        "shape, qwen2.5-0.5b or llama-3.2-1b (random weights, the real vocabulary size; built once)")
     parser.add_argument("--run", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
@@ -328,7 +341,7 @@ def main() -> None:
         args.repeats = 2
         args.runners = args.runners or "B1,E"
     args.runners = args.runners or ",".join(DEFAULT_RUNNERS)
-    size = "tiny" if args.quick else "bench"
+    size = args.shape or ("tiny" if args.quick else "bench")
     args.workdir.mkdir(parents=True, exist_ok=True)
     model, data = build(args.workdir, size=size, rows=args.rows, seed=args.seed)
     auto = auto_dtype(model)
@@ -357,7 +370,7 @@ def report(args: argparse.Namespace, model: Path, data: Path, size: str) -> None
     # --baseline-dtype best: each baseline in float32 and in bfloat16, interleaved, and the faster median kept
     tried = ("float32", "bfloat16") if args.baseline_dtype == "best" else (args.baseline_dtype,)
     runs = [(name, dtype) for name in runners + extra
-            for dtype in ((args.dtype,) if name in ("E", "Eoff", "ENG") else tried)]
+            for dtype in ((args.dtype,) if name in E_RUNNERS else tried)]
     samples: dict[tuple[str, str], list[dict]] = {run: [] for run in runs}
     for _ in range(args.repeats):
         for name, dtype in runs:
@@ -399,17 +412,23 @@ def print_table(args: argparse.Namespace, med: dict, calib: dict, model: Path, s
           f"{args.baseline_dtype}, {args.rows} rows, {args.repeats} repeats (medians)")
     print(f"calibration: GEMM {calib['gemm_flops'] / 1e9:.0f} GFLOP/s ({args.dtype}), read bandwidth "
           f"{calib['read_bytes_per_s'] / 1e9:.1f} GB/s")
-    print(f"{'run':<4} {'useful tok/s':>12} {'E/run':>7} {'efficiency':>10} {'load s':>7} {'dtype':>9}")
+    print(f"{'run':<5} {'useful tok/s':>12} {'E/run':>7} {'efficiency':>10} {'load s':>7} {'dtype':>9} "
+          f"{'peak RSS MB':>11}")
     e = med.get("E", {})
     for name in [n for n in RUNNERS if n in med]:
         m = med[name]
         if "error" in m:
-            print(f"{name:<4} {'n/a':>12} {'n/a':>7} {'':>10} {'':>7}  ({m['error']})")
+            print(f"{name:<5} {'n/a':>12} {'n/a':>7} {'':>10} {'':>7}  ({m['error']})")
             continue
         ratio = e["tok_s"] / m["tok_s"] if "tok_s" in e else float("nan")
         ref = m if "row_steps" in m else med.get("ENG", {})
         eff = f"{100 * ref['useful_tokens'] / ref['row_steps']:>9.1f}%" if "row_steps" in ref else f"{'':>10}"
-        print(f"{name:<4} {m['tok_s']:>12.1f} {ratio:>7.2f} {eff} {m['load_s']:>7.1f} {m['dtype']:>9}")
+        rss = f"{m['peak_rss'] / 1e6:>11.0f}" if "peak_rss" in m else f"{'':>11}"
+        print(f"{name:<5} {m['tok_s']:>12.1f} {ratio:>7.2f} {eff} {m['load_s']:>7.1f} {m['dtype']:>9} {rss}")
+    quantized = med.get("Eint8", {})
+    if "tok_s" in quantized:
+        against = {n: quantized["tok_s"] / med[n]["tok_s"] for n in ("E", "B3") if "tok_s" in med.get(n, {})}
+        print("Eint8 (engine.quantization=int8): " + ", ".join(f"{v:.2f}x {n}" for n, v in against.items()))
     if "tok_s" in e and "tok_s" in med.get("ENG", {}):
         eng = med["ENG"]
         overhead = e["gen_s"] / eng["gen_s"] - 1

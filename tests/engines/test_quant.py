@@ -449,3 +449,25 @@ def test_a_quantized_model_holds_no_view_of_its_checkpoint(small_model):
     shared = nn.Linear(8, 8)
     tied = nn.Sequential(shared, shared)
     assert quant.own_parameters(tied) == 2 and tied[0].weight is tied[1].weight
+
+
+def test_quantizing_in_blocks_of_rows_changes_no_bit(monkeypatch):
+    """quantize_by_rows bounds the float temporaries of a large LM head or embedding table; every row's int8 values
+    and scale are what quantizing the whole matrix at once gives (int8_wo's bf16-rounded scales, W8A8's float32
+    ones, the embedding's per-row ones)."""
+    from batchgen.engines.hf.quant import common
+
+    torch.manual_seed(4)
+    weight = torch.randn(30, 48) * torch.rand(30, 1)
+    linear = nn.Linear(48, 30, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    whole = (int8.Int8WeightOnlyLinear(linear), w8a8.quantize_weight(weight), int8.Int8Embedding(weight))
+    monkeypatch.setattr(common, "QUANTIZE_ROWS", 7)
+    monkeypatch.setattr(common.quantize_by_rows, "__defaults__", (7,))
+    blocked = (int8.Int8WeightOnlyLinear(linear), w8a8.quantize_weight(weight), int8.Int8Embedding(weight))
+    assert torch.equal(whole[0].qweight, blocked[0].qweight) and torch.equal(whole[0].scale, blocked[0].scale)
+    assert all(torch.equal(a, b) for a, b in zip(whole[1], blocked[1]))
+    assert torch.equal(whole[2].qweight, blocked[2].qweight) and torch.equal(whole[2].scale, blocked[2].scale)
+    scale = (weight.abs().amax(dim=1).clamp(min=1e-8) / 127).to(torch.bfloat16)  # the formula, whole matrix
+    assert torch.equal(blocked[0].qweight, torch.round(weight / scale.float()[:, None]).clamp(-127, 127).to(torch.int8))

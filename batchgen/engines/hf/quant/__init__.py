@@ -9,16 +9,20 @@ requests, batching or the scheduler. This module is the registry (schemes, check
 which quantizes while loading, is only load arguments); int8.py and int4.py hold the schemes' modules and
 conversions, common.py the thresholds and hints they share.
 
-What runs where (measured on an AVX2-only CPU without fast bf16; see docs/performance.md "Quantization"):
-- int8, CPU: weight-only, `Int8WeightOnlyLinear`: int8 weights with one symmetric bf16-rounded scale per
-  output channel; activations stay unquantized. Inputs under NATIVE_ROWS rows (decode steps of small
-  batches) run batchgen's own AVX2 kernel (`cpu_kernels`, float32 activations) where it is built; otherwise
-  inputs under DEQUANT_ROWS rows run torch's `aten._weight_int8pack_mm` with bfloat16 activations; larger
-  inputs (prefill, large batches) dequantize the layer's weights for one float32 GEMM. The model (norms,
-  attention) computes in float32. Without batchgen's kernel, linears whose input size aten's kernel cannot
-  take stay float. Without either kernel (older torch) the fallback, with a warning, is
-  `torch.ao.quantization.quantize_dynamic` (activations quantized too: lower fidelity).
-- int8, CUDA: torchao `Int8WeightOnlyConfig`.
+What runs where (see docs/engines.md "Quantization" and docs/performance.md "Quantization"):
+- int8, CPU: W8A8, `w8a8.Int8DynamicLinear`: int8 weights per output channel reordered for oneDNN, activations
+  quantized per token on each call (batchgen's kernel), oneDNN's int8 GEMM with int32 sums, every linear the LM
+  head included. Where oneDNN's int8 GEMM is not exact here (no VNNI or AMX: its 16-bit pair sums saturate;
+  w8a8.probe checks), int8 runs as int8_wo, with a warning.
+- int8_wo, CPU: weight-only, `Int8WeightOnlyLinear`: int8 weights with one symmetric bf16-rounded scale per output
+  channel; activations stay unquantized. Inputs under NATIVE_ROWS rows (decode steps of small batches) run
+  batchgen's own AVX2 kernel (`cpu_kernels`, float32 activations) where it is built; otherwise inputs under
+  DEQUANT_ROWS rows run torch's `aten._weight_int8pack_mm` with bfloat16 activations; larger inputs (prefill, large
+  batches) dequantize the layer's weights for one float32 GEMM. The model (norms, attention) computes in float32.
+  Without batchgen's kernel, linears whose input size aten's kernel cannot take stay float. Without either kernel
+  (older torch) the fallback, with a warning, is `torch.ao.quantization.quantize_dynamic` (activations quantized
+  per tensor: lower fidelity).
+- int8 and int8_wo, CUDA: torchao `Int8WeightOnlyConfig` (W8A8 on CUDA is not built yet).
 - int4, CPU: weight-only, `Int4WeightOnlyLinear`: group-wise asymmetric int4 (a bf16 scale and min per 64
   input weights), two weights to a byte in the layout of batchgen's AVX2 kernel (`cpu_kernels`), which runs
   inputs under INT4_NATIVE_ROWS rows in float32; larger inputs dequantize the layer's weights for a float GEMM.
@@ -27,7 +31,7 @@ What runs where (measured on an AVX2-only CPU without fast bf16; see docs/perfor
   is then a bf16 island (`cpu/onednn.CastLinear`) and the rest of the model computes in float32.
 - int4, CUDA: torchao `Int4WeightOnlyConfig` with the tinygemm tile-packed layout, bfloat16 compute.
 - bnb-int8, bnb-nf4: bitsandbytes through `BitsAndBytesConfig`, CUDA only.
-With int8, and with batchgen's int4, the input embedding table is stored as int8 rows with one scale per row
+With int8, int8_wo, and with batchgen's int4, the input embedding table is stored as int8 rows with one scale per row
 (`Int8Embedding`).
 A scheme measured slower than the unquantized model at the CPU working batch, on the CPU kind it is built on, logs a
 warning when it is built (CPU_WORKING_BATCH_VS_UNQUANTIZED).
@@ -69,6 +73,8 @@ log = logging.getLogger(__name__)
 CPU_WORKING_BATCH_VS_UNQUANTIZED: dict[str, dict[str, float]] = {
     "avx2": {"int8_wo": 0.90, "int4": 0.81, "int4-torchao": 0.56},  # median of 3 repeats
     "avx512_bf16": {"int8_wo": 0.70, "int4": 0.65},  # one repeat; torchao's int4 not measured there
+    # a Xeon with AMX (bf16 GEMMs on AMX tiles), Qwen2.5-0.5B shape, 2 repeats; int8 (W8A8) measured 1.30x there
+    "amx": {"int8_wo": 0.25, "int4": 0.23},
 }
 
 
@@ -252,11 +258,13 @@ def own_parameters(model: nn.Module) -> int:
 
 
 def cpu_kind() -> str:
-    """The CPU kind the working-batch figures are kept for: avx512_bf16 (native bf16 dot products), avx512, avx2,
-    or other."""
+    """The CPU kind the working-batch figures are kept for: amx (bf16 and int8 matrix tiles), avx512_bf16 (native
+    bf16 dot products), avx512, avx2, or other."""
     from batchgen.engines.hf.cpu.runtime import cpu_flags, has_native_bf16
 
     flags = cpu_flags()
+    if "amx_bf16" in flags and has_native_bf16():
+        return "amx"
     if has_native_bf16():
         return "avx512_bf16"
     if "avx512f" in flags:

@@ -4,7 +4,10 @@ sizes, and the install hints of the optional libraries behind them."""
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from batchgen.errors import ConfigError
 
@@ -24,6 +27,25 @@ INT4_CPU_GROUP = 64  # weights per int4 scale/min pair in batchgen's CPU kernel 
 INT4_NATIVE_ROWS = 112
 TORCHAO_HINT = "pip install 'batchgen[quant]' (torchao)"
 BNB_HINT = "pip install 'batchgen[bnb]' (bitsandbytes, CUDA only)"
+
+
+QUANTIZE_ROWS = 4096  # rows of a weight quantized at a time (quantize_by_rows)
+
+
+def quantize_by_rows(weight: torch.Tensor, quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                     rows: int = QUANTIZE_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize(block) -> (q, scale)` over blocks of `rows` rows of `weight` [N, K], into one (q [N, K], scale [N,
+    ...]). Each row's result is its own, so the blocks change no bit; what they change is the float temporaries:
+    quantizing a 151,936-row LM head or embedding table at once held several float32 copies of it (545 MB each at
+    the Qwen2.5-0.5B shape), the largest part of a quantized model's peak memory while loading."""
+    n = weight.shape[0]
+    q_first, scale_first = quantize(weight[:rows])
+    q = torch.empty((n, *q_first.shape[1:]), dtype=q_first.dtype)
+    scale = torch.empty((n, *scale_first.shape[1:]), dtype=scale_first.dtype)
+    q[:rows], scale[:rows] = q_first, scale_first
+    for start in range(rows, n, rows):
+        q[start:start + rows], scale[start:start + rows] = quantize(weight[start:start + rows])
+    return q, scale
 
 
 def import_or_hint(module: str, hint: str, needed_by: str) -> Any:

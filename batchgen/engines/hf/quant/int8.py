@@ -15,7 +15,14 @@ from torch import nn
 from batchgen.engines.hf.cpu import kernels as cpu_kernels
 from batchgen.engines.hf.cpu.onednn import replace_linears
 from batchgen.engines.hf.quant import w8a8
-from batchgen.engines.hf.quant.common import DEQUANT_ROWS, INT8_K_MULTIPLE, NATIVE_ROWS, TORCHAO_HINT, import_or_hint
+from batchgen.engines.hf.quant.common import (
+    DEQUANT_ROWS,
+    INT8_K_MULTIPLE,
+    NATIVE_ROWS,
+    TORCHAO_HINT,
+    import_or_hint,
+    quantize_by_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -25,9 +32,13 @@ class Int8Embedding(nn.Module):
 
     def __init__(self, weight: torch.Tensor):  # weight: [V, H] float
         super().__init__()
-        scale = weight.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127  # [V, 1]
-        self.register_buffer("qweight", torch.round(weight.float() / scale).to(torch.int8))
-        self.register_buffer("scale", scale.to(weight.dtype))
+        def rows(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            scale = block.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127  # [r, 1]
+            return torch.round(block.float() / scale).to(torch.int8), scale.to(weight.dtype)
+
+        qweight, scale = quantize_by_rows(weight.detach(), rows)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
         self.embedding_dim = weight.shape[1]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids: [...] -> [..., H]
@@ -49,11 +60,14 @@ class Int8WeightOnlyLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        weight = linear.weight.detach().float()  # [N, K]
-        # the scale is rounded to bf16 first and the weights quantized against the rounded scale, so that
-        # qweight * scale is the nearest int8 grid point to each weight under the scale the kernel multiplies by
-        scale = (weight.abs().amax(dim=1).clamp(min=1e-8) / 127).to(torch.bfloat16)  # [N]
-        qweight = torch.round(weight / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+        def rows(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            block = block.float()
+            # the scale is rounded to bf16 first and the weights quantized against the rounded scale, so that
+            # qweight * scale is the nearest int8 grid point to each weight under the scale the kernel multiplies by
+            scale = (block.abs().amax(dim=1).clamp(min=1e-8) / 127).to(torch.bfloat16)  # [r]
+            return torch.round(block / scale.float()[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+        qweight, scale = quantize_by_rows(linear.weight.detach(), rows)  # [N, K], [N]
         self._hold(qweight, scale, None if linear.bias is None else linear.bias.detach().clone())
 
     def _hold(self, qweight: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> None:

@@ -24,6 +24,7 @@ from torch import nn
 
 from batchgen.engines.hf.cpu import kernels as cpu_kernels
 from batchgen.engines.hf.cpu.onednn import replace_linears
+from batchgen.engines.hf.quant.common import quantize_by_rows
 
 log = logging.getLogger(__name__)
 ZERO_POINT = 128  # activations go to oneDNN as uint8 = int8 + 128 (its fast kernels take unsigned activations)
@@ -31,9 +32,12 @@ ZERO_POINT = 128  # activations go to oneDNN as uint8 = int8 + 128 (its fast ker
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] float -> (int8 [N, K] in [-127, 127], float32 scales [N]): symmetric, per output channel."""
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127
-    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+    def rows(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = block.float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127
+        return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+    return quantize_by_rows(weight.detach(), rows)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -267,13 +267,54 @@ def child(args: argparse.Namespace) -> None:
                                     "engine.prefix_cache=off"),
               "Eint8": lambda: run_e(model, data, dtype, Path(args.workdir) / "e-out", args.rows,
                                      "engine.quantization=int8")}[args.run]
+    sampler = TreeRSS()
     result = runner()
-    import resource
-
-    # this process's peak, or its child's (E's job, vLLM's engine process once it has exited), whichever is larger
-    result["peak_rss"] = 1024 * max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                                    resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    result["peak_rss"] = sampler.stop()
     print("RESULT " + json.dumps(result))
+
+
+class TreeRSS:
+    """The peak of the summed resident size of this process and all its descendants (E's job process; vLLM's engine
+    core and worker processes), sampled every 0.2 s from /proc in a thread."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            self.peak = max(self.peak, self.sample())
+
+    @staticmethod
+    def sample() -> int:
+        parents: dict[int, int] = {}
+        rss: dict[int, int] = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                parents[int(entry)] = int(fields[1])
+                rss[int(entry)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+            except (OSError, IndexError, ValueError):
+                continue
+        tree, frontier = {os.getpid()}, [os.getpid()]
+        while frontier:
+            parent = frontier.pop()
+            children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
+            tree.update(children)
+            frontier.extend(children)
+        return sum(rss.get(pid, 0) for pid in tree)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, self.sample())
 
 
 # -- orchestration --------------------------------------------------------------------------------

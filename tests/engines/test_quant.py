@@ -470,4 +470,5 @@ def test_quantizing_in_blocks_of_rows_changes_no_bit(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(whole[1], blocked[1]))
     assert torch.equal(whole[2].qweight, blocked[2].qweight) and torch.equal(whole[2].scale, blocked[2].scale)
     scale = (weight.abs().amax(dim=1).clamp(min=1e-8) / 127).to(torch.bfloat16)  # the formula, whole matrix
-    assert torch.equal(blocked[0].qweight, torch.round(weight / scale.float()[:, None]).clamp(-127, 127).to(torch.int8))
+    want = torch.round(weight / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    assert torch.equal(blocked[0].qweight, want)

@@ -96,6 +96,7 @@ MARK_ENV = "BATCHGEN_REAPER_MARK"  # inherited by every process started inside R
 REAP_GRACE_S = 3.0  # between the SIGTERM and the SIGKILL of a marked process
 REAP_SETTLE_S = 0.5  # between the two empty sweeps that end a reap
 REAP_GIVE_UP_S = 30.0  # SIGKILL sweeps at most this long
+WATCH_POLL_S = 0.5  # how often the watcher notes the marked processes' descendants (family)
 
 
 class Reaper:
@@ -152,14 +153,49 @@ def marked(mark: str) -> list[int]:
     return pids
 
 
-def reap(mark: str, grace_s: float = REAP_GRACE_S, give_up_s: float = REAP_GIVE_UP_S) -> None:
-    """SIGTERM every marked process, and again each new one, for grace_s; then SIGKILL what carries the mark until
-    a sweep finds none twice in a row, REAP_SETTLE_S apart (a dying process may have started another meanwhile: a
-    worker its compiler, a raylet an agent), giving up after give_up_s (a process that survives SIGKILL that long
-    is stuck in the kernel, not ours to wait for)."""
+def _stat(pid: int) -> Optional[tuple[int, int]]:
+    """(parent pid, start time in clock ticks) of a live process, or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[1]), int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def family(mark: str) -> dict[int, int]:
+    """The marked processes and all their descendants, pid -> start time. A descendant may not carry the mark: a
+    process that renames itself (Ray's agents, by setproctitle) can overwrite the memory /proc/PID/environ reads,
+    and a child may be started with an environment of its own; once its parent dies it is an orphan of init, so
+    its lineage has to be noted while the parent lives."""
+    stats = {int(e): st for e in os.listdir("/proc") if e.isdigit() and (st := _stat(int(e))) is not None}
+    found = {pid for pid in marked(mark) if pid in stats}
+    frontier = list(found)
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, (ppid, _) in stats.items() if ppid == parent and pid not in found]
+        found.update(children)
+        frontier.extend(children)
+    found.discard(os.getpid())
+    return {pid: stats[pid][1] for pid in found}
+
+
+def _targets(mark: str, known: dict[int, int]) -> set[int]:
+    """Marked processes, and those noted in `known` that still run (the same start time: not a reused pid)."""
+    alive = {pid for pid, start in known.items() if (st := _stat(pid)) is not None and st[1] == start}
+    return set(marked(mark)) | alive
+
+
+def reap(mark: str, grace_s: float = REAP_GRACE_S, give_up_s: float = REAP_GIVE_UP_S,
+         known: Optional[dict[int, int]] = None) -> None:
+    """SIGTERM every marked process (and each noted descendant in `known`), and again each new one, for grace_s; then
+    SIGKILL what is left until a sweep finds none twice in a row, REAP_SETTLE_S apart (a dying process may have
+    started another meanwhile: a worker its compiler, a raylet an agent), giving up after give_up_s (a process that
+    survives SIGKILL that long is stuck in the kernel, not ours to wait for)."""
+    known = known if known is not None else {}
     signalled: set[int] = set()
     deadline = time.monotonic() + grace_s
-    while (pids := set(marked(mark))) and time.monotonic() < deadline:
+    while (pids := _targets(mark, known)) and time.monotonic() < deadline:
         for pid in pids - signalled:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGTERM)
@@ -167,7 +203,7 @@ def reap(mark: str, grace_s: float = REAP_GRACE_S, give_up_s: float = REAP_GIVE_
         time.sleep(0.1)
     deadline, quiet = time.monotonic() + give_up_s, 0
     while quiet < 2 and time.monotonic() < deadline:
-        pids = marked(mark)
+        pids = _targets(mark, known)
         for pid in pids:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
@@ -176,9 +212,17 @@ def reap(mark: str, grace_s: float = REAP_GRACE_S, give_up_s: float = REAP_GIVE_
 
 
 def _watch(mark: str) -> None:
+    import select
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the job, which then closes the pipe
-    sys.stdin.buffer.read()  # returns at EOF: the parent closed the pipe or is gone
-    reap(mark)
+    known: dict[int, int] = {}
+    stdin = sys.stdin.buffer
+    while True:  # until EOF: the parent closed the pipe or is gone; meanwhile note the marked processes' family
+        ready, _, _ = select.select([stdin], [], [], WATCH_POLL_S)
+        if ready and not os.read(stdin.fileno(), 65536):
+            break
+        known.update(family(mark))
+    reap(mark, known=known)
 
 
 if __name__ == "__main__":

@@ -78,14 +78,17 @@ def probe() -> Optional[str]:
     weight = torch.full((n, k), 127, dtype=torch.int8)
     weight[1::2] = -127
     weight[2::4, ::3] = 5
-    q = torch.full((4, k), 255, dtype=torch.uint8)  # int8 127: pair sums 2 * 255 * 127 overflow 16 bits
-    q[1], q[2, ::2] = 1, 200
+    # a decode step's few rows and a prefill's many: oneDNN picks its kernel by shape, so both are checked
+    q = torch.full((64, k), 255, dtype=torch.uint8)  # int8 127: pair sums 2 * 255 * 127 overflow 16 bits
+    q[1], q[2, ::2], q[5::7] = 1, 200, 60
     try:
-        y = _gemm(q, torch.ops.onednn.qlinear_prepack(weight, None), torch.ones(n), torch.zeros(n, dtype=torch.int64))
+        packed = torch.ops.onednn.qlinear_prepack(weight, None)
+        ys = [_gemm(q[:rows].contiguous(), packed, torch.ones(n), torch.zeros(n, dtype=torch.int64))
+              for rows in (4, 64)]
     except (RuntimeError, NotImplementedError) as exc:
         return f"oneDNN's int8 linear failed here ({exc})"
     exact = (q.double() - ZERO_POINT) @ weight.double().t()
-    if not torch.equal(y.double(), exact):
+    if not all(torch.equal(y.double(), exact[:y.shape[0]]) for y in ys):
         return ("oneDNN's int8 GEMM on this CPU saturates 16-bit sums (no VNNI: avx512_vnni, avx_vnni or amx_int8; "
                 "or ONEDNN_MAX_CPU_ISA set below them), which would give wrong results")
     return None

@@ -291,25 +291,11 @@ class TreeRSS:
 
     @staticmethod
     def sample() -> int:
-        parents: dict[int, int] = {}
-        rss: dict[int, int] = {}
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                parents[int(entry)] = int(fields[1])
-                rss[int(entry)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
-            except (OSError, IndexError, ValueError):
-                continue
-        tree, frontier = {os.getpid()}, [os.getpid()]
-        while frontier:
-            parent = frontier.pop()
-            children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
-            tree.update(children)
-            frontier.extend(children)
-        return sum(rss.get(pid, 0) for pid in tree)
+        from batchgen.run.stopping import descendants, process_table
+
+        table = process_table()
+        tree = descendants({os.getpid()}, table)
+        return sum(table[pid][2] for pid in tree if pid in table) * os.sysconf("SC_PAGE_SIZE")
 
     def stop(self) -> int:
         self._stop.set()

@@ -153,14 +153,30 @@ def marked(mark: str) -> list[int]:
     return pids
 
 
-def _stat(pid: int) -> Optional[tuple[int, int]]:
-    """(parent pid, start time in clock ticks) of a live process, or None."""
+def _stat(pid: int) -> Optional[tuple[int, int, int]]:
+    """(parent pid, start time in clock ticks, resident pages) of a live process, or None."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        return int(fields[1]), int(fields[19])
+        return int(fields[1]), int(fields[19]), int(fields[21])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def process_table() -> dict[int, tuple[int, int, int]]:
+    """Every live process: pid -> (parent pid, start time, resident pages), from /proc."""
+    return {int(e): st for e in os.listdir("/proc") if e.isdigit() and (st := _stat(int(e))) is not None}
+
+
+def descendants(roots: set[int], table: dict[int, tuple[int, int, int]]) -> set[int]:
+    """`roots` and every process below them in `table` (process_table)."""
+    found, frontier = set(roots), list(roots)
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, (ppid, _, _) in table.items() if ppid == parent and pid not in found]
+        found.update(children)
+        frontier.extend(children)
+    return found
 
 
 def family(mark: str) -> dict[int, int]:
@@ -168,16 +184,9 @@ def family(mark: str) -> dict[int, int]:
     process that renames itself (Ray's agents, by setproctitle) can overwrite the memory /proc/PID/environ reads,
     and a child may be started with an environment of its own; once its parent dies it is an orphan of init, so
     its lineage has to be noted while the parent lives."""
-    stats = {int(e): st for e in os.listdir("/proc") if e.isdigit() and (st := _stat(int(e))) is not None}
-    found = {pid for pid in marked(mark) if pid in stats}
-    frontier = list(found)
-    while frontier:
-        parent = frontier.pop()
-        children = [pid for pid, (ppid, _) in stats.items() if ppid == parent and pid not in found]
-        found.update(children)
-        frontier.extend(children)
-    found.discard(os.getpid())
-    return {pid: stats[pid][1] for pid in found}
+    table = process_table()
+    found = descendants({pid for pid in marked(mark) if pid in table}, table) - {os.getpid()}
+    return {pid: table[pid][1] for pid in found}
 
 
 def _targets(mark: str, known: dict[int, int]) -> set[int]:

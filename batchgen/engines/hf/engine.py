@@ -61,6 +61,7 @@ class HFEngine:
         elif self.device.type == "cpu" and cfg.quantization in quant.CPU_KERNEL_SCHEMES and serves_all:
             self.fused = fuse_projections(self.model, quant.concatenate)
         self.prepacked += quant.pack_w8a8(self.model)  # after fusing: W8A8 weights reordered for oneDNN
+        self.quantization_scheme = quant.scheme_in_use(self.model)  # what int8 resolved to here (identity)
         if quantized_bf16:  # after fusing: the fused modules are new
             quant.set_gemm_dtype(self.model, torch.bfloat16)
         if self.device.type == "cpu":  # after loading: memory freed while loading or quantizing goes back to the OS
@@ -101,9 +102,8 @@ class HFEngine:
 
     def identity(self) -> dict[str, Any]:
         quantization = {"quantization": self.cfg.quantization} if self.cfg.quantization else {}
-        scheme = quant.scheme_in_use(self.model)
-        if scheme:
-            quantization["quantization_scheme"] = scheme
+        if self.quantization_scheme:
+            quantization["quantization_scheme"] = self.quantization_scheme
         prepacked = {"linear": "onednn-prepacked"} if self.prepacked else {}
         mixed = {} if self.activation_dtype == self.dtype else {
             "activations": str(self.activation_dtype).removeprefix("torch.")}

@@ -36,14 +36,19 @@ _done = False
 SPIN_COUNT = "10000"
 
 
+def _glibc(name: str):
+    """A function of the C library (glibc's malloc_trim, mallopt), or None where it has none."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def return_freed_memory() -> bool:
     """Give the heap's free memory back to the system now (glibc malloc_trim): what loading and quantizing freed
     (a 0.5B model's int8 conversion left ~110 MB behind in the heap). False where not glibc."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
+    trim = _glibc("malloc_trim")
+    return bool(trim(0)) if trim is not None else False
 
 
 def keep_freed_memory() -> bool:
@@ -51,10 +56,8 @@ def keep_freed_memory() -> bool:
     global _done
     if _done:
         return True
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _glibc("mallopt")
+    if mallopt is None:
         return False
     _done = bool(mallopt(M_MMAP_THRESHOLD, KEEP_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_BYTES))
     log.debug("glibc malloc thresholds raised to %d bytes: %s", KEEP_BYTES, _done)

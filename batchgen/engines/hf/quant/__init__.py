@@ -59,7 +59,8 @@ from batchgen.engines.hf.quant.common import (
 )
 from batchgen.engines.hf.quant.int4 import Int4WeightOnlyLinear, int4_cpu, int4_cuda
 from batchgen.engines.hf.quant.int8 import Int8WeightOnlyLinear, int8_cpu, int8_cuda, int8_wo_cpu
-from batchgen.engines.hf.quant.w8a8 import Int8DynamicLinear, pack_all
+from batchgen.engines.hf.quant.w8a8 import Int8DynamicLinear
+from batchgen.engines.hf.quant.w8a8 import pack_all as pack_w8a8  # noqa: F401 (the engine's name for it)
 from batchgen.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -115,11 +116,6 @@ def route_rows(model: nn.Module, native_rows: Optional[int] = None, dequant_rows
             continue
         count += 1
     return count
-
-
-def pack_w8a8(model: nn.Module) -> int:
-    """Reorder the W8A8 linears' weights for oneDNN (after fusing projections); how many."""
-    return pack_all(model)
 
 
 def scheme_in_use(model: nn.Module) -> Optional[str]:

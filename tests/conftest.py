@@ -41,6 +41,17 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def small_model(tmp_path_factory) -> str:
+    """Hidden size 256: every linear has whole int4 groups of 128 (the tiny model's 64 has none), and W8A8's int8
+    linears are the engine's quantized modules."""
+    from batchgen.engines.toymodel import build_model
+
+    path = tmp_path_factory.mktemp("models") / "small-llama"
+    build_model(path, corpus(), size="small")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_model):
     from transformers import AutoTokenizer
 

@@ -29,16 +29,6 @@ needs_int4 = pytest.mark.skipif(cpu_kernels.load() is None and not HAS_TORCHAO,
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory) -> str:
-    """Hidden size 256: every linear has whole int4 groups of 128 (the tiny model's 64 has none)."""
-    from batchgen.engines.toymodel import build_model
-
-    path = tmp_path_factory.mktemp("models") / "small-llama"
-    build_model(path, corpus(), size="small")
-    return str(path)
-
-
 def quantized_job(model: str, tmp_path, scheme: str, *extra: str):
     data = write_parquet(tmp_path / "in.parquet", [{"prompt": text} for text in corpus(12, seed=3)])
     overrides = [o for o in job_overrides(model, data, tmp_path / "out") if not o.startswith("engine.dtype=")]

@@ -18,7 +18,7 @@ from batchgen.output import committer as committer_module
 from batchgen.output.committer import OutputWriteError
 from batchgen.output.journal import read_journal
 from batchgen.run.runner import run_job
-from tests.conftest import REPO, compose_job, corpus, job_overrides, read_output, write_parquet
+from tests.conftest import REPO, compose_job, corpus, job_overrides, read_output, run_cli, write_parquet
 
 KILLS = int(os.environ.get("BATCHGEN_KILLS", "5"))  # BATCHGEN_KILLS=20 pytest tests/scenarios/test_crash.py -k random
 
@@ -108,3 +108,33 @@ def test_a_write_failure_stops_the_job_and_keeps_committed_parts(tiny_model, tmp
     monkeypatch.setattr(committer_module.pq, "write_table", real_write)
     assert run_job(cfg).state == "done" and read_output(out).num_rows == 12
 
+
+
+def test_an_int8_job_killed_and_resumed_equals_an_uninterrupted_one(small_model, tmp_path):
+    """engine.quantization=int8 (W8A8 where this CPU's int8 GEMM is exact, else weight-only): a job SIGKILLed mid-part
+    and rerun writes every row once and the same text as an uninterrupted run (per-token scales: a row's output does
+    not depend on which rows share its batch, and the resumed run's batches differ); the manifest records what int8
+    resolved to and the rerun resumes under it."""
+    from batchgen.engines.hf.quant import w8a8
+
+    data = write_parquet(tmp_path / "in.parquet", [{"prompt": t} for t in corpus(12, seed=5)])
+    common = ["engine.quantization=int8", "run.rows_per_part=4", "sampling.max_new_tokens=24",
+              "sampling.ignore_eos=true", "engine.max_batch_size=3"]
+    whole = tmp_path / "whole"
+    assert run_cli(job_overrides(small_model, data, whole, *common)).returncode == 0
+    out = tmp_path / "out"
+    args = job_overrides(small_model, data, out, *common)
+    proc = subprocess.Popen([sys.executable, "-m", "batchgen", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    wait_for_journal(out, proc, 2)
+    proc.kill()
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    rerun = run_cli(args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    columns = ["id", "sample_index", "generation"]
+    got, want = (read_output(d).sort_by("id").select(columns).to_pylist() for d in (out, whole))
+    assert len(got) == 12 and got == want
+    resolved = json.loads((out / "_manifest.json").read_text())["engine_resolved"]
+    assert resolved["quantization"] == "int8"
+    assert resolved["quantization_scheme"] == (None if w8a8.probe() else "w8a8")

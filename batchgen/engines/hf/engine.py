@@ -8,6 +8,7 @@ device.py. It sees token ids and sampling params only; it knows nothing about ro
 
 from __future__ import annotations
 
+import functools
 import logging
 import pickle
 import re
@@ -61,7 +62,6 @@ class HFEngine:
         elif self.device.type == "cpu" and cfg.quantization in quant.CPU_KERNEL_SCHEMES and serves_all:
             self.fused = fuse_projections(self.model, quant.concatenate)
         self.prepacked += quant.pack_w8a8(self.model)  # after fusing: W8A8 weights reordered for oneDNN
-        self.quantization_scheme = quant.scheme_in_use(self.model)  # what int8 resolved to here (identity)
         if quantized_bf16:  # after fusing: the fused modules are new
             quant.set_gemm_dtype(self.model, torch.bfloat16)
         if self.device.type == "cpu":  # after loading: memory freed while loading or quantizing goes back to the OS
@@ -99,6 +99,11 @@ class HFEngine:
         rows take float32), and each quantized linear runs its dequantized GEMM (prefill) in bf16."""
         return (self.device.type == "cpu" and cfg.quantization in quant.CPU_KERNEL_SCHEMES
                 and self.dtype == torch.bfloat16 and kernels.load() is not None)
+
+    @functools.cached_property
+    def quantization_scheme(self) -> Optional[str]:
+        """What engine.quantization resolved to here (w8a8 or None), worked out once: the identity reports it."""
+        return quant.scheme_in_use(self.model)
 
     def identity(self) -> dict[str, Any]:
         quantization = {"quantization": self.cfg.quantization} if self.cfg.quantization else {}

@@ -308,7 +308,7 @@ def test_greedy_output_is_the_same_with_prepacked_and_fused_linears(tiny_model, 
     """The tiny model's weights are under MIN_FEATURES; pack (and fuse) them anyway and compare whole generations,
     through the stepper (fused GEMMs) and through the model's own forward (the generic path, on FusedSlices)."""
     from batchgen.engines.hf.cpu import onednn as cpu_linear
-    from batchgen.engines.hf.step import FusedSlice
+    from batchgen.engines.hf.fusion import FusedSlice
 
     if not cpu_linear.available(torch.float32):
         pytest.skip("this torch build has no oneDNN linear reorder")

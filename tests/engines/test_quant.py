@@ -290,7 +290,7 @@ def test_quantized_projections_fuse_and_generate_what_unfused_ones_do(small_mode
 
     from batchgen.engines.hf import engine as hf
     from batchgen.engines.hf.config import HFConfig
-    from batchgen.engines.hf.step import FusedSlice
+    from batchgen.engines.hf.fusion import FusedSlice
     from batchgen.records import Request
     from batchgen.sampling import SampleParams
 

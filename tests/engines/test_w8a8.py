@@ -151,3 +151,121 @@ def test_where_onednn_saturates_int8_falls_back_to_weight_only_and_says_why():
     assert "probe: oneDNN's int8 GEMM on this CPU saturates 16-bit sums" in proc.stdout
     assert "module: Int8WeightOnlyLinear" in proc.stdout
     assert "Running int8 weight-only instead (engine.quantization=int8_wo" in proc.stderr
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, NaN included."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
+                                                                     b.contiguous().view(torch.uint8))
+
+
+@pytest.mark.parametrize("isa", ISAS or ["none"])
+def test_the_fused_producers_write_the_bytes_of_the_unfused_passes_on_every_variant(isa):
+    """add_rms_norm_u8 and silu_mul_u8 (the native decode step's kernels before a W8A8 GEMM) equal the passes they
+    replace: the previous GEMM's row scales (scale_rows), the float kernel (add_rms_norm, silu_mul), then
+    quantize_rows; bit for bit, widths with a scalar tail, a NaN row, decode-sized and prefill-sized batches."""
+    lib = cpu_kernels.load(isa) if isa != "none" else None
+    if lib is None:
+        pytest.skip("batchgen's CPU kernels are not built here (x86-64 with AVX2 and FMA, a C compiler)")
+    gen = torch.Generator().manual_seed(11)
+    for rows, hidden, inter in ((1, 64, 136), (7, 61, 93), (130, 256, 688)):  # 130: over the parallel threshold
+        x, delta = torch.randn(rows, hidden, generator=gen), torch.randn(rows, hidden, generator=gen) * 40
+        weight = torch.rand(hidden, generator=gen) + 0.5
+        row_scale = torch.rand(rows, generator=gen) * 0.01
+        delta[rows // 2, -1] = float("nan") if rows > 1 else delta[0, -1]
+        for d, s in ((delta, row_scale), (delta, None), (None, None)):
+            fused_x, plain_x = x.clone(), x.clone()
+            got = cpu_kernels.add_rms_norm_u8(lib, fused_x, None if d is None else d.clone(), s, weight, 1e-6)
+            if d is None:
+                h = cpu_kernels.rms_norm(lib, plain_x, weight, 1e-6)
+            else:
+                scaled = d.clone() if s is None else cpu_kernels.scale_rows(lib, d.clone(), s, None)
+                h = cpu_kernels.add_rms_norm(lib, plain_x, scaled, weight, 1e-6)
+            want = cpu_kernels.quantize_rows(lib, h)
+            assert same_bits(fused_x, plain_x) and all(map(same_bits, got, want)), (isa, rows, hidden, s is None)
+        gate_up = torch.randn(rows, 2 * inter, generator=gen) * 300
+        for s in (row_scale, None):
+            got = cpu_kernels.silu_mul_u8(lib, gate_up.clone(), s)
+            scaled = gate_up.clone() if s is None else cpu_kernels.scale_rows(lib, gate_up.clone(), s, None)
+            want = cpu_kernels.quantize_rows(lib, cpu_kernels.silu_mul(lib, scaled))
+            assert all(map(same_bits, got, want)), (isa, rows, inter, s is None)
+
+
+def w8a8_llama(bias: bool) -> nn.Module:
+    """A random Llama (Qwen2's q/k/v biases where `bias`) with W8A8 linears, fused projections, weights packed: what
+    the engine builds for engine.quantization=int8."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from batchgen.engines.hf import quant
+    from batchgen.engines.hf.fusion import fuse_projections
+    from batchgen.engines.hf.quant import int8
+
+    torch.manual_seed(4)
+    config = LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=344, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, attention_bias=bias,
+                         max_position_embeddings=128)
+    model = int8.int8_cpu(LlamaForCausalLM(config).eval(), torch.device("cpu"))
+    fuse_projections(model, quant.concatenate)
+    quant.pack_w8a8(model)
+    return model
+
+
+@needs_w8a8
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_native_step_with_fused_quantization_equals_the_unfused_one(bias):
+    """The decode step (and the prefill) with the quantization and row scales folded into batchgen's kernels gives the
+    logits of the same step calling each W8A8 linear whole (quantize, GEMM, scale rows), bit for bit: prompts of
+    different lengths, several decode steps."""
+    from batchgen.engines.hf.step import LlamaStepper
+
+    if cpu_kernels.load() is None:
+        pytest.skip("batchgen's CPU kernels are not built here")
+    model = w8a8_llama(bias)
+    fused, plain = LlamaStepper(model, torch.float32), LlamaStepper(model, torch.float32)
+    assert fused.native_step and fused.gemm_inputs[0] == (torch.uint8,) * 4 and fused.head_input == torch.uint8
+    assert "W8A8" in fused.describe()
+    plain.gemm_inputs = [(torch.float32,) * 4 for _ in plain.gemm_inputs]  # each linear quantizes its own input
+    plain.head_input = torch.float32
+    prompts = [[5, 9, 200, 17, 3], [44, 2], [7] * 11]
+    logits = []
+    with torch.inference_mode():
+        for stepper in (fused, plain):
+            cache = stepper.new_cache(slots=3, max_len=32)
+            steps = [stepper.prefill(cache, 0, prompts)]
+            for token in (1, 77, 250):
+                steps.append(stepper.decode(cache, torch.tensor([token, token + 1, token + 2])))
+            logits.append(steps)
+    assert all(same_bits(a, b) for a, b in zip(*logits))
+    # and against the model's own forward (transformers' modules calling each W8A8 linear): the same tokens
+    want = model(torch.tensor([prompts[1] + [2, 78, 251]])).logits[0, -1].float()
+    assert torch.allclose(logits[0][-1][1], want, atol=1e-4, rtol=1e-4)
+
+
+@needs_w8a8
+def test_with_w8a8_a_rows_logits_do_not_depend_on_the_rows_beside_it():
+    """Exact int32 GEMMs, per-row kernels and per-row prefill attention: a row prefilled and decoded alone, or beside
+    longer and shorter rows (padded prefill batches of other widths), gets the same logits at every step, bit for
+    bit. (Before prefill attention ran per row, a row beside a longer one differed by an ulp at one step.)"""
+    from batchgen.engines.hf.step import LlamaStepper
+
+    if cpu_kernels.load() is None:
+        pytest.skip("batchgen's CPU kernels are not built here")
+    stepper = LlamaStepper(w8a8_llama(False), torch.float32)
+    assert stepper.row_exact
+    gen = torch.Generator().manual_seed(1)
+    row = torch.randint(3, 290, (23,), generator=gen).tolist()
+
+    def run(rows: list[list[int]]) -> list[torch.Tensor]:
+        cache = stepper.new_cache(slots=len(rows), max_len=128)
+        logits = stepper.prefill(cache, 0, rows)
+        seen = [logits[0]]
+        for _ in range(20):
+            logits = stepper.decode(cache, logits.argmax(-1))
+            seen.append(logits[0])
+        return seen
+
+    with torch.inference_mode():
+        alone = run([row])
+        for other in (5, 23, 40, 77):
+            beside = run([row, torch.randint(3, 290, (other,), generator=gen).tolist()])
+            assert [i for i, (a, b) in enumerate(zip(alone, beside)) if not same_bits(a, b)] == [], other

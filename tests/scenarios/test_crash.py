@@ -114,23 +114,29 @@ def test_an_int8_job_killed_and_resumed_equals_an_uninterrupted_one(small_model,
     """engine.quantization=int8 (W8A8 where this CPU's int8 GEMM is exact, else weight-only): a job SIGKILLed mid-part
     and rerun writes every row once and the same text as an uninterrupted run (per-token scales: a row's output does
     not depend on which rows share its batch, and the resumed run's batches differ); the manifest records what int8
-    resolved to and the rerun resumes under it."""
+    resolved to and the rerun resumes under it.
+
+    One thread (OMP_NUM_THREADS=1) in every run: with two, about one run in six on the 2-core development CPU wrote a
+    token differently at a near-tie of this random-weight model (a one-ulp difference whose source is not found yet:
+    the stepper's logits are identical across thread counts and batches in-process), which is not what this test is
+    about; with one thread six runs of six were identical."""
     from batchgen.engines.hf.quant import w8a8
 
     data = write_parquet(tmp_path / "in.parquet", [{"prompt": t} for t in corpus(12, seed=5)])
     common = ["engine.quantization=int8", "run.rows_per_part=4", "sampling.max_new_tokens=24",
               "sampling.ignore_eos=true", "engine.max_batch_size=3"]
+    one_thread = {"OMP_NUM_THREADS": "1"}
     whole = tmp_path / "whole"
-    assert run_cli(job_overrides(small_model, data, whole, *common)).returncode == 0
+    assert run_cli(job_overrides(small_model, data, whole, *common), env=one_thread).returncode == 0
     out = tmp_path / "out"
     args = job_overrides(small_model, data, out, *common)
     proc = subprocess.Popen([sys.executable, "-m", "batchgen", *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=os.environ | one_thread)
     wait_for_journal(out, proc, 2)
     proc.kill()
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
-    rerun = run_cli(args)
+    rerun = run_cli(args, env=one_thread)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     columns = ["id", "sample_index", "generation"]
     got, want = (read_output(d).sort_by("id").select(columns).to_pylist() for d in (out, whole))

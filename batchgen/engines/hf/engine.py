@@ -23,11 +23,12 @@ from batchgen.engines.hf import device, prefix, quant
 from batchgen.engines.hf.beam import BeamSearcher, with_beams
 from batchgen.engines.hf.config import HFConfig
 from batchgen.engines.hf.cpu import kernels, onednn, runtime, threads
+from batchgen.engines.hf.fusion import fuse_projections
 from batchgen.engines.hf.generic import GenericGenerator
 from batchgen.engines.hf.sampler import Sampler, eos_ids
 from batchgen.engines.hf.scheduler import Scheduler, SchedulerStats
 from batchgen.engines.hf.score import ChoiceScorer, with_choice_scores
-from batchgen.engines.hf.step import LlamaStepper, fuse_projections, supports
+from batchgen.engines.hf.step import LlamaStepper, supports
 from batchgen.errors import ModelLoadError
 from batchgen.records import Request, Result
 

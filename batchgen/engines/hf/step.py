@@ -3,11 +3,13 @@
 The model's own modules (embeddings, norms, projections, rotary embedding, MLP, LM head) are called
 as they are; only attention and the cache are ours: decode attention reads the pre-allocated cache,
 each row over its own length, through batchgen's CPU kernel (float32 on CPU, `cpu_kernels`) or
-through views with a mask and torch's batched matmuls (AttentionPlan). `fuse_projections` can merge
+through views with a mask and torch's batched matmuls (AttentionPlan). `fusion.fuse_projections` can merge
 each layer's q/k/v and gate/up projections into one GEMM each, which the stepper then calls instead.
 With fused projections in a float32 model on CPU, a decode step runs batchgen's kernels between the
 GEMMs as well (RMSNorm; rotary embedding, cache write and attention in one call; SiLU-and-multiply):
 `_decode_native`, the same arithmetic in a few calls per layer instead of ~50 torch operations.
+Around W8A8 linears (engine.quantization=int8) those kernels write the quantized rows the int8 GEMM reads and
+apply the row scales of the one before (`_linear_unscaled`), so no pass of its own quantizes or scales.
 Architectures outside the list use the generic path in hf.py. Knows the model's modules, not
 requests, sampling or tokenizers.
 """
@@ -25,7 +27,10 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from batchgen.engines.hf.cpu import kernels as cpu_kernels
 from batchgen.engines.hf.cpu import onednn
-from batchgen.engines.hf.kvcache import SlotKVCache
+from batchgen.engines.hf.kvcache import AttentionPlan, SlotKVCache
+from batchgen.engines.hf.quant.w8a8 import Int8DynamicLinear, QuantizedRows
+
+Activations = torch.Tensor | QuantizedRows  # a GEMM's input: float32, bfloat16, or quantized rows for a W8A8 GEMM
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -51,6 +56,7 @@ class _PrefillBatch:
     first_slot: int
     n: int
     width: int
+    lengths: list[int]  # each row's tokens computed here
     valid: Optional[torch.Tensor]
     pad: Callable[[torch.Tensor], torch.Tensor]
     attend: Optional[Callable[..., torch.Tensor]]
@@ -85,12 +91,18 @@ class LlamaStepper:
                                                            layer.mlp.gate_up_proj, layer.mlp.down_proj))
                             for layer in self.layers] if self.native_step else []
         self.head_input = _input_dtype(model.lm_head)
+        # W8A8 GEMMs sum in exact int32 and the rest of a step is per row, so with prefill attention per row as well a
+        # row's tokens do not depend on which rows share its batches (a resumed job writes what an uninterrupted one
+        # did); float GEMMs block their sums by batch shape, so there the padded batch's one call stays
+        self.row_exact = bool(self.gemm_inputs) and all(torch.uint8 in kinds for kinds in self.gemm_inputs)
         self.kv_dtype = kv_dtype if self.native_step and kv_dtype is not None else self.dtype
 
     def describe(self) -> str:
         """Which decode step runs, for the engine's log."""
         if self.native_step:
-            gemms = "bf16 GEMMs" if torch.bfloat16 in self.gemm_inputs[0] else "GEMMs"
+            kinds = self.gemm_inputs[0]
+            gemms = ("W8A8 int8 GEMMs (quantization fused into the kernels)" if torch.uint8 in kinds
+                     else "bf16 GEMMs" if torch.bfloat16 in kinds else "GEMMs")
             return (f"batchgen's CPU kernels ({cpu_kernels.selected_isa()}) between the {gemms} (RMSNorm, rotary "
                     f"embedding + attention, SiLU), KV cache in {str(self.kv_dtype).removeprefix('torch.')}")
         if self.native is not None:
@@ -134,7 +146,8 @@ class LlamaStepper:
         if starts is not None:
             positions = positions + torch.tensor(starts, device=self.device)[:, None]
             attend = self._after_prefix(cache, first_slot, starts, lengths, positions)
-        batch = _PrefillBatch(cache, first_slot, n, width, valid, pad, attend, self.inner.rotary_emb(x, positions))
+        batch = _PrefillBatch(cache, first_slot, n, width, lengths, valid, pad, attend,
+                              self.inner.rotary_emb(x, positions))
         h = None
         if self.native_step:  # batchgen's RMSNorm (fused with the residual adds) and SiLU, over every prompt token
             x = x.contiguous()
@@ -143,6 +156,9 @@ class LlamaStepper:
             x, h = self._prefill_layer(i, layer, x, h, batch)
         cache.set_lengths(first_slot, full)
         ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
+        if self.native_step:  # the final norm and LM head as a decode step runs them (each row alone)
+            h = self._norm(self.inner.norm, x[ends].contiguous(), self.head_input)
+            return _linear(self.model.lm_head, h).float()
         return self.model.lm_head(self.inner.norm(x[ends])).float()  # [n, hidden] -> [n, V]
 
     def _prefill_layer(self, i: int, layer: nn.Module, x: torch.Tensor, h: Optional[torch.Tensor],
@@ -155,7 +171,10 @@ class LlamaStepper:
         q, k, v = (t.to(self.dtype) for t in self._qkv(layer.self_attn, h, batch.cos_sin, batch.pad))
         if batch.attend is None:
             batch.cache.write_prefill(i, batch.first_slot, k, v)  # [n, kv_heads, T, d], in the cache's dtype
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
+            if self.row_exact and batch.valid is not None:  # each row over its own length only
+                out = self._per_row(q, k, v, [(length, length, None) for length in batch.lengths])
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
         else:
             out = batch.attend(i, q, k, v)
         out = out.transpose(1, 2).reshape(batch.n, batch.width, -1)  # [n, T, heads * d]
@@ -164,12 +183,12 @@ class LlamaStepper:
             x = x + attended
             return x + _mlp(layer.mlp, layer.post_attention_layernorm(x)), None
         _, _, gate_up_in, down_in = self.gemm_inputs[i]
-        h = self._add_norm(x, attended, layer.post_attention_layernorm, gate_up_in)
-        gate_up = layer.mlp.gate_up_proj(h)
-        down = layer.mlp.down_proj(cpu_kernels.silu_mul(self.native, gate_up.contiguous(), down_in))
+        h = self._add_norm(x, attended, None, layer.post_attention_layernorm, gate_up_in)
+        down, down_scale = self._mlp_native(layer.mlp, h, down_in)
         if i + 1 < len(self.layers):  # the next layer's input norm (its GEMM input dtype)
-            return x, self._add_norm(x, down, self.layers[i + 1].input_layernorm, self.gemm_inputs[i + 1][0])
-        return x.add_(down), None  # after the last layer, the residual add alone
+            return x, self._add_norm(x, down, down_scale, self.layers[i + 1].input_layernorm,
+                                     self.gemm_inputs[i + 1][0])
+        return x.add_(_scaled(layer.mlp.down_proj, down, down_scale)), None  # after the last layer, the add alone
 
     def _after_prefix(self, cache: SlotKVCache, first_slot: int, starts: list[int], counts: list[int],
                       positions: torch.Tensor) -> Callable[..., torch.Tensor]:
@@ -186,9 +205,24 @@ class LlamaStepper:
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             cache.write_after(layer, first_slot, starts, k, v, counts)
             keys_, values = (t[layer, first_slot:first_slot + n, :, :span].to(self.dtype) for t in (cache.k, cache.v))
+            if self.row_exact:  # each row over its own prefix and tokens only
+                return self._per_row(q, keys_, values, [(c, s + c, mask[r:r + 1, :, :c, :s + c])
+                                                        for r, (s, c) in enumerate(zip(starts, counts))])
             return F.scaled_dot_product_attention(q, keys_, values, attn_mask=mask, scale=self.scaling,
                                                   enable_gqa=True)
         return attend
+
+    def _per_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 rows: list[tuple[int, int, Optional[torch.Tensor]]]) -> torch.Tensor:
+        """Prefill attention one row at a time: row r's (queries, keys, mask) of rows[r], each sliced to its own
+        length, so that its sums are those of the row prefilled alone (a padded batch's width changes how torch's
+        attention blocks them). Padded query positions come out zero (dropped by the caller)."""
+        out = q.new_zeros(q.shape)
+        for r, (queries, keys, mask) in enumerate(rows):
+            out[r:r + 1, :, :queries] = F.scaled_dot_product_attention(
+                q[r:r + 1, :, :queries], k[r:r + 1, :, :keys], v[r:r + 1, :, :keys], attn_mask=mask,
+                is_causal=mask is None, scale=self.scaling, enable_gqa=True)
+        return out
 
     def decode(self, cache: SlotKVCache, tokens: torch.Tensor) -> torch.Tensor:
         """One token for each live slot [0, n): tokens [n] -> logits [n, V]."""
@@ -225,25 +259,48 @@ class LlamaStepper:
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
             _, o_in, gate_up_in, down_in = self.gemm_inputs[i]  # bf16 GEMMs get bf16 inputs (no conversion)
-            qkv = attn.qkv_proj(h).contiguous()  # bf16 out of a bf16 GEMM: the kernel widens it as it reads
+            qkv = _linear(attn.qkv_proj, h).contiguous()  # bf16 out of a bf16 GEMM: the kernel widens it as it reads
             out = cpu_kernels.decode_layer_attention(self.native, qkv, cos, sin, cache.k[i], cache.v[i], positions,
-                                                     self.heads, self.scaling, o_in)
-            h = self._add_norm(x, attn.o_proj(out), layer.post_attention_layernorm, gate_up_in)
-            gate_up = mlp.gate_up_proj(h).contiguous()
-            down = mlp.down_proj(cpu_kernels.silu_mul(self.native, gate_up, down_in))
+                                                     self.heads, self.scaling, _float_kind(o_in))
+            if o_in == torch.uint8:
+                out = QuantizedRows(*cpu_kernels.quantize_rows(self.native, out))
+            h = self._add_norm(x, *_linear_unscaled(attn.o_proj, out), layer.post_attention_layernorm, gate_up_in)
+            down, down_scale = self._mlp_native(mlp, h, down_in)
             last = i + 1 == len(self.layers)  # then the final norm, for the LM head
-            h = self._add_norm(x, down, self.inner.norm if last else self.layers[i + 1].input_layernorm,
+            h = self._add_norm(x, down, down_scale, self.inner.norm if last else self.layers[i + 1].input_layernorm,
                                self.head_input if last else self.gemm_inputs[i + 1][0])
         cache.advance(n)
-        return self.model.lm_head(h).float()
+        return _linear(self.model.lm_head, h).float()
 
-    def _norm(self, norm: Any, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def _mlp_native(self, mlp: Any, h: Activations,
+                    down_in: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The MLP on batchgen's kernels: gate/up GEMM, SiLU-and-multiply (writing down's input kind), down GEMM.
+        Returns down's output and, for a W8A8 down projection, the row scales still to apply (else None)."""
+        gate_up, scale = _linear_unscaled(mlp.gate_up_proj, h)
+        if down_in == torch.uint8:
+            act: Activations = QuantizedRows(*cpu_kernels.silu_mul_u8(self.native, gate_up.contiguous(), scale))
+        else:
+            act = cpu_kernels.silu_mul(self.native, _scaled(mlp.gate_up_proj, gate_up, scale).contiguous(), down_in)
+        return _linear_unscaled(mlp.down_proj, act)
+
+    def _norm(self, norm: Any, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> Activations:
+        if out_dtype == torch.uint8:
+            return QuantizedRows(*cpu_kernels.add_rms_norm_u8(self.native, x, None, None, norm.weight,
+                                                              norm.variance_epsilon))
         return cpu_kernels.rms_norm(self.native, x, norm.weight, norm.variance_epsilon, out_dtype)
 
-    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor, norm: Any, out_dtype: torch.dtype) -> torch.Tensor:
-        """x += delta (the residual stream, in place), then norm(x) in out_dtype: one kernel pass."""
-        return cpu_kernels.add_rms_norm(self.native, x, delta.contiguous(), norm.weight, norm.variance_epsilon,
-                                        out_dtype)
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor, delta_scale: Optional[torch.Tensor], norm: Any,
+                  out_dtype: torch.dtype) -> Activations:
+        """x += delta (times delta_scale per row where given: a W8A8 GEMM's output), the residual stream, in place;
+        then norm(x) in out_dtype (uint8: quantized rows for a W8A8 GEMM): one kernel pass."""
+        if out_dtype == torch.uint8 and delta.dtype == torch.float32:
+            return QuantizedRows(*cpu_kernels.add_rms_norm_u8(self.native, x, delta.contiguous(), delta_scale,
+                                                              norm.weight, norm.variance_epsilon))
+        if delta_scale is not None:
+            delta = cpu_kernels.scale_rows(self.native, delta.contiguous(), delta_scale, None)
+        h = cpu_kernels.add_rms_norm(self.native, x, delta.contiguous(), norm.weight, norm.variance_epsilon,
+                                     _float_kind(out_dtype))
+        return QuantizedRows(*cpu_kernels.quantize_rows(self.native, h)) if out_dtype == torch.uint8 else h
 
     def _native_attention(self, cache: SlotKVCache, n: int) -> Callable[[int, torch.Tensor], torch.Tensor]:
         lengths = cache.lengths[:n] + 1  # with the token appended this step
@@ -277,7 +334,7 @@ class LlamaStepper:
         h [N, hidden] and `pad` laying them out as [n, T, ...]."""
         fused = getattr(attn, "qkv_proj", None)
         if fused is not None:
-            qkv = fused(h)
+            qkv = _linear(fused, h)
             q, k, v = (pad(qkv) if pad is not None else qkv).split(self.qkv_split, dim=-1)
         else:
             q, k, v = (pad(t) if pad is not None else t for t in (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)))
@@ -313,9 +370,36 @@ def _native_layer(layer: Any) -> bool:
 
 
 def _input_dtype(module: Any) -> torch.dtype:
-    """bf16 for a bf16 oneDNN GEMM (it would convert a float32 input itself), else float32."""
+    """bf16 for a bf16 oneDNN GEMM (it would convert a float32 input itself), uint8 (quantized rows) for a W8A8 one
+    with batchgen's kernels, else float32."""
+    if isinstance(module, Int8DynamicLinear) and module.lib is not None:
+        return torch.uint8
     bf16 = isinstance(module, onednn.PackedLinear) and module.packed.dtype == torch.bfloat16
     return torch.bfloat16 if bf16 else torch.float32
+
+
+def _float_kind(dtype: torch.dtype) -> torch.dtype:
+    """What a kernel writes for a GEMM input of `dtype`: float32 for quantized rows (quantized from it)."""
+    return torch.float32 if dtype == torch.uint8 else dtype
+
+
+def _linear(module: Any, h: Activations) -> torch.Tensor:
+    """module(h), for float inputs and quantized rows alike."""
+    y, scale = _linear_unscaled(module, h)
+    return _scaled(module, y, scale)
+
+
+def _linear_unscaled(module: Any, h: Activations) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """module(h) as (y, None), or, for quantized rows into a W8A8 GEMM without a bias, (y before its row scales, the
+    row scales): the next kernel applies them as it reads y."""
+    if not isinstance(h, QuantizedRows):
+        return module(h), None
+    y = module.matmul(h)
+    return (y, h.scale) if module.bias is None else (module.finish(y, h.scale), None)
+
+
+def _scaled(module: Any, y: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    return y if scale is None else module.finish(y, scale)
 
 
 RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")  # weight * x / sqrt(mean(x^2) + eps), in float32
@@ -327,87 +411,3 @@ def _mlp(mlp: Any, h: torch.Tensor) -> torch.Tensor:
         return mlp(h)
     gate, up = fused(h).chunk(2, dim=-1)
     return mlp.down_proj(mlp.act_fn(gate) * up)
-
-
-def fuse_projections(model: Any, fuse: Callable[[list[nn.Module]], Optional[nn.Module]]) -> int:
-    """Merge each layer's q/k/v projections into `self_attn.qkv_proj` and gate/up into `mlp.gate_up_proj`;
-    returns how many fused modules were made. `fuse(parts)` builds one module computing the parts' outputs
-    concatenated (e.g. a oneDNN-prepacked linear over the concatenated weights), or None to leave them.
-
-    One GEMM over the concatenated weights reads the input once and pays one call instead of three (two): with
-    oneDNN-prepacked weights on the development CPU, the projections of a decode step ran 13-22% faster. The
-    parts are replaced layer by layer (the model is never held twice); their names become FusedSlice views,
-    so the model's own forward (hf.py's generic path) still computes the same thing.
-    """
-    made = 0
-    for layer in model.model.layers:
-        for owner, names, fused_name in ((layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
-                                         (layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")):
-            parts = [getattr(owner, name, None) for name in names]
-            if any(p is None for p in parts) or len({getattr(p, "in_features", None) for p in parts}) != 1:
-                continue
-            fused = fuse(parts)
-            if fused is None:
-                continue
-            setattr(owner, fused_name, fused)
-            start = 0
-            for name, part in zip(names, parts):
-                setattr(owner, name, FusedSlice(fused, start, start + part.out_features))
-                start += part.out_features
-            made += 1
-    return made
-
-
-class FusedSlice(nn.Module):
-    """Output features [start, stop) of a fused projection, standing where the model's own projection was.
-
-    Only the model's own forward calls it (it computes the whole fused GEMM to keep a slice); the stepper calls
-    the fused module once instead. The fused module is held outside the module tree: it is registered once,
-    on its owner, so walking the model meets it once.
-    """
-
-    def __init__(self, fused: nn.Module, start: int, stop: int):
-        super().__init__()
-        self._fused = (fused,)
-        self.start, self.stop = start, stop
-        self.in_features, self.out_features = getattr(fused, "in_features", None), stop - start
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._fused[0](x)[..., self.start:self.stop]
-
-    def extra_repr(self) -> str:
-        return f"features [{self.start}, {self.stop}) of a fused projection"
-
-
-@dataclass(frozen=True, slots=True)
-class AttentionPlan:
-    """How one decode step reads the cache: every row over the first `width` positions (shorter rows
-    masked), and each of `long_rows` (row, length) again over its own length.
-
-    One long prompt among short ones would otherwise make every row read (and mask) the longest row's
-    length: on the benchmark workload that was 2.5x the valid positions. Rows whose length exceeds the
-    common width pay a separate, unpadded attention call instead.
-    """
-
-    width: int
-    long_rows: tuple[tuple[int, int], ...]
-
-    # Cost of a separate call, in cache positions of the batched call: an estimate from micro-benchmarks of
-    # per-row against batched decode attention (a per-row call's fixed cost, ~20 us, over the batched call's
-    # time per row and position); the end-to-end gain was measured with it, other values were not tried.
-    ROW_CALL_COST = 64
-    MAX_LONG_ROWS = 16
-
-    @classmethod
-    def for_lengths(cls, lengths: list[int]) -> AttentionPlan:
-        """Pick the width minimising n * width + sum over long rows of (length + ROW_CALL_COST)."""
-        n = len(lengths)
-        order = sorted(range(n), key=lambda r: -lengths[r])
-        best_k, best_cost, split = 0, n * lengths[order[0]], 0
-        for k in range(1, min(cls.MAX_LONG_ROWS, n - 1) + 1):
-            split += lengths[order[k - 1]] + cls.ROW_CALL_COST
-            cost = n * lengths[order[k]] + split
-            if cost < best_cost:
-                best_k, best_cost = k, cost
-        width = lengths[order[best_k]]
-        return cls(width, tuple((r, lengths[r]) for r in order[:best_k]))

@@ -192,6 +192,11 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.batchgen_quantize_rows.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ptr, ctypes.c_int]
         lib.batchgen_scale_rows.restype = None
         lib.batchgen_scale_rows.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ptr, ctypes.c_int]
+        lib.batchgen_add_rms_norm_u8.restype = None
+        lib.batchgen_add_rms_norm_u8.argtypes = [ptr] * 7 + [ctypes.c_long, ctypes.c_long, ctypes.c_float,
+                                                             ctypes.c_int]
+        lib.batchgen_silu_mul_u8.restype = None
+        lib.batchgen_silu_mul_u8.argtypes = [ptr] * 5 + [ctypes.c_long, ctypes.c_long, ctypes.c_int]
     lib.batchgen_isa.restype = ctypes.c_char_p
     lib.batchgen_isa.argtypes = []
     return lib
@@ -242,6 +247,47 @@ def scale_rows(lib: ctypes.CDLL, y: torch.Tensor, scale: torch.Tensor, bias: Opt
     lib.batchgen_scale_rows(y.data_ptr(), m, n, scale.data_ptr(), None if bias is None else bias.data_ptr(),
                             torch.get_num_threads())
     return y
+
+
+def add_rms_norm_u8(lib: ctypes.CDLL, x: torch.Tensor, delta: Optional[torch.Tensor],
+                    delta_scale: Optional[torch.Tensor], weight: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x += delta * delta_scale[:, None] in place (x: [M, hidden] float32 contiguous, the residual stream; delta: x's
+    shape, float32 contiguous, or None: no add; delta_scale: [M] float32, or None: no scaling), then RMSNorm(x) *
+    weight quantized per row as quantize_rows returns it: (q [M, hidden] uint8, scale [M] float32)."""
+    m, hidden = x.shape[0], x.shape[-1]
+    delta_ok = delta is None or (delta.dtype == torch.float32 and delta.shape == x.shape and delta.is_contiguous())
+    _require(x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and weight.dtype == torch.float32
+             and weight.numel() == hidden and delta_ok
+             and _row_scales(delta_scale, m), "add_rms_norm_u8: x [M, hidden] float32, delta x's shape float32, "
+             "delta_scale [M] float32, weight [hidden] float32, all contiguous")
+    threads = torch.get_num_threads()
+    q, scale = torch.empty((m, hidden), dtype=torch.uint8), torch.empty(m, dtype=torch.float32)
+    scratch = torch.empty((threads, hidden), dtype=torch.float32)
+    lib.batchgen_add_rms_norm_u8(x.data_ptr(), None if delta is None else delta.data_ptr(),
+                                 None if delta_scale is None else delta_scale.data_ptr(), weight.data_ptr(),
+                                 q.data_ptr(), scale.data_ptr(), scratch.data_ptr(), m, hidden, eps, threads)
+    return q, scale
+
+
+def silu_mul_u8(lib: ctypes.CDLL, gate_up: torch.Tensor,
+                in_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up: [M, 2 inter] float32 contiguous, a W8A8 GEMM's output before its row scales in_scale [M] (None:
+    already scaled) -> silu(gate) * up quantized per row as quantize_rows returns it: (q [M, inter], scale [M])."""
+    _require(gate_up.dtype == torch.float32 and gate_up.dim() == 2 and gate_up.is_contiguous()
+             and gate_up.shape[1] % 2 == 0 and _row_scales(in_scale, gate_up.shape[0]),
+             "silu_mul_u8: gate_up [M, 2 inter] float32 contiguous, in_scale [M] float32")
+    m, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    threads = torch.get_num_threads()
+    q, scale = torch.empty((m, inter), dtype=torch.uint8), torch.empty(m, dtype=torch.float32)
+    scratch = torch.empty((threads, inter), dtype=torch.float32)
+    lib.batchgen_silu_mul_u8(gate_up.data_ptr(), None if in_scale is None else in_scale.data_ptr(), q.data_ptr(),
+                             scale.data_ptr(), scratch.data_ptr(), m, inter, threads)
+    return q, scale
+
+
+def _row_scales(scale: Optional[torch.Tensor], rows: int) -> bool:
+    return scale is None or (scale.dtype == torch.float32 and scale.is_contiguous() and scale.numel() == rows)
 
 
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,

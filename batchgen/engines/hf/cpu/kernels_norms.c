@@ -14,8 +14,8 @@ const char *batchgen_isa(void) { return BATCHGEN_ISA; }
 
 /* RMSNorm of rows [0, n) of x [n, hidden]: out = x / sqrt(mean(x^2) + eps) * weight, as transformers'
  * LlamaRMSNorm computes it in float32 (up to the order of the sum); out float32, or bfloat16 where out_bf16 is set
- * (the input of a bf16 GEMM). */
-static void rms_row(const float *xr, const float *weight, void *out, long r, long hidden, float eps, int out_bf16) {
+ * (the input of a bf16 GEMM). Shared with kernels_w8a8.c (declared in kernels_simd.h). */
+void batchgen_rms_row(const float *xr, const float *weight, void *out, long r, long hidden, float eps, int out_bf16) {
     f32x8 acc = f32x8_zero();
     long c = 0;
     for (; c + 8 <= hidden; c += 8) {
@@ -46,7 +46,7 @@ void batchgen_rms_norm(const float *x, const float *weight, void *out, long n, l
                        int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_ROWS)
     for (long r = 0; r < n; r++)
-        rms_row(x + r * hidden, weight, out, r, hidden, eps, out_bf16);
+        batchgen_rms_row(x + r * hidden, weight, out, r, hidden, eps, out_bf16);
 }
 
 /* The residual add and the next RMSNorm in one pass over each row (vLLM's fused_add_rms_norm): x += delta in place
@@ -72,30 +72,24 @@ void batchgen_add_rms_norm(float *x, const void *delta, const float *weight, voi
             for (; c < hidden; c++)
                 xr[c] += dr[c];
         }
-        rms_row(xr, weight, out, r, hidden, eps, out_bf16);
+        batchgen_rms_row(xr, weight, out, r, hidden, eps, out_bf16);
     }
 }
 
 /* out[r, c] = silu(gu[r, c]) * gu[r, inter + c] for the fused gate/up projection's output gu [n, 2 inter]; gu and
  * out each float32 or, where in_bf16 / out_bf16 is set, bfloat16 (around bf16 GEMMs). */
 void batchgen_silu_mul(const void *gu, void *out, long n, long inter, int in_bf16, int out_bf16, int threads) {
-    const f32x8 one = f32x8_set1(1.0f), zero = f32x8_zero();
 #pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_ROWS)
     for (long r = 0; r < n; r++) {
         const long base = r * 2 * inter;
         long c = 0;
         for (; c + 8 <= inter; c += 8) {
-            const f32x8 a = f32x8_load_maybe_bf16(gu, base + c, in_bf16),
-                        u = f32x8_load_maybe_bf16(gu, base + inter + c, in_bf16);
-            /* silu(a) = a / (1 + e^-a); e^-a through f32x8_exp, which takes x <= 0: for a < 0 use a e^a / (1 + e^a) */
-            const f32x8 e = f32x8_exp(f32x8_sub(zero, f32x8_abs(a)));  /* e^-|a| */
-            const f32x8 pos = f32x8_div(a, f32x8_add(one, e));
-            const f32x8 neg = f32x8_div(f32x8_mul(a, e), f32x8_add(one, e));
-            const f32x8 silu = f32x8_select_negative(a, neg, pos);
+            const f32x8 y = batchgen_silu_times(f32x8_load_maybe_bf16(gu, base + c, in_bf16),
+                                                f32x8_load_maybe_bf16(gu, base + inter + c, in_bf16));
             if (out_bf16)
-                f32x8_store_bf16((uint16_t *)out + r * inter + c, f32x8_mul(silu, u));
+                f32x8_store_bf16((uint16_t *)out + r * inter + c, y);
             else
-                f32x8_store((float *)out + r * inter + c, f32x8_mul(silu, u));
+                f32x8_store((float *)out + r * inter + c, y);
         }
         for (; c < inter; c++) {
             const float g = in_bf16 ? bf16_to_float(((const uint16_t *)gu)[base + c]) : ((const float *)gu)[base + c];

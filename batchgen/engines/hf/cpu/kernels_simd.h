@@ -186,4 +186,20 @@ SIMD_DEFINE_EXP(f32x16)
 SIMD_DEFINE_LOAD_MAYBE_BF16(f32x16)
 #endif
 
+
+/* silu(a) * u, 8 lanes: silu(a) = a / (1 + e^-a); e^-a through f32x8_exp, which takes x <= 0, so for a < 0 it is
+ * a e^a / (1 + e^a). (kernels_norms.c's SiLU-and-multiply and kernels_w8a8.c's fused version.) */
+static inline f32x8 batchgen_silu_times(f32x8 a, f32x8 u) {
+    const f32x8 one = f32x8_set1(1.0f);
+    const f32x8 e = f32x8_exp(f32x8_sub(f32x8_zero(), f32x8_abs(a))); /* e^-|a| */
+    const f32x8 pos = f32x8_div(a, f32x8_add(one, e));
+    const f32x8 neg = f32x8_div(f32x8_mul(a, e), f32x8_add(one, e));
+    return f32x8_mul(f32x8_select_negative(a, neg, pos), u);
+}
+
+/* Shared between the kernel files, compiled into one library: one row of RMSNorm (kernels_norms.c), written to row r
+ * of out; one row quantized to uint8 = int8 + 128 with its scale (kernels_w8a8.c). */
+void batchgen_rms_row(const float *xr, const float *weight, void *out, long r, long hidden, float eps, int out_bf16);
+void batchgen_quantize_row(const float *x, long K, uint8_t *q, float *scale);
+
 #endif

@@ -8,8 +8,16 @@
  * place. Torch operations did the quantization in 5 passes and 4 temporaries: at 2 threads on 64 x 896 they took
  * 3.7 ms against 0.09 ms at 1 thread (docs/performance.md); here one pass reads the row for its maximum and one
  * writes the bytes. 8 lanes wide in every variant (the same bits everywhere).
+ *
+ * The fused producers (batchgen_add_rms_norm_u8, batchgen_silu_mul_u8) write a W8A8 linear's input directly: the
+ * residual add and RMSNorm, or SiLU-and-multiply, then the quantization, one row at a time through a float row in
+ * the caller's scratch (one per thread), instead of a float32 tensor written by one kernel and read again by the
+ * next. They also take the previous GEMM's row scales (NULL: none), applied as batchgen_scale_rows would (y * s,
+ * one rounding), so that the scaling pass over a W8A8 GEMM's output is folded into the kernel that reads it. The
+ * bytes and scales are those of the unfused passes, bit for bit (tests/engines/test_w8a8.py).
  */
 #include "kernels_simd.h"
+#include <omp.h>
 
 static inline float f32x8_hmax(f32x8 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -19,7 +27,7 @@ static inline float f32x8_hmax(f32x8 v) {
 }
 
 /* One row: its scale, and its bytes. */
-static void quantize_row(const float *x, long K, uint8_t *q, float *scale) {
+void batchgen_quantize_row(const float *x, long K, uint8_t *q, float *scale) {
     const long K8 = K & ~7L;
     f32x8 amax = f32x8_zero(), bad = f32x8_zero();
     const f32x8 inf = f32x8_set1(INFINITY);
@@ -57,7 +65,7 @@ static void quantize_row(const float *x, long K, uint8_t *q, float *scale) {
 void batchgen_quantize_rows(const float *x, long M, long K, uint8_t *q, float *scale, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (M * K >= 32768)
     for (long m = 0; m < M; m++)
-        quantize_row(x + m * K, K, q + m * K, scale + m);
+        batchgen_quantize_row(x + m * K, K, q + m * K, scale + m);
 }
 
 /* y[m, n] = y[m, n] * scale[m] (+ bias[n]), in place. */
@@ -76,5 +84,75 @@ void batchgen_scale_rows(float *y, long M, long N, const float *scale, const flo
                 f32x8_store(ym + n, f32x8_mul(f32x8_load(ym + n), s));
         for (; n < N; n++)
             ym[n] = bias ? fmaf(ym[n], scale[m], bias[n]) : ym[n] * scale[m];
+    }
+}
+
+/* Rows at least this many are split over threads, as in kernels_norms.c (a decode step's rows stay on one). */
+#define PARALLEL_ROWS 128
+/* SiLU (an exp and two divisions an element) is split by elements: a decode step's 64 rows of an MLP's width. */
+#define PARALLEL_SILU 65536
+
+/* x += delta * delta_scale[r] (delta NULL: no add; delta_scale NULL: no scaling), in place, then RMSNorm(x) * weight
+ * quantized per row into q [n, hidden] and qscale [n]. scratch: threads x hidden floats. */
+void batchgen_add_rms_norm_u8(float *x, const float *delta, const float *delta_scale, const float *weight, uint8_t *q,
+                              float *qscale, float *scratch, long n, long hidden, float eps, int threads) {
+    const long H8 = hidden & ~7L;
+#pragma omp parallel num_threads(threads) if (n >= PARALLEL_ROWS)
+    {
+        float *row = scratch + (long)omp_get_thread_num() * hidden;
+#pragma omp for schedule(static)
+        for (long r = 0; r < n; r++) {
+            float *xr = x + r * hidden;
+            if (delta) {
+                const float *dr = delta + r * hidden;
+                const float s = delta_scale ? delta_scale[r] : 1.0f;
+                const f32x8 vs = f32x8_set1(s);
+                long c = 0;
+                if (delta_scale) {
+                    for (; c < H8; c += 8)
+                        f32x8_store(xr + c, f32x8_add(f32x8_load(xr + c), f32x8_mul(f32x8_load(dr + c), vs)));
+                    for (; c < hidden; c++)
+                        xr[c] += dr[c] * s;
+                } else {
+                    for (; c < H8; c += 8)
+                        f32x8_store(xr + c, f32x8_add(f32x8_load(xr + c), f32x8_load(dr + c)));
+                    for (; c < hidden; c++)
+                        xr[c] += dr[c];
+                }
+            }
+            batchgen_rms_row(xr, weight, row, 0, hidden, eps, 0);
+            batchgen_quantize_row(row, hidden, q + r * hidden, qscale + r);
+        }
+    }
+}
+
+/* silu(gate * s) * (up * s) for the fused gate/up projection's float32 output gu [n, 2 inter] (s = in_scale[r], or
+ * no scaling where in_scale is NULL), quantized per row into q [n, inter] and qscale [n]. scratch: threads x inter
+ * floats. */
+void batchgen_silu_mul_u8(const float *gu, const float *in_scale, uint8_t *q, float *qscale, float *scratch, long n,
+                          long inter, int threads) {
+    const long I8 = inter & ~7L;
+#pragma omp parallel num_threads(threads) if (n * inter >= PARALLEL_SILU)
+    {
+        float *row = scratch + (long)omp_get_thread_num() * inter;
+#pragma omp for schedule(static)
+        for (long r = 0; r < n; r++) {
+            const float *g = gu + r * 2 * inter, *u = g + inter;
+            const float s = in_scale ? in_scale[r] : 1.0f;
+            const f32x8 vs = f32x8_set1(s);
+            long c = 0;
+            if (in_scale)
+                for (; c < I8; c += 8)
+                    f32x8_store(row + c, batchgen_silu_times(f32x8_mul(f32x8_load(g + c), vs),
+                                                             f32x8_mul(f32x8_load(u + c), vs)));
+            else
+                for (; c < I8; c += 8)
+                    f32x8_store(row + c, batchgen_silu_times(f32x8_load(g + c), f32x8_load(u + c)));
+            for (; c < inter; c++) {
+                const float a = in_scale ? g[c] * s : g[c], b = in_scale ? u[c] * s : u[c];
+                row[c] = a / (1.0f + expf(-a)) * b;
+            }
+            batchgen_quantize_row(row, inter, q + r * inter, qscale + r);
+        }
     }
 }

@@ -178,6 +178,6 @@ def concatenate(parts: list[nn.Module]) -> Optional[nn.Linear]:
 
 
 def pack_concatenated(parts: list[nn.Module]) -> Optional[PackedLinear]:
-    """`fuse` for step.fuse_projections: the parts' concatenated weights, prepacked; None where not."""
+    """`fuse` for fusion.fuse_projections: the parts' concatenated weights, prepacked; None where not."""
     linear = concatenate(parts)
     return None if linear is None else pack(linear)

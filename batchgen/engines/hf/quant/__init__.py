@@ -137,7 +137,7 @@ def set_gemm_dtype(model: nn.Module, dtype: Optional[torch.dtype]) -> int:
 
 
 def concatenate(parts: list[nn.Module]) -> Optional[nn.Module]:
-    """`fuse` for step.fuse_projections: one int8 or int4 module for parts quantized alike; else None."""
+    """`fuse` for fusion.fuse_projections: one int8 or int4 module for parts quantized alike; else None."""
     kind = type(parts[0])
     if kind in (Int8WeightOnlyLinear, Int4WeightOnlyLinear, Int8DynamicLinear):
         return kind.concatenate(parts)

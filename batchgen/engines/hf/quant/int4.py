@@ -87,7 +87,7 @@ class Int4WeightOnlyLinear(nn.Module):
 
     @classmethod
     def concatenate(cls, parts: list[nn.Module]) -> Optional[Int4WeightOnlyLinear]:
-        """One module whose output is the parts' outputs side by side (`fuse` for step.fuse_projections);
+        """One module whose output is the parts' outputs side by side (`fuse` for fusion.fuse_projections);
         groups run along the input, so this is exactly the int4 version of the concatenated weights."""
         if not all(type(p) is cls and p.group == parts[0].group for p in parts):
             return None

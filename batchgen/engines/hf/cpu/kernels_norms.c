@@ -77,12 +77,26 @@ void batchgen_add_rms_norm(float *x, const void *delta, const float *weight, voi
 }
 
 /* out[r, c] = silu(gu[r, c]) * gu[r, inter + c] for the fused gate/up projection's output gu [n, 2 inter]; gu and
- * out each float32 or, where in_bf16 / out_bf16 is set, bfloat16 (around bf16 GEMMs). */
+ * out each float32 or, where in_bf16 / out_bf16 is set, bfloat16 (around bf16 GEMMs). Split over threads by output
+ * elements (PARALLEL_SILU), 16 lanes where the variant has them: element by element, the same bits at either width
+ * and any split. */
 void batchgen_silu_mul(const void *gu, void *out, long n, long inter, int in_bf16, int out_bf16, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (n >= PARALLEL_ROWS)
+#pragma omp parallel for schedule(static) num_threads(threads) if (n * inter >= PARALLEL_SILU)
     for (long r = 0; r < n; r++) {
         const long base = r * 2 * inter;
         long c = 0;
+#ifdef BATCHGEN_AVX512
+        for (; c + 16 <= inter; c += 16) {
+            const f32x16 y = f32x16_silu_times(f32x16_load_maybe_bf16(gu, base + c, in_bf16),
+                                               f32x16_load_maybe_bf16(gu, base + inter + c, in_bf16));
+            if (out_bf16) {  /* two halves through the 8-lane store: its rounding */
+                f32x8_store_bf16((uint16_t *)out + r * inter + c, _mm512_castps512_ps256(y));
+                f32x8_store_bf16((uint16_t *)out + r * inter + c + 8, _mm512_extractf32x8_ps(y, 1));
+            } else {
+                f32x16_store((float *)out + r * inter + c, y);
+            }
+        }
+#endif
         for (; c + 8 <= inter; c += 8) {
             const f32x8 y = f32x8_silu_times(f32x8_load_maybe_bf16(gu, base + c, in_bf16),
                                                 f32x8_load_maybe_bf16(gu, base + inter + c, in_bf16));

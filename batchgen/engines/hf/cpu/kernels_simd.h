@@ -207,6 +207,10 @@ SIMD_DEFINE_SILU_TIMES(f32x8)
 SIMD_DEFINE_SILU_TIMES(f32x16)
 #endif
 
+/* SiLU-and-multiply (an exp and a division an element) is split over threads from this many output elements on,
+ * whatever the rows: a decode step's 64 rows of an MLP's width are. */
+#define PARALLEL_SILU 65536
+
 /* Shared between the kernel files, compiled into one library: one row of RMSNorm (kernels_norms.c), written to row r
  * of out; one row quantized to uint8 = int8 + 128 with its scale (kernels_w8a8.c). */
 void batchgen_rms_row(const float *xr, const float *weight, void *out, long r, long hidden, float eps, int out_bf16);

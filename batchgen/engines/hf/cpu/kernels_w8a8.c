@@ -90,8 +90,6 @@ void batchgen_scale_rows(float *y, long M, long N, const float *scale, const flo
 
 /* Rows at least this many are split over threads, as in kernels_norms.c (a decode step's rows stay on one). */
 #define PARALLEL_ROWS 128
-/* SiLU (an exp and two divisions an element) is split by elements: a decode step's 64 rows of an MLP's width. */
-#define PARALLEL_SILU 65536
 
 /* x += delta * delta_scale[r] (delta NULL: no add; delta_scale NULL: no scaling), in place, then RMSNorm(x) * weight
  * quantized per row into q [n, hidden] and qscale [n]. scratch: threads x hidden floats. */

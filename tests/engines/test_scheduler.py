@@ -88,6 +88,9 @@ class FakeStepper:
             self.finished_at_admission = len(self.finished)
         return self.logits([self.next_token(p[0], 0) for p in prompts])
 
+    def decode_picks(self, cache: SlotKVCache, tokens: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.decode(cache, tokens), None
+
     def decode(self, cache: SlotKVCache, tokens: torch.Tensor) -> torch.Tensor:
         n = len(tokens)
         assert n <= cache.slots

@@ -233,7 +233,12 @@ def test_the_native_step_with_fused_quantization_equals_the_unfused_one(bias):
             cache = stepper.new_cache(slots=3, max_len=32)
             steps = [stepper.prefill(cache, 0, prompts)]
             for token in (1, 77, 250):
-                steps.append(stepper.decode(cache, torch.tensor([token, token + 1, token + 2])))
+                step, picks = stepper.decode_picks(cache, torch.tensor([token, token + 1, token + 2]))
+                # the W8A8 LM head's one-pass scaling gives the greedy picks too; the unfused step leaves them to
+                # the sampler
+                assert (picks is None) == (stepper is plain)
+                assert picks is None or torch.equal(picks, step.max(dim=-1).indices)
+                steps.append(step)
             logits.append(steps)
     assert all(same_bits(a, b) for a, b in zip(*logits))
     # and against the model's own forward (transformers' modules calling each W8A8 linear): the same tokens, up to
@@ -292,3 +297,27 @@ def test_the_argmax_kernel_picks_what_torch_max_does_on_every_variant(isa):
               torch.randn(1, 8, generator=gen), torch.full((2, 16), float("-inf"))):
         got = cpu_kernels.argmax_rows(lib, x.contiguous())
         assert torch.equal(got, x.max(dim=-1).indices), (isa, tuple(x.shape))
+
+
+@pytest.mark.parametrize("isa", ISAS or ["none"])
+def test_scaling_and_picking_in_one_pass_equals_the_two_kernels_on_every_variant(isa):
+    """scale_rows_argmax (a W8A8 LM head's row scales and the greedy picks, a row at a time) writes the values
+    scale_rows writes and picks what argmax_rows picks from them: scales that round neighbours into ties, a bias, NaN
+    rows, a wide vocabulary, short rows."""
+    lib = cpu_kernels.load(isa) if isa != "none" else None
+    if lib is None:
+        pytest.skip("batchgen's CPU kernels are not built here (x86-64 with AVX2 and FMA, a C compiler)")
+    gen = torch.Generator().manual_seed(6)
+    wide = torch.randn(64, 151936, generator=gen) * 1e4
+    odd = torch.randn(5, 21, generator=gen)
+    odd[1, 3], odd[2, 19] = float("nan"), float("nan")
+    odd[3, 5] = odd[3, 6] * (1 + 2 ** -22)  # one ulp-ish apart: a tiny scale can round them equal
+    for x in (wide, odd, torch.randn(3, 1, generator=gen), torch.randn(2, 7, generator=gen)):
+        scale = torch.rand(x.shape[0], generator=gen) * 1e-3
+        scale[0] = 1e-38  # neighbours rounded together (and to subnormals)
+        for bias in (None, torch.randn(x.shape[1], generator=gen)):
+            want = cpu_kernels.scale_rows(lib, x.clone(), scale, bias)
+            y = x.clone()
+            picks = cpu_kernels.scale_rows_argmax(lib, y, scale, bias)
+            assert same_bits(y, want), (isa, tuple(x.shape), bias is None)
+            assert torch.equal(picks, cpu_kernels.argmax_rows(lib, want)), (isa, tuple(x.shape), bias is None)

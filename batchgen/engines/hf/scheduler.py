@@ -72,7 +72,8 @@ class Stepper(Protocol):
     def prefill(self, cache: SlotKVCache, first_slot: int, prompts: list[list[int]],
                 starts: Optional[list[int]] = None) -> torch.Tensor: ...  # logits of each prompt's last token [n, V]
 
-    def decode(self, cache: SlotKVCache, tokens: torch.Tensor) -> torch.Tensor: ...  # tokens [n] -> logits [n, V]
+    # tokens [n] -> logits [n, V], and the rows' greedy picks where the step computed them (else None)
+    def decode_picks(self, cache: SlotKVCache, tokens: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]: ...
 
 
 class Scheduler:
@@ -117,10 +118,10 @@ class Scheduler:
             if live:
                 tokens = torch.tensor([s.generated[-1] for s in live], device=self.stepper.device)
                 with self.governor:
-                    logits = self.stepper.decode(cache, tokens)
+                    logits, picks = self.stepper.decode_picks(cache, tokens)
                 self.stats.decode_steps += 1
                 self.stats.decode_row_steps += len(live)
-                self._advance(logits, list(live), 0, cache, live, finish)
+                self._advance(logits, list(live), 0, cache, live, finish, picks)
 
     def _fit(self, cache: Any, n_live: int, pool: Pool) -> Any:
         """The cache, grown where the pool needs more: slots up to max_batch_size (only as many as there are rows
@@ -228,9 +229,10 @@ class Scheduler:
         return torch.cat(halve_on_oom(len(admitted), run, on_oom))
 
     def _advance(self, logits: torch.Tensor, stepped: list[Sequence], first_slot: int, cache: Any,
-                 live: list[Sequence], finish: Callable[[Sequence, str], None]) -> None:
+                 live: list[Sequence], finish: Callable[[Sequence, str], None],
+                 picks: Optional[torch.Tensor] = None) -> None:
         """Append each stepped sequence's next token; retire the finished ones, compacting the slots."""
-        tokens = self.sampler.pick(logits, [s.request for s in stepped], [s.draw for s in stepped])
+        tokens = self.sampler.pick(logits, [s.request for s in stepped], [s.draw for s in stepped], picks)
         done: list[int] = []
         for j, (seq, token) in enumerate(zip(stepped, tokens)):
             seq.generated.append(token)

@@ -95,8 +95,7 @@ class LlamaStepper:
         # row's tokens do not depend on which rows share its batches (a resumed job writes what an uninterrupted one
         # did); float GEMMs block their sums by batch shape, so there the padded batch's one call stays
         self.row_exact = bool(self.gemm_inputs) and all(torch.uint8 in kinds for kinds in self.gemm_inputs)
-        if self.row_exact:  # torch's CPU attention summed its first call of a process differently on two threads (2 of
-            # 18 fresh processes; after one call first, 22 of 22 agreed): that first call is made here
+        if self.row_exact:  # torch's CPU attention summed its first call of a process differently on two threads
             z = torch.zeros(1, 2, 4, self.head_dim)
             F.scaled_dot_product_attention(z, z, z, is_causal=True)
         self.kv_dtype = kv_dtype if self.native_step and kv_dtype is not None else self.dtype
@@ -109,9 +108,8 @@ class LlamaStepper:
                      else "bf16 GEMMs" if torch.bfloat16 in kinds else "GEMMs")
             return (f"batchgen's CPU kernels ({cpu_kernels.selected_isa()}) between the {gemms} (RMSNorm, rotary "
                     f"embedding + attention, SiLU), KV cache in {str(self.kv_dtype).removeprefix('torch.')}")
-        if self.native is not None:
-            return "batchgen's CPU decode attention kernel, the model's own norms, rotary embedding and MLP"
-        return "torch's batched attention (AttentionPlan), the model's own norms, rotary embedding and MLP"
+        attention = "batchgen's CPU decode attention kernel" if self.native is not None else "torch's batched attention"
+        return f"{attention}, the model's own norms, rotary embedding and MLP"
 
     def new_cache(self, slots: int, max_len: int) -> SlotKVCache:
         return SlotKVCache(layers=len(self.layers), slots=slots, kv_heads=self.kv_heads, max_len=max_len,
@@ -218,9 +216,8 @@ class LlamaStepper:
 
     def _per_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  rows: list[tuple[int, int, Optional[torch.Tensor]]]) -> torch.Tensor:
-        """Prefill attention one row at a time: row r's (queries, keys, mask) of rows[r], each sliced to its own
-        length, so that its sums are those of the row prefilled alone (a padded batch's width changes how torch's
-        attention blocks them). Padded query positions come out zero (dropped by the caller)."""
+        """Prefill attention a row at a time, each sliced to rows[r] = (queries, keys, mask): its sums are those of the
+        row alone (a padded batch's width changes torch's blocking). Padded query positions come out zero."""
         out = q.new_zeros(q.shape)
         for r, (queries, keys, mask) in enumerate(rows):
             out[r:r + 1, :, :queries] = F.scaled_dot_product_attention(
@@ -230,6 +227,11 @@ class LlamaStepper:
 
     def decode(self, cache: SlotKVCache, tokens: torch.Tensor) -> torch.Tensor:
         """One token for each live slot [0, n): tokens [n] -> logits [n, V]."""
+        return self.decode_picks(cache, tokens)[0]
+
+    def decode_picks(self, cache: SlotKVCache, tokens: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """decode()'s logits, and each row's greedy pick ([n] int64, the first largest logit) where the LM head's own
+        pass gave it (a W8A8 LM head: its row scales and the picks in one pass, a row at a time); else None."""
         if self.native_step and self.native is not None:
             return self._decode_native(cache, tokens)
         n = tokens.shape[0]
@@ -245,14 +247,12 @@ class LlamaStepper:
             x = x + layer.self_attn.o_proj(out[:, None, :])
             x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
         cache.advance(n)
-        return self.model.lm_head(self.inner.norm(x[:, 0]))
+        return self.model.lm_head(self.inner.norm(x[:, 0])), None
 
-    def _decode_native(self, cache: SlotKVCache, tokens: torch.Tensor) -> torch.Tensor:
-        """decode() with batchgen's CPU kernels between the GEMMs: RMSNorm, SiLU-and-multiply, and rotary embedding,
-        cache write and attention in one call per layer. At batch 1 the ~50 torch operations per layer between the
-        GEMMs cost a few microseconds each, as much as the int4 GEMMs themselves; these kernels take one call each.
-        The same arithmetic as decode() up to rounding: the order of RMSNorm's and attention's sums, and the
-        polynomial exp of the softmax and SiLU (relative error about 1e-7); the rotary embedding is bit for bit."""
+    def _decode_native(self, cache: SlotKVCache, tokens: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """decode_picks() with batchgen's CPU kernels between the GEMMs (RMSNorm, SiLU-and-multiply; rotary embedding,
+        cache write and attention in one call a layer) instead of ~50 torch operations a layer. decode()'s arithmetic
+        up to rounding: RMSNorm's and attention's sum order, the polynomial exp (relative error ~1e-7)."""
         n = tokens.shape[0]
         if max(cache.host_lengths[:n]) >= cache.max_len:  # the kernel writes without bounds checks
             raise IndexError(f"a decode step past the KV cache's {cache.max_len} positions")
@@ -274,7 +274,10 @@ class LlamaStepper:
             h = self._add_norm(x, down, down_scale, self.inner.norm if last else self.layers[i + 1].input_layernorm,
                                self.head_input if last else self.gemm_inputs[i + 1][0])
         cache.advance(n)
-        return _linear(self.model.lm_head, h).float()
+        logits, scale = _linear_unscaled(self.model.lm_head, h)
+        if scale is None:
+            return logits.float(), None
+        return logits, cpu_kernels.scale_rows_argmax(self.native, logits, scale, None)
 
     def _mlp_native(self, mlp: Any, h: Activations,
                     down_in: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -46,6 +46,7 @@ from typing import Optional
 import torch
 
 from batchgen.engines.hf.cpu.runtime import cpu_flags, cpu_model
+from batchgen.engines.hf.cpu.signatures import declare  # noqa: F401 (the tests declare older builds through here)
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
@@ -158,52 +159,6 @@ def source_digest(isa_flags: tuple[str, ...]) -> str:
     return sha.hexdigest()[:16]
 
 
-def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Set the argument and result types of the exported kernels on `lib` (the tests also declare a build of an
-    older source this way); returns lib."""
-    fn = lib.batchgen_int8_gemm
-    fn.restype = None
-    ptr = ctypes.c_void_p  # tensors go in as data_ptr() integers (a ctypes.cast per argument cost microseconds)
-    fn.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ptr, ptr, ptr, ctypes.c_long, ctypes.c_int]
-    attention = lib.batchgen_decode_attention
-    attention.restype = None
-    attention.argtypes = [ptr, ptr, ptr, ptr, ptr, *[ctypes.c_long] * 6, ctypes.c_float, ctypes.c_int]
-    int4 = lib.batchgen_int4_gemm
-    int4.restype = None
-    int4.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ptr, ptr, ctypes.c_long, ptr, ptr, ctypes.c_long,
-                     ctypes.c_int]
-    dequantize = lib.batchgen_int4_dequantize
-    dequantize.restype = None
-    dequantize.argtypes = [ptr, ptr, ptr, ctypes.c_long, ptr, ctypes.c_long, ctypes.c_long, ctypes.c_int]
-    layer = lib.batchgen_decode_layer_attention
-    layer.restype = None
-    layer.argtypes = [ptr] * 7 + [ctypes.c_long] * 6 + [ctypes.c_float] + [ctypes.c_int] * 4
-    lib.batchgen_rms_norm.restype = None
-    lib.batchgen_rms_norm.argtypes = [ptr, ptr, ptr, ctypes.c_long, ctypes.c_long, ctypes.c_float, ctypes.c_int,
-                                      ctypes.c_int]
-    lib.batchgen_add_rms_norm.restype = None
-    lib.batchgen_add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_long, ctypes.c_long, ctypes.c_float,
-                                          ctypes.c_int, ctypes.c_int, ctypes.c_int]
-    lib.batchgen_silu_mul.restype = None
-    lib.batchgen_silu_mul.argtypes = [ptr, ptr, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int,
-                                      ctypes.c_int]
-    if hasattr(lib, "batchgen_quantize_rows"):  # kernels_w8a8.c (a build of an older source has none)
-        lib.batchgen_quantize_rows.restype = None
-        lib.batchgen_quantize_rows.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ptr, ctypes.c_int]
-        lib.batchgen_scale_rows.restype = None
-        lib.batchgen_scale_rows.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ptr, ctypes.c_int]
-        lib.batchgen_add_rms_norm_u8.restype = None
-        lib.batchgen_add_rms_norm_u8.argtypes = [ptr] * 7 + [ctypes.c_long, ctypes.c_long, ctypes.c_float,
-                                                             ctypes.c_int]
-        lib.batchgen_silu_mul_u8.restype = None
-        lib.batchgen_silu_mul_u8.argtypes = [ptr] * 5 + [ctypes.c_long, ctypes.c_long, ctypes.c_int]
-        lib.batchgen_argmax_rows.restype = None
-        lib.batchgen_argmax_rows.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ctypes.c_int]
-    lib.batchgen_isa.restype = ctypes.c_char_p
-    lib.batchgen_isa.argtypes = []
-    return lib
-
-
 def _compile(compiler: str, target: Path, isa_flags: tuple[str, ...], sources: tuple[Path, ...] = SOURCES) -> None:
     """Build `sources` (default: SOURCES) with `isa_flags` into the library `target`, atomically."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -295,6 +250,20 @@ def argmax_rows(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
              "argmax_rows: x [M, N > 0] float32 contiguous")
     out = torch.empty(x.shape[0], dtype=torch.int64)
     lib.batchgen_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def scale_rows_argmax(lib: ctypes.CDLL, y: torch.Tensor, scale: torch.Tensor,
+                      bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """scale_rows(y, scale, bias) in place, then argmax_rows(y), in one pass a row at a time (a W8A8 LM head's output
+    and its greedy picks): returns the [M] int64 picks; y holds the scaled values."""
+    bias_ok = bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == y.shape[1])
+    _require(y.dtype == torch.float32 and y.dim() == 2 and y.is_contiguous() and y.shape[1] > 0
+             and _row_scales(scale, y.shape[0]) and scale is not None and bias_ok,
+             "scale_rows_argmax: y [M, N > 0] float32 contiguous, scale [M] and bias [N] float32")
+    out = torch.empty(y.shape[0], dtype=torch.int64)
+    lib.batchgen_scale_rows_argmax(y.data_ptr(), y.shape[0], y.shape[1], scale.data_ptr(),
+                                   None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out
 
 

@@ -321,3 +321,29 @@ def test_scaling_and_picking_in_one_pass_equals_the_two_kernels_on_every_variant
             picks = cpu_kernels.scale_rows_argmax(lib, y, scale, bias)
             assert same_bits(y, want), (isa, tuple(x.shape), bias is None)
             assert torch.equal(picks, cpu_kernels.argmax_rows(lib, want)), (isa, tuple(x.shape), bias is None)
+
+
+def test_the_amx_gemm_gives_onednns_bits():
+    """batchgen's AMX int8 GEMM (the avx512_amx variant): the float32 output of oneDNN's int8 matmul bit for bit, and
+    the exact integer products times the channel scales: row counts around its 16-row tiles (1, 15, 16, 17, 33, 64,
+    130: both loop orders), panel counts not a multiple of 4, rows with and without padded storage, extreme bytes."""
+    from batchgen.engines.hf.cpu import amx
+
+    lib = cpu_kernels.load("avx512_amx") if "avx512_amx" in ISAS else None
+    if lib is None or not amx.fits(lib, 32, 64):
+        pytest.skip("no AMX here (amx_tile, amx_int8), or a compiler without its intrinsics, or Linux refused it")
+    gen = torch.Generator().manual_seed(8)
+    for n, k in ((32, 64), (96, 256), (1152, 896)):
+        weight = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        weight[0] = 127
+        scale = torch.rand(n, generator=gen) / 50
+        packed, comp = amx.pack(weight)
+        onednn = torch.ops.onednn.qlinear_prepack(weight, None)
+        for m in (1, 15, 16, 17, 33, 64, 130):
+            q = torch.randint(0, 256, (m, k), generator=gen, dtype=torch.uint8)
+            q[0] = 255
+            for rows in (q, cpu_kernels.u8_rows(m, k).copy_(q)):  # storage of m rows (copied inside), of 16-row tiles
+                got = amx.int8_gemm(lib, rows, packed, comp, scale)
+                want = w8a8._gemm(q, onednn, scale, torch.zeros(n, dtype=torch.int64))
+                exact = ((q.int() - 128) @ weight.int().t()).float() * scale
+                assert same_bits(got, want) and same_bits(got, exact), (n, k, m)

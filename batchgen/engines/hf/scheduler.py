@@ -73,7 +73,8 @@ class Stepper(Protocol):
                 starts: Optional[list[int]] = None) -> torch.Tensor: ...  # logits of each prompt's last token [n, V]
 
     # tokens [n] -> logits [n, V], and the rows' greedy picks where the step computed them (else None)
-    def decode_picks(self, cache: SlotKVCache, tokens: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]: ...
+    def decode_picks(self, cache: SlotKVCache, tokens: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        ...
 
 
 class Scheduler:

@@ -108,8 +108,8 @@ class LlamaStepper:
                      else "bf16 GEMMs" if torch.bfloat16 in kinds else "GEMMs")
             return (f"batchgen's CPU kernels ({cpu_kernels.selected_isa()}) between the {gemms} (RMSNorm, rotary "
                     f"embedding + attention, SiLU), KV cache in {str(self.kv_dtype).removeprefix('torch.')}")
-        attention = "batchgen's CPU decode attention kernel" if self.native is not None else "torch's batched attention"
-        return f"{attention}, the model's own norms, rotary embedding and MLP"
+        kernel = "batchgen's CPU decode attention kernel" if self.native is not None else "torch's batched attention"
+        return f"{kernel}, the model's own norms, rotary embedding and MLP"
 
     def new_cache(self, slots: int, max_len: int) -> SlotKVCache:
         return SlotKVCache(layers=len(self.layers), slots=slots, kv_heads=self.kv_heads, max_len=max_len,

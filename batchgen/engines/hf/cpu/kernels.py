@@ -51,7 +51,7 @@ from batchgen.engines.hf.cpu.signatures import declare  # noqa: F401 (the tests 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 # Compiled together into one library; the header is in the cache key as well (a change to either rebuilds).
-SOURCES = tuple(HERE / f"kernels_{name}.c" for name in ("attention", "norms", "int8", "int4", "w8a8"))
+SOURCES = tuple(HERE / f"kernels_{name}.c" for name in ("attention", "norms", "int8", "int4", "w8a8", "amx"))
 HEADER = HERE / "kernels_simd.h"
 # -ffp-contract=off: a * b + c stays two roundings unless a kernel asks for an FMA (rotary embedding matches torch)
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -65,6 +65,11 @@ ISAS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     "avx512_bf16": (frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
                     ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
                      "-DBATCHGEN_AVX512", "-DBATCHGEN_AVX512_BF16")),
+    # the W8A8 GEMM on the tile unit (kernels_amx.c); its intrinsics need GCC 11 or Clang 12 (else avx512_bf16 loads)
+    "avx512_amx": (frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile",
+                              "amx_int8"}),
+                   ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                    "-mamx-tile", "-mamx-int8", "-DBATCHGEN_AVX512", "-DBATCHGEN_AVX512_BF16", "-DBATCHGEN_AMX")),
 }
 ISA_ENV = "BATCHGEN_CPU_ISA"
 
@@ -111,7 +116,10 @@ def load(isa: Optional[str] = None) -> Optional[ctypes.CDLL]:
     isa = isa or selected_isa()
     if isa is None or isa not in supported_isas():
         return None
-    return _load(isa)
+    lib = _load(isa)
+    if lib is None and isa == "avx512_amx":  # a compiler without the tile intrinsics: the variant below it
+        return _load("avx512_bf16")
+    return lib
 
 
 def reset() -> None:
@@ -125,7 +133,8 @@ def describe_cpu() -> str:
     print it beside every figure)."""
     wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8")
     flags = " ".join(f for f in wanted if f in cpu_flags()) or "none of avx2/avx512/amx"
-    isa = selected_isa() if load() is not None else "none (torch's kernels)"
+    lib = load()
+    isa = lib.batchgen_isa().decode() if lib is not None else "none (torch's kernels)"
     return f"cpu: {cpu_model() or 'unknown'}, {os.cpu_count()} CPUs; flags: {flags}; batchgen kernels: {isa}"
 
 
@@ -183,12 +192,18 @@ def int8_gemm(lib: ctypes.CDLL, x: torch.Tensor, qweight: torch.Tensor, scale: t
     return y
 
 
+def u8_rows(m: int, k: int) -> torch.Tensor:
+    """An uninitialized [m, k] uint8 tensor (quantized rows) whose storage holds m rounded up to 16 rows: the AMX GEMM
+    reads whole 16-row tiles (and drops the sums of the rows past m)."""
+    return torch.empty((-(-m // 16) * 16, k), dtype=torch.uint8)[:m]
+
+
 def quantize_rows(lib: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row symmetric int8 (kernels_w8a8.c): x [M, K] float32 contiguous -> (q [M, K] uint8, the int8 value plus
     128; scale [M] float32, max |x| / 127 per row, NaN for a row holding a NaN or an infinity)."""
     _require(x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous(), "quantize_rows: x [M, K] float32")
     m, k = x.shape
-    q = torch.empty((m, k), dtype=torch.uint8)
+    q = u8_rows(m, k)
     scale = torch.empty(m, dtype=torch.float32)
     lib.batchgen_quantize_rows(x.data_ptr(), m, k, q.data_ptr(), scale.data_ptr(), torch.get_num_threads())
     return q, scale
@@ -219,7 +234,7 @@ def add_rms_norm_u8(lib: ctypes.CDLL, x: torch.Tensor, delta: Optional[torch.Ten
              and _row_scales(delta_scale, m), "add_rms_norm_u8: x [M, hidden] float32, delta x's shape float32, "
              "delta_scale [M] float32, weight [hidden] float32, all contiguous")
     threads = torch.get_num_threads()
-    q, scale = torch.empty((m, hidden), dtype=torch.uint8), torch.empty(m, dtype=torch.float32)
+    q, scale = u8_rows(m, hidden), torch.empty(m, dtype=torch.float32)
     scratch = torch.empty((threads, hidden), dtype=torch.float32)
     lib.batchgen_add_rms_norm_u8(x.data_ptr(), None if delta is None else delta.data_ptr(),
                                  None if delta_scale is None else delta_scale.data_ptr(), weight.data_ptr(),
@@ -236,7 +251,7 @@ def silu_mul_u8(lib: ctypes.CDLL, gate_up: torch.Tensor,
              "silu_mul_u8: gate_up [M, 2 inter] float32 contiguous, in_scale [M] float32")
     m, inter = gate_up.shape[0], gate_up.shape[1] // 2
     threads = torch.get_num_threads()
-    q, scale = torch.empty((m, inter), dtype=torch.uint8), torch.empty(m, dtype=torch.float32)
+    q, scale = u8_rows(m, inter), torch.empty(m, dtype=torch.float32)
     scratch = torch.empty((threads, inter), dtype=torch.float32)
     lib.batchgen_silu_mul_u8(gate_up.data_ptr(), None if in_scale is None else in_scale.data_ptr(), q.data_ptr(),
                              scale.data_ptr(), scratch.data_ptr(), m, inter, threads)

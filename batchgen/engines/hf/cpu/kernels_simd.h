@@ -25,7 +25,9 @@
 #include <string.h>
 
 /* The variant being built (kernels.ISAS), as batchgen_isa() reports it. */
-#if defined(BATCHGEN_AVX512_BF16)
+#if defined(BATCHGEN_AMX)
+#define BATCHGEN_ISA "avx512_amx"
+#elif defined(BATCHGEN_AVX512_BF16)
 #define BATCHGEN_ISA "avx512_bf16"
 #elif defined(BATCHGEN_AVX512)
 #define BATCHGEN_ISA "avx512"

@@ -35,6 +35,14 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.batchgen_silu_mul.restype = None
     lib.batchgen_silu_mul.argtypes = [ptr, ptr, ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_int,
                                       ctypes.c_int]
+    _declare_w8a8(lib, ptr)
+    lib.batchgen_isa.restype = ctypes.c_char_p
+    lib.batchgen_isa.argtypes = []
+    return lib
+
+
+def _declare_w8a8(lib: ctypes.CDLL, ptr: type) -> None:
+    """kernels_w8a8.c's and kernels_amx.c's, where the build has them (a build of an older source has none)."""
     if hasattr(lib, "batchgen_quantize_rows"):  # kernels_w8a8.c (a build of an older source has none)
         lib.batchgen_quantize_rows.restype = None
         lib.batchgen_quantize_rows.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ptr, ctypes.c_int]
@@ -50,6 +58,9 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     if hasattr(lib, "batchgen_scale_rows_argmax"):
         lib.batchgen_scale_rows_argmax.restype = None
         lib.batchgen_scale_rows_argmax.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ptr, ptr, ctypes.c_int]
-    lib.batchgen_isa.restype = ctypes.c_char_p
-    lib.batchgen_isa.argtypes = []
-    return lib
+    if hasattr(lib, "batchgen_amx_int8_gemm"):  # the avx512_amx variant only
+        lib.batchgen_amx_init.restype = ctypes.c_int
+        lib.batchgen_amx_init.argtypes = []
+        lib.batchgen_amx_int8_gemm.restype = None
+        lib.batchgen_amx_int8_gemm.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ctypes.c_long, ptr, ptr, ptr,
+                                               ctypes.c_int]

@@ -22,6 +22,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
+from batchgen.engines.hf.cpu import amx
 from batchgen.engines.hf.cpu import kernels as cpu_kernels
 from batchgen.engines.hf.cpu.onednn import replace_linears
 from batchgen.engines.hf.quant.common import quantize_by_rows
@@ -118,7 +119,8 @@ class Int8DynamicLinear(nn.Module):
         self.register_buffer("scale", scale.contiguous())
         self.register_buffer("zero", torch.zeros(self.out_features, dtype=torch.int64), persistent=False)
         self.register_buffer("bias", bias)
-        self.register_buffer("packed", None, persistent=False)  # oneDNN's blocked copy of qweight (pack)
+        self.register_buffer("packed", None, persistent=False)  # qweight reordered for the GEMM (pack)
+        self.register_buffer("comp", None, persistent=False)  # the AMX GEMM's zero-point share (None: oneDNN's)
         self.lib = cpu_kernels.load()  # batchgen's kernels (quantize, scale rows); None: torch operations
 
     @classmethod
@@ -136,8 +138,12 @@ class Int8DynamicLinear(nn.Module):
         return fused
 
     def pack(self) -> torch.Tensor:
+        """The weight reordered once: for batchgen's AMX GEMM where it runs (cpu/kernels_amx.c), else for oneDNN."""
         if self.packed is None:
-            self.packed = torch.ops.onednn.qlinear_prepack(self.qweight, None)
+            if amx.fits(self.lib, self.out_features, self.in_features):
+                self.packed, self.comp = amx.pack(self.qweight)
+            else:
+                self.packed = torch.ops.onednn.qlinear_prepack(self.qweight, None)
             self.qweight = torch.empty(0, dtype=torch.int8)  # the packed copy is the weight from now on
         return self.packed
 
@@ -155,7 +161,7 @@ class Int8DynamicLinear(nn.Module):
             # batchgen's kernel called directly: a decode step of a 0.5B model makes ~100 of these calls per token,
             # and the checked wrappers (cpu/kernels.py) cost ~10 us each; x2 is contiguous float32, q and the scales
             # are allocated here.
-            rows = QuantizedRows(torch.empty((x2.shape[0], self.in_features), dtype=torch.uint8),
+            rows = QuantizedRows(cpu_kernels.u8_rows(x2.shape[0], self.in_features),
                                  torch.empty(x2.shape[0], dtype=torch.float32))
             lib.batchgen_quantize_rows(x2.data_ptr(), x2.shape[0], self.in_features, rows.q.data_ptr(),
                                        rows.scale.data_ptr(), torch.get_num_threads())
@@ -164,7 +170,10 @@ class Int8DynamicLinear(nn.Module):
     def matmul(self, rows: QuantizedRows) -> torch.Tensor:
         """The int8 GEMM of quantized rows, times the weights' scales, before the rows' own scales and the bias:
         [M, N] float32 (finish() applies them, or the kernel that reads the output does)."""
-        return _gemm(rows.q, self.pack(), self.scale, self.zero)
+        packed = self.pack()
+        if self.comp is not None:
+            return amx.int8_gemm(self.lib, rows.q, packed, self.comp, self.scale)
+        return _gemm(rows.q, packed, self.scale, self.zero)
 
     def finish(self, y: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
         """matmul()'s output times each row's scale, plus the bias, in place: the linear's output."""

@@ -106,8 +106,8 @@ class LlamaStepper:
             kinds = self.gemm_inputs[0]
             gemms = ("W8A8 int8 GEMMs (quantization fused into the kernels)" if torch.uint8 in kinds
                      else "bf16 GEMMs" if torch.bfloat16 in kinds else "GEMMs")
-            return (f"batchgen's CPU kernels ({cpu_kernels.selected_isa()}) between the {gemms} (RMSNorm, rotary "
-                    f"embedding + attention, SiLU), KV cache in {str(self.kv_dtype).removeprefix('torch.')}")
+            return (f"batchgen's CPU kernels ({self.native.batchgen_isa().decode()}) between the {gemms} (RMSNorm, "
+                    f"rotary embedding + attention, SiLU), KV cache in {str(self.kv_dtype).removeprefix('torch.')}")
         kernel = "batchgen's CPU decode attention kernel" if self.native is not None else "torch's batched attention"
         return f"{kernel}, the model's own norms, rotary embedding and MLP"
 

@@ -19,7 +19,8 @@ Sources (SOURCES), one per family: `kernels_attention.c` (decode attention, rota
 `kernels_norms.c` (RMSNorm, SiLU-and-multiply), `kernels_int8.c`, `kernels_int4.c`, each written once against the
 vector vocabulary of `kernels_simd.h` (8 and 16 float lanes). They are built together into one library per
 instruction-set variant (ISAS): `avx2` (8-wide float vectors), `avx512` (AVX-512 F/BW/VL/DQ: 16-wide vectors in the
-kernels where they paid) and `avx512_bf16` (the same, built with AVX-512 BF16 allowed). The variant is picked at
+kernels where they paid), `avx512_bf16` (the same, built with AVX-512 BF16 allowed) and `avx512_amx` (the same, plus
+the W8A8 GEMM on the AMX tile unit, `kernels_amx.c`; empty in the other variants). The variant is picked at
 load time from the CPU's flags, the widest the CPU runs; `BATCHGEN_CPU_ISA=avx2` (or any narrower variant the CPU
 supports) forces one, so that an AVX-512 machine also runs and tests the AVX2 kernels. Each variant is compiled
 once per version of the sources, compiler flags and CPU model with the system C compiler (`$CC`, else `cc`) into a

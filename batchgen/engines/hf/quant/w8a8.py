@@ -2,8 +2,9 @@
 
 Weights: int8, one symmetric scale per output channel, reordered once into oneDNN's blocked layout. Activations:
 quantized per row (per token) on the fly, symmetric, 8 bits, by batchgen's kernel (cpu/kernels_w8a8.c; torch
-operations where the kernels are not built). The product: oneDNN's u8 x s8 matmul with int32 accumulation (AVX-512
-VNNI `vpdpbusd`, AVX-VNNI, or AMX where the CPU has them), reached through torch's `onednn::qlinear_pointwise`; its
+operations where the kernels are not built). The product: u8 x s8 with int32 accumulation, on AMX CPUs by batchgen's
+tile GEMM (cpu/kernels_amx.c, cpu/amx.py: weights packed once in its layout), elsewhere by oneDNN's matmul (AVX-512
+VNNI `vpdpbusd` or AVX-VNNI) reached through torch's `onednn::qlinear_pointwise`; the same bits either way. The
 float32 output is scaled per row and the bias added in one pass.
 
 Where the GEMM is exact only with VNNI: on CPUs without it (AVX2, AVX-512 without VNNI) oneDNN multiplies u8 by s8

@@ -39,9 +39,9 @@ def pack(qweight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_gemm(lib: ctypes.CDLL, q: torch.Tensor, packed: torch.Tensor, comp: torch.Tensor,
-                  scale: torch.Tensor) -> torch.Tensor:
+              scale: torch.Tensor) -> torch.Tensor:
     """(q - 128) W^T times scale per channel, float32 [M, N]: q [M, K] uint8 contiguous (copied into a 16-row padded
-    buffer where its storage ends before that), W from amx_pack."""
+    buffer where its storage ends before that), W from pack()."""
     m, k = q.shape
     n = packed.shape[0] * 16
     kernels._require(q.dtype == torch.uint8 and q.is_contiguous() and packed.shape[1] * 4 == k,

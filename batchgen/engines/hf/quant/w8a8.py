@@ -1,6 +1,6 @@
 """int8 that computes in int8 on CPU (`engine.quantization=int8`): W8A8 linears.
 
-Weights: int8, one symmetric scale per output channel, reordered once into oneDNN's blocked layout. Activations:
+Weights: int8, one symmetric scale per output channel, reordered once for the GEMM that runs them. Activations:
 quantized per row (per token) on the fly, symmetric, 8 bits, by batchgen's kernel (cpu/kernels_w8a8.c; torch
 operations where the kernels are not built). The product: u8 x s8 with int32 accumulation, on AMX CPUs by batchgen's
 tile GEMM (cpu/kernels_amx.c, cpu/amx.py: weights packed once in its layout), elsewhere by oneDNN's matmul (AVX-512

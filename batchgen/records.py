@@ -42,6 +42,7 @@ class Request:
     prompt_ids: list[int]  # token ids, after any truncation
     params: SampleParams
     seed: int | None  # per-sample seed; None for greedy
+    messages: list[dict] | None = None  # chat messages, for an engine that renders them (engine=openai's chat)
 
 
 @dataclass(slots=True)
@@ -70,6 +71,7 @@ class Result:
     token_logprobs: list[float] | None = None  # sampling.logprobs: each generated token's log-probability
     top_logprobs: list[list[list]] | None = None  # per generated token: the top k, [token_id, token, logprob]
     reasoning: str | None = None  # a thinking sample's reasoning (text is then its answer only)
+    error: str | None = None  # the engine could not generate this sample (an endpoint rejected it): an error row
 
 
 @dataclass(slots=True)

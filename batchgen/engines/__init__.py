@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 from batchgen.engines.base import Engine, EngineConfig
 from batchgen.engines.dummy import DummyConfig
+from batchgen.engines.endpoint.config import OpenAIConfig
 from batchgen.engines.hf.config import HFConfig
 from batchgen.engines.vllm import VLLMConfig
 
@@ -31,6 +32,22 @@ def _load_dummy(cfg: EngineConfig, tokenizer: Any) -> Engine:
     from batchgen.engines.dummy import DummyEngine
 
     return DummyEngine(cfg, tokenizer)
+
+
+def _load_openai(cfg: EngineConfig, tokenizer: Any) -> Engine:
+    from batchgen.engines.endpoint.engine import OpenAIEngine
+
+    return OpenAIEngine(cfg, tokenizer)
+
+
+def _openai_sampling(cfg: Any, sampling: Any, dataset: Any) -> list[str]:
+    from batchgen.constraints import KINDS
+    from batchgen.engines.endpoint.wire import unsupported
+
+    kind = next((k for k in KINDS if getattr(sampling, k, None) not in (None, "", [])), None)
+    kind = kind or ("choice" if dataset.choice_column else None)
+    return unsupported(cfg.extensions, kind, sampling.top_k, sampling.ignore_eos,
+                       sampling.reasoning != "off")
 
 
 def _hf_quantization(cfg: HFConfig) -> list[str]:
@@ -60,6 +77,7 @@ class EngineSpec:
     reasoning_with_constraint: bool = True  # a constraint (or a reasoning cap) applied to the answer only
     constraints_available: Optional[Callable[[], Optional[str]]] = None  # why constraints cannot run here, if so
     check_quantization: Optional[Callable[[Any], list[str]]] = None  # a scheme on this device and dtype
+    check_sampling: Optional[Callable[[Any, Any, Any], list[str]]] = None  # (engine, sampling, dataset) it refuses
 
 
 ENGINES: dict[str, EngineSpec] = {
@@ -72,6 +90,9 @@ ENGINES: dict[str, EngineSpec] = {
                                      "gptq_marlin", "experts_int8"),
                        beam_early_stopping=False, reasoning_with_constraint=False,
                        constraints_available=_vllm_structured_outputs),
+    # openai: an endpoint; its parts are journaled as answers arrive, so a part is a commit unit, not a batch
+    "openai": EngineSpec(OpenAIConfig, _load_openai, rows_per_part=256, quantization=(), beam_search=False,
+                         reasoning_with_constraint=False, check_sampling=_openai_sampling),
     "dummy": EngineSpec(DummyConfig, _load_dummy, rows_per_part=256, quantization=(), beam_search=False,
                         constraints=False),
 }
@@ -124,6 +145,8 @@ def engine_problems(cfg: EngineConfig, sampling: Any, dataset: Any) -> list[str]
         out.append(f"sampling.num_beams > 1: engine={cfg.name} has no beam search; use engine=hf or engine=vllm")
     if sampling.num_beams > 1 and not spec.beam_early_stopping and sampling.early_stopping is not False:
         out.append(f"sampling.early_stopping: engine={cfg.name}'s beam search has none; leave it false")
+    if spec.check_sampling is not None:
+        out += spec.check_sampling(cfg, sampling, dataset)
     if (dataset.choice_column or dataset.schema_column) and not spec.constraints:
         out.append(f"dataset.choice_column / dataset.schema_column: engine={cfg.name} does not constrain its output")
     return out

@@ -49,7 +49,7 @@ class EngineConfig:
 
     MODEL_HAS_WEIGHTS: ClassVar[bool] = True  # engine.model must hold weights (dummy: a tokenizer will do)
 
-    name: str = "hf"  # hf | vllm | dummy (chosen with `engine=hf` / `engine=vllm` / `engine=dummy`)
+    name: str = "hf"  # hf | vllm | openai | dummy (chosen with `engine=hf`, `engine=vllm`, ...)
     model: str = "???"  # local model directory (or hub id where the hub is reachable)
     tokenizer: Optional[str] = None  # tokenizer directory; null = the model's
     dtype: str = "auto"  # auto = the fastest exact-enough dtype for the device

@@ -131,6 +131,11 @@ def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
             if res is None:
                 raise BatchgenError(f"part {part.index}: the engine returned no result for row {part.ids[row]!r} "
                                     f"sample {s}; nothing of this part was committed, rerun to resume")
+            if res.error is not None:  # the engine's own error row (an endpoint rejected the request)
+                rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=None,
+                                      finish_reason="error", num_prompt_tokens=res.num_prompt_tokens,
+                                      num_generated_tokens=0, seed=seed, error=res.error))
+                continue
             constraint = constraints.get(row * n + s)
             parsed, invalid = check(constraint, res.text, res.finish_reason) if constraint else (None, None)
             rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=res.text,

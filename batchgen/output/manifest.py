@@ -117,8 +117,9 @@ def _input(path: str) -> str:
 
 
 # What a loaded engine reports (Engine.identity()) that changes its outputs: compared on resume. The device and
-# the linear layout are not (the same dtype's arithmetic on another device or layout).
-ENGINE_KEYS = ("engine", "dtype", "activations", "quantization", "quantization_scheme")
+# the linear layout are not (the same dtype's arithmetic on another device or layout); an endpoint's served model
+# (what its /v1/models says: id, root, max_model_len) is.
+ENGINE_KEYS = ("engine", "dtype", "activations", "quantization", "quantization_scheme", "served_model")
 
 
 def config_hash(cfg: JobConfig) -> str:

@@ -31,6 +31,7 @@ class Measured(NamedTuple):
     errors: list[Optional[str]]  # per row: why it is an error row
     settings: list[RowSettings]  # per row: cap, temperature, stops, constraint
     ids: list[list[int]]  # prompt token ids, untruncated ([] on error)
+    messages: list[Optional[list[dict]]]  # per row, the chat messages rendered (None: a plain prompt or an error)
 
 
 class Planner:
@@ -49,6 +50,8 @@ class Planner:
         spec = ENGINES.get(cfg.engine.name)
         unconstrained = (None if spec is None or spec.constraints else
                          f"engine={cfg.engine.name} does not constrain its output; use engine=hf or engine=vllm")
+        # engine=openai's chat endpoint is sent each row's messages (the server renders them), not token ids
+        self.sends_messages = cfg.engine.name == "openai" and getattr(cfg.engine, "endpoint", None) == "chat"
         self.row_params = RowParams(cfg.dataset, cfg.sampling, unconstrained)  # each row's cap, stops, constraint
         s = cfg.sampling
         self.reasoning = None if s.reasoning == "off" else Reasoning(
@@ -146,10 +149,10 @@ class Planner:
         settings = self.row_params.settings(part.table, errors)  # per-row columns; a bad value errs that row
         ids = self._tokenize([t if e is None else None for t, e in zip(rendered.texts, errors)],
                              rendered.add_special_tokens)
-        return Measured(rendered.texts, errors, settings, ids)
+        return Measured(rendered.texts, errors, settings, ids, rendered.messages)
 
     def plan(self, part: Part, max_model_len: int) -> PlannedPart:
-        rendered, errors, settings, ids = self.measure(part)
+        rendered, errors, settings, ids, messages = self.measure(part)
         counts = tuple(settings[row].n for row in range(part.num_rows))  # samples per row (dataset.n_column)
         n = max((self.cfg.sampling.n, *counts))  # the key stride: sample s of row r is key r * n + s
         job_seed = self.cfg.sampling.seed
@@ -164,11 +167,13 @@ class Planner:
         for row in range(part.num_rows):
             if errors[row] is not None or row in skipped:
                 continue
-            fitted, errors[row] = self.fit(ids[row], settings[row].max_new_tokens, max_model_len, part.ids[row])
+            fitted, errors[row] = self.fit(ids[row], settings[row].max_new_tokens, max_model_len, part.ids[row],
+                                           cuttable=not self.sends_messages)
             if errors[row] is not None:
                 continue
             params = self._params(settings[row], self._thinks(rendered[row]))
-            requests += [Request(key=row * n + s, prompt_ids=fitted, seed=seeds[row * n + s],
+            chat = (messages[row] or [{"role": "user", "content": rendered[row]}]) if self.sends_messages else None
+            requests += [Request(key=row * n + s, prompt_ids=fitted, seed=seeds[row * n + s], messages=chat,
                                  params=params if params.num_beams == 1 else replace(
                                      params, beam_rank=s, beam_count=counts[row])) for s in range(counts[row])]
         return PlannedPart(part=part, requests=requests, errors=errors, seeds=seeds, n=n, skipped=skipped,
@@ -183,8 +188,10 @@ class Planner:
                 out[i] = ids
         return out
 
-    def fit(self, ids: list[int], cap: int, max_model_len: int, row_id: str) -> tuple[list[int], Optional[str]]:
-        """Apply run.too_long: keep BOS and the prompt's tail, record the row as an error, or stop the job."""
+    def fit(self, ids: list[int], cap: int, max_model_len: int, row_id: str,
+            cuttable: bool = True) -> tuple[list[int], Optional[str]]:
+        """Apply run.too_long: keep BOS and the prompt's tail, record the row as an error, or stop the job. A prompt
+        sent as chat messages (engine=openai, engine.endpoint=chat) is not `cuttable`: it is skipped instead."""
         room = max_model_len - cap
         if len(ids) <= room:
             return ids, None
@@ -192,7 +199,7 @@ class Planner:
         policy = self.cfg.run.too_long
         if policy == "fail":
             raise TooLongError(f"row {row_id}: {why} (run.too_long=fail; use truncate_left or skip to go on)")
-        if policy == "skip" or room < 1:
+        if policy == "skip" or room < 1 or not cuttable:
             return [], why
         bos = self.tokenizer.bos_token_id
         head = ids[:1] if bos is not None and ids and ids[0] == bos else []

@@ -23,6 +23,7 @@ class Rendered:
     texts: list[Optional[str]]  # prompt text per row, None where the row has an error
     errors: list[Optional[str]]  # why the row could not be rendered, else None
     add_special_tokens: bool  # False when the chat template already placed BOS and friends
+    messages: list[Optional[list[dict]]]  # per row, the chat messages the text was rendered from (None: plain text)
 
 
 def template_fields(template: str) -> list[str]:
@@ -73,50 +74,53 @@ class Renderer:
                 row[name] = value
         texts: list[Optional[str]] = []
         errors: list[Optional[str]] = []
+        messages: list[Optional[list[dict]]] = []
         for row in rows:
-            text, error = self._render_row(row)
+            text, error, chat = self._render_row(row)
             texts.append(text if error is None else None)
             errors.append(error)
-        return Rendered(texts=texts, errors=errors, add_special_tokens=not self.chat)
+            messages.append(chat if error is None else None)
+        return Rendered(texts=texts, errors=errors, add_special_tokens=not self.chat, messages=messages)
 
-    def _render_row(self, row: dict) -> tuple[Optional[str], Optional[str]]:
+    def _render_row(self, row: dict) -> tuple[Optional[str], Optional[str], Optional[list[dict]]]:
         if self.render_row is not None:
             try:
                 value = self.render_row(row)
             except Exception as exc:  # the job's own code: one row's failure is that row's error
-                return None, f"bad_render: {type(exc).__name__}: {exc}"
+                return None, f"bad_render: {type(exc).__name__}: {exc}", None
             if isinstance(value, list):
                 return self._chat(value)
             text, error = _check_prompt(value)
             return (self._chat([{"role": "user", "content": text}]) if error is None and self.chat
-                    else (text, error))
+                    else (text, error, None))
         if self.cfg.messages_column:
             return self._chat(row.get(self.cfg.messages_column))
         text, error = self._plain(row)
         if error is None and self.chat:
             return self._chat([{"role": "user", "content": text}])
-        return text, error
+        return text, error, None
 
     def _plain(self, row: dict) -> tuple[Optional[str], Optional[str]]:
         if self.template is not None:
             return _format(self.template, row)
         return _check_prompt(row.get(self.cfg.prompt_column))
 
-    def _chat(self, messages: Any) -> tuple[Optional[str], Optional[str]]:
+    def _chat(self, messages: Any) -> tuple[Optional[str], Optional[str], Optional[list[dict]]]:
+        """The messages rendered by the chat template, the error, and the messages as rendered (system prompt in)."""
         if messages is None or (isinstance(messages, list) and not messages):
-            return None, "empty_prompt"
+            return None, "empty_prompt", None
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            return None, f"bad_messages: expected a list of {{role, content}}, got {type(messages).__name__}"
+            return None, f"bad_messages: expected a list of {{role, content}}, got {type(messages).__name__}", None
         messages = [{"role": m.get("role"), "content": m.get("content")} for m in messages]
         if any(not isinstance(m["role"], str) or not isinstance(m["content"], str) for m in messages):
-            return None, "bad_messages: every message needs a string role and string content"
+            return None, "bad_messages: every message needs a string role and string content", None
         if self.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # jinja errors from a user's template are row errors, not job failures
-            return None, f"bad_template: chat template: {type(exc).__name__}: {exc}"
-        return _check_prompt(text)
+            return None, f"bad_template: chat template: {type(exc).__name__}: {exc}", None
+        return (*_check_prompt(text), messages)
 
 
 def config_text(value: str) -> str:

@@ -11,6 +11,7 @@ from batchgen.commands.compose import compose_checked, config_from
 from batchgen.engines import ENGINES, engine_config
 from batchgen.engines.base import EngineConfig
 from batchgen.engines.dummy import DummyConfig
+from batchgen.engines.endpoint.config import OpenAIConfig
 from batchgen.engines.hf.config import HFConfig
 from batchgen.engines.vllm import VLLMConfig
 from batchgen.errors import ConfigError
@@ -25,11 +26,13 @@ def keys(cls: type) -> set[str]:
 
 def test_each_engine_declares_its_own_keys_beside_the_shared_ones():
     assert {name: spec.config for name, spec in ENGINES.items()} == {"hf": HFConfig, "vllm": VLLMConfig,
-                                                                     "dummy": DummyConfig}
+                                                                     "openai": OpenAIConfig, "dummy": DummyConfig}
     assert keys(HFConfig) - SHARED == {"device", "threads", "prepack", "prefix_cache", "prefix_cache_mb"}
     assert keys(VLLMConfig) - SHARED == {"tensor_parallel_size", "gpu_memory_utilization", "enable_prefix_caching",
                                          "extra_args"}
     assert keys(DummyConfig) - SHARED == {"extra_args"}
+    assert keys(OpenAIConfig) - SHARED == {"base_url", "endpoint", "api_key_env", "max_concurrency", "timeout_s",
+                                           "max_retries", "stop_grace_s", "extensions", "extra_body"}
     assert all(spec.config().name == name for name, spec in ENGINES.items())
 
 

@@ -1,0 +1,66 @@
+"""engine=openai's settings: the shared engine keys, where the endpoint is and how to talk to it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+from batchgen.engines.base import EngineConfig, model_dir_problems
+
+ENDPOINTS = ("completions", "chat")
+EXTENSIONS = ("vllm", "none")
+
+
+@dataclass
+class OpenAIConfig(EngineConfig):
+    """engine.model is the served model's name (what the endpoint's /v1/models lists); engine.tokenizer a local
+    tokenizer of that model, with which batchgen renders, counts and truncates prompts (where engine.model is a
+    local directory, as vLLM's default served name is, it serves as the tokenizer)."""
+
+    MODEL_HAS_WEIGHTS: ClassVar[bool] = False
+
+    name: str = "openai"
+    base_url: str = "???"  # the endpoint up to /v1, e.g. http://127.0.0.1:8000/v1
+    endpoint: str = "completions"  # completions: the prompt's token ids as batchgen rendered them; chat: messages
+    api_key_env: Optional[str] = None  # the environment variable holding the API key (the key is never written)
+    max_concurrency: int = 32  # requests in flight at most (fewer while the server pushes back)
+    timeout_s: float = 600.0  # one request's limit
+    max_retries: int = 8  # transient failures (429, 5xx, timeouts, dropped connections) per request, then exit 1
+    stop_grace_s: float = 30.0  # on SIGTERM or an error: how long requests in flight may still finish
+    extensions: str = "vllm"  # vllm: the server takes vLLM's extra fields (regex/choice/grammar, top_k, token ids)
+    extra_body: dict[str, Any] = field(default_factory=dict)  # added to every request's JSON body
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.model in ("???", "", None):
+            out.append("engine.model is required with engine=openai: the served model's name, as the endpoint's "
+                       "/v1/models lists it")
+        if not str(self.base_url).startswith(("http://", "https://")):
+            out.append(f"engine.base_url must be the endpoint's http(s) URL up to /v1, e.g. "
+                       f"http://127.0.0.1:8000/v1 (got {self.base_url!r})")
+        tokenizer = self.tokenizer_dir()
+        if tokenizer is None:
+            out.append("engine.tokenizer is required with engine=openai: a local tokenizer directory of the served "
+                       "model (batchgen renders, counts and truncates prompts with it)")
+        else:
+            out += model_dir_problems(tokenizer, "engine.tokenizer" if self.tokenizer else "engine.model",
+                                      weights=False)
+        if self.endpoint not in ENDPOINTS:
+            out.append(f"engine.endpoint must be one of {', '.join(ENDPOINTS)} (got {self.endpoint!r})")
+        if self.extensions not in EXTENSIONS:
+            out.append(f"engine.extensions must be one of {', '.join(EXTENSIONS)} (got {self.extensions!r})")
+        if self.api_key_env and not os.environ.get(self.api_key_env):
+            out.append(f"engine.api_key_env={self.api_key_env}: the environment variable {self.api_key_env} is not "
+                       f"set; export it (the key itself never goes into a config, manifest or log)")
+        if self.dtype != "auto" or self.quantization is not None:
+            out.append("engine.dtype and engine.quantization are the server's with engine=openai; leave them unset")
+        out += [f"engine.{key} must be >= {low} (got {getattr(self, key)})"
+                for key, low in (("max_concurrency", 1), ("timeout_s", 0.001), ("max_retries", 0),
+                                 ("stop_grace_s", 0)) if getattr(self, key) < low]
+        return out
+
+    def tokenizer_dir(self) -> Optional[str]:
+        if self.tokenizer:
+            return self.tokenizer
+        return self.model if self.model and os.path.isdir(str(self.model)) else None

@@ -1,0 +1,225 @@
+"""Sending requests to an endpoint with adaptive concurrency, retries and a bounded stop.
+
+`Dispatcher.run(source, on_result)` is an engine's `stream`: it keeps up to `Window.limit` requests in flight on a
+pool of daemon threads, each making one attempt (`send`), and hands every final Result to `on_result` on the calling
+thread as it arrives, so that the runner journals it at once (a SIGKILL loses only the requests in flight).
+
+- Concurrency adapts as llm-d's dispatcher and TCP do: one more slot per window of successes (additive increase),
+  half as many on a 429, a 503 or a timeout (multiplicative decrease, once per congestion event: failures of
+  attempts sent before the last decrease do not count again), and no new attempt before a `Retry-After`.
+- A transient failure is retried after exponential backoff with jitter (never sooner than `Retry-After`), up to
+  `max_retries` times; then the endpoint counts as down and the job stops (EndpointDown, exit 1) after the results
+  already final are handed on.
+- Anything that stops the run (a signal's StopRequested, an error) first stops sending, then waits up to
+  `stop_grace_s` for the attempts in flight and hands on those that finish.
+
+Knows attempts, outcomes and time, not HTTP (engine.py's `send` turns a response into an Outcome).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Optional
+
+from batchgen.engines.base import Source, starved
+from batchgen.errors import BatchgenError
+from batchgen.records import Request, Result
+
+log = logging.getLogger(__name__)
+BACKOFF_BASE_S = 0.5  # the first retry's delay (before jitter); doubled each attempt
+BACKOFF_CAP_S = 30.0
+
+
+class EndpointDown(BatchgenError):
+    """A request failed transiently more than engine.max_retries times in a row: the endpoint is down or refuses
+    every attempt. Results handed on before are journaled; a rerun resumes."""
+
+    exit_code = 1
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One attempt's end: a final Result (a generation, or an error row's Result), or a transient failure."""
+
+    result: Optional[Result] = None
+    transient: Optional[str] = None  # why the attempt should be retried (status or network error)
+    overload: bool = False  # the server said it is overloaded (429, 503) or the attempt timed out
+    retry_after: Optional[float] = None  # seconds the server asked to wait
+
+
+class Window:
+    """The adaptive concurrency limit (AIMD) and the server's Retry-After hold."""
+
+    def __init__(self, most: int):
+        self.most = most
+        self.limit = float(most)
+        self.hold_until = 0.0  # no attempt starts before this time (monotonic)
+        self.decreased_at = -1.0  # when the limit was last halved (monotonic)
+
+    @property
+    def slots(self) -> int:
+        return max(1, int(self.limit))
+
+    def succeeded(self) -> None:
+        before = self.slots
+        self.limit = min(float(self.most), self.limit + 1.0 / self.limit)
+        if self.slots == self.most and before < self.most:
+            log.info("endpoint: concurrency back to %d", self.most)
+
+    def overloaded(self, sent_at: float, why: str, retry_after: Optional[float], now: float) -> None:
+        if retry_after:
+            self.hold_until = max(self.hold_until, now + retry_after)
+        if sent_at < self.decreased_at:
+            return  # sent before the last decrease: the same congestion event
+        before = self.slots
+        self.limit = max(1.0, self.limit / 2)
+        self.decreased_at = now
+        log.info("endpoint: %s; concurrency %d -> %d%s", why, before, self.slots,
+                 f", waiting {retry_after:g} s as the server asked" if retry_after else "")
+
+
+@dataclass(order=True)
+class _Due:
+    at: float
+    order: int
+    request: Request = None  # type: ignore[assignment]
+    attempt: int = 0
+
+
+class _Run:
+    """One run's state: the requests waiting (for a slot or their retry time, soonest first) and in flight."""
+
+    def __init__(self, source: Source):
+        self.source = source
+        self.pending: list[_Due] = []
+        self.order = itertools.count()
+        self.in_flight = 0
+        self.exhausted = False
+
+    def push(self, request: Request, at: float, attempt: int = 0) -> None:
+        heapq.heappush(self.pending, _Due(at, next(self.order), request, attempt))
+
+
+class Dispatcher:
+    def __init__(self, send: Callable[[Request], Outcome], *, most: int, max_retries: int, stop_grace_s: float):
+        self.send = send
+        self.window = Window(most)
+        self.max_retries = max_retries
+        self.stop_grace_s = stop_grace_s
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        self.threads = [threading.Thread(target=self._work, daemon=True, name=f"batchgen-endpoint-{i}")
+                        for i in range(most)]
+        for thread in self.threads:
+            thread.start()
+        self.counts = {"sent": 0, "retried": 0}
+
+    def close(self) -> None:
+        for _ in self.threads:
+            self.tasks.put(None)
+
+    def _work(self) -> None:
+        while (task := self.tasks.get()) is not None:
+            due, sent_at = task
+            try:
+                outcome: Outcome | Exception = self.send(due.request)
+            except Exception as exc:  # a bug in building or reading a request: raised on the run's thread
+                outcome = exc
+            self.done.put((due, sent_at, outcome))
+
+    def run(self, source: Source, on_result: Callable[[Result], None]) -> None:
+        run = _Run(source)
+        try:
+            while True:
+                self._start_due(run)
+                if not run.in_flight and not run.pending:
+                    if run.exhausted:
+                        return
+                    raise starved()
+                # wait for an attempt to finish, or until the next pending request may start where a slot is free
+                wake = (max(run.pending[0].at, self.window.hold_until)
+                        if run.pending and run.in_flight < self.window.slots else None)
+                due, sent_at, outcome = self._next(wake)
+                if due is None:
+                    continue
+                run.in_flight -= 1
+                retry = self._settle(due, sent_at, outcome, on_result)
+                if retry is not None:
+                    run.push(due.request, retry, due.attempt + 1)
+        except BaseException:
+            self._drain(run.in_flight, on_result)
+            raise
+
+    def _start_due(self, run: _Run) -> None:
+        """Start pending requests that are due while slots are free (and the server's hold is over), asking the
+        source for more whenever none is due."""
+        now = time.monotonic()
+        while run.in_flight < self.window.slots and now >= self.window.hold_until:
+            if (not run.pending or run.pending[0].at > now) and not run.exhausted:
+                batch = run.source()
+                run.exhausted = batch is None
+                for request in batch or ():
+                    run.push(request, now)
+                if not batch and not run.pending:
+                    return
+            if not run.pending or run.pending[0].at > now:
+                return
+            self.tasks.put((heapq.heappop(run.pending), now))
+            self.counts["sent"] += 1
+            run.in_flight += 1
+
+    def _next(self, wake: Optional[float]) -> tuple[Optional[_Due], float, Outcome | Exception]:
+        """The next finished attempt; (None, ...) when `wake` comes first."""
+        timeout = None if wake is None else max(0.0, wake - time.monotonic())
+        try:
+            return self.done.get(timeout=timeout)
+        except queue.Empty:
+            return None, 0.0, Outcome()
+
+    def _settle(self, due: _Due, sent_at: float, outcome: Outcome | Exception,
+                on_result: Callable[[Result], None]) -> Optional[float]:
+        """Hand a final Result on, or say when to retry (None: settled)."""
+        if isinstance(outcome, Exception):
+            raise outcome
+        now = time.monotonic()
+        if outcome.result is not None:
+            self.window.succeeded()
+            on_result(outcome.result)
+            return None
+        if outcome.overload:
+            self.window.overloaded(sent_at, outcome.transient or "overloaded", outcome.retry_after, now)
+        if due.attempt >= self.max_retries:
+            raise EndpointDown(f"the endpoint failed request {due.request.key} {due.attempt + 1} times in a row "
+                               f"(last: {outcome.transient}); the results so far are journaled: rerun the same "
+                               f"command to resume once the endpoint is up (engine.max_retries="
+                               f"{self.max_retries})")
+        self.counts["retried"] += 1
+        delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** due.attempt) * random.uniform(0.5, 1.0)
+        log.debug("endpoint: request %d: %s; retry %d in %.2f s", due.request.key, outcome.transient,
+                  due.attempt + 1, delay)
+        return now + max(delay, outcome.retry_after or 0.0)
+
+    def _drain(self, in_flight: int, on_result: Callable[[Result], None]) -> None:
+        """After a stop or an error: send nothing more; hand on what finishes within stop_grace_s."""
+        deadline = time.monotonic() + self.stop_grace_s
+        if in_flight:
+            log.warning("endpoint: waiting up to %g s for %d requests in flight", self.stop_grace_s, in_flight)
+        while in_flight and (left := deadline - time.monotonic()) > 0:
+            try:
+                due, _, outcome = self.done.get(timeout=left)
+            except queue.Empty:
+                break
+            in_flight -= 1
+            if isinstance(outcome, Outcome) and outcome.result is not None:
+                on_result(outcome.result)
+        if in_flight:
+            log.warning("endpoint: %d requests still in flight after %g s are dropped (a rerun sends them again)",
+                        in_flight, self.stop_grace_s)

@@ -1,0 +1,165 @@
+"""engine=openai: the job's requests sent to an OpenAI-compatible endpoint, under the same parts, journal and resume
+as the in-process engines (only the engine changes).
+
+At start the endpoint's /models must list engine.model; what it says of the model (id, root, max_model_len) is the
+engine's identity, recorded in the manifest, so a resume against another served model is refused like a weight
+change. Each attempt is one HTTP request (wire.py builds it and reads the answer); dispatch.py keeps them in flight,
+adapts the concurrency, retries and stops. The API key is read from the environment variable engine.api_key_env
+names and goes only into the Authorization header. httpx is imported here only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from email.utils import parsedate_to_datetime
+from typing import Any, Optional
+
+from batchgen.engines.base import Source, generate_by_stream
+from batchgen.engines.endpoint import wire
+from batchgen.engines.endpoint.config import OpenAIConfig
+from batchgen.engines.endpoint.dispatch import Dispatcher, EndpointDown, Outcome
+from batchgen.errors import BatchgenError, ConfigError
+from batchgen.records import Request, Result
+
+log = logging.getLogger(__name__)
+TRANSIENT = (408, 409, 425, 500, 502, 504)  # retried; 429 and 503 also halve the concurrency
+OVERLOAD = (429, 503)
+FATAL = {401: "the endpoint refused the API key: check the variable engine.api_key_env names",
+         403: "the endpoint refused the API key: check the variable engine.api_key_env names",
+         404: "no such path or model on the endpoint: check engine.base_url (up to /v1), engine.endpoint and "
+              "engine.model"}
+DEFAULT_MAX_LEN = 1 << 20  # where neither the server nor engine.max_model_len says (a hosted API rejects too long)
+
+
+class EndpointError(BatchgenError):
+    """The endpoint refuses the job as configured (a key, a path, a model it does not serve)."""
+
+    exit_code = 2
+
+
+class OpenAIEngine:
+    def __init__(self, cfg: OpenAIConfig, tokenizer: Any):
+        import httpx
+
+        self.httpx = httpx
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.chat = cfg.endpoint == "chat"
+        self.vllm = cfg.extensions == "vllm"
+        key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.client = httpx.Client(base_url=cfg.base_url.rstrip("/") + "/", headers=headers,
+                                   timeout=httpx.Timeout(cfg.timeout_s, connect=min(30.0, cfg.timeout_s)),
+                                   limits=httpx.Limits(max_connections=cfg.max_concurrency,
+                                                       max_keepalive_connections=cfg.max_concurrency))
+        self.path = "chat/completions" if self.chat else "completions"
+        self.served = self._served_model()
+        self.max_model_len = int(cfg.max_model_len or self.served.get("max_model_len") or DEFAULT_MAX_LEN)
+        self.dispatcher = Dispatcher(self.send, most=cfg.max_concurrency, max_retries=cfg.max_retries,
+                                     stop_grace_s=cfg.stop_grace_s)
+        log.info("openai engine: %s at %s (%s endpoint, up to %d requests in flight, max_model_len=%d)",
+                 cfg.model, cfg.base_url, cfg.endpoint, cfg.max_concurrency, self.max_model_len)
+
+    def identity(self) -> dict[str, Any]:
+        return {"engine": "openai", "dtype": None, "endpoint": self.cfg.endpoint, "base_url": self.cfg.base_url,
+                "served_model": self.served}
+
+    def close(self) -> None:
+        self.dispatcher.close()
+        self.client.close()
+
+    def generate(self, requests: list[Request], on_result: Optional[Callable[[Result], None]] = None
+                 ) -> list[Result]:
+        return generate_by_stream(self.stream, requests, on_result)
+
+    def stream(self, source: Source, on_result: Callable[[Result], None]) -> None:
+        self.dispatcher.run(source, on_result)
+
+    def send(self, req: Request) -> Outcome:
+        """One attempt of one request (on a dispatcher thread)."""
+        httpx = self.httpx
+        messages = req.messages if self.chat else None
+        payload = wire.body(req, self.cfg.model, self.chat, self.vllm, messages, self.cfg.extra_body)
+        try:
+            response = self.client.post(self.path, json=payload)
+        except httpx.TimeoutException:
+            return Outcome(transient=f"no answer within engine.timeout_s={self.cfg.timeout_s:g} s", overload=True)
+        except httpx.TransportError as exc:  # refused, reset, dropped mid-answer
+            return Outcome(transient=f"{type(exc).__name__}: {exc}")
+        status = response.status_code
+        if status == 200:
+            try:
+                return Outcome(result=wire.result(req, response.json(), self.chat, self.tokenizer))
+            except (ValueError, KeyError, IndexError, TypeError) as exc:  # a torn or foreign body: ask again
+                return Outcome(transient=f"unreadable answer ({type(exc).__name__}: {exc})")
+        if status in OVERLOAD:
+            return Outcome(transient=f"HTTP {status}", overload=True,
+                           retry_after=retry_after(response.headers.get("retry-after")))
+        if status in TRANSIENT or status >= 500:
+            return Outcome(transient=f"HTTP {status}")
+        if status in FATAL:
+            raise EndpointError(f"{self.cfg.base_url}/{self.path}: HTTP {status}: {FATAL[status]} "
+                                f"({_message(response)})")
+        return Outcome(result=wire.error_result(req, status, _message(response)))
+
+    def _served_model(self) -> dict[str, Any]:
+        """What /models says of engine.model (the identity); refuses a model the endpoint does not serve."""
+        for attempt in range(self.cfg.max_retries + 1):
+            try:
+                response = self.client.get("models")
+            except self.httpx.TransportError as exc:
+                if attempt == self.cfg.max_retries:
+                    raise EndpointDown(f"engine.base_url={self.cfg.base_url}: no answer ({type(exc).__name__}: "
+                                       f"{exc}); is the server up?") from exc
+                import time
+
+                time.sleep(min(30.0, 0.5 * 2 ** attempt))
+                continue
+            break
+        if response.status_code in (401, 403):
+            raise EndpointError(f"{self.cfg.base_url}/models: HTTP {response.status_code}: {FATAL[401]}")
+        if response.status_code != 200:
+            log.warning("%s/models answered HTTP %d: the served model's identity is engine.model alone",
+                        self.cfg.base_url, response.status_code)
+            return {"id": self.cfg.model}
+        models = response.json().get("data") or []
+        for m in models:
+            if m.get("id") == self.cfg.model:
+                return {k: m[k] for k in ("id", "root", "max_model_len") if m.get(k) is not None}
+        served = ", ".join(repr(m.get("id")) for m in models) or "none"
+        raise ConfigError([f"engine.model={self.cfg.model!r}: {self.cfg.base_url} serves {served}; set "
+                           f"engine.model to one of them"])
+
+
+def retry_after(value: Optional[str]) -> Optional[float]:
+    """A Retry-After header in seconds (delta-seconds or an HTTP date); None where absent or unreadable."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        import datetime
+
+        return max(0.0, (parsedate_to_datetime(value) - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
+    except (TypeError, ValueError):
+        return None
+
+
+def _message(response: Any) -> str:
+    """The server's error message (OpenAI's {"error": {"message": ...}}, vLLM's {"message": ...}) or the body."""
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text[:500]
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        if data.get("message"):
+            return str(data["message"])
+    return json.dumps(data)[:500]

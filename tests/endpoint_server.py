@@ -1,0 +1,206 @@
+"""A small OpenAI-compatible server for the endpoint tests: a real model (transformers' generate on a local model
+directory, one request at a time) behind /v1/models, /v1/completions and /v1/chat/completions, with faults injected
+on purpose: 429 with Retry-After, 503, slow answers, connections dropped mid-request, and 400 for prompts holding
+the word REJECT. Faults are drawn from a seeded generator per request, so a run's faults repeat.
+
+    python -m tests.endpoint_server --model DIR [--faults 429=0.1,503=0.05,slow=0.05,drop=0.05]
+        [--fault-requests N] [--log FILE] [--name SERVED_NAME]
+
+prints `port N` once listening on 127.0.0.1. The log gets one JSON line per request: what was asked (the body's
+digest, its prompt or messages) and what was answered (status, or the fault)."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+class Backend:
+    def __init__(self, model_dir: str, name: str):
+        self.name = name
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.lock = threading.Lock()
+        self.max_model_len = self.model.config.max_position_embeddings
+
+    def complete(self, body: dict[str, Any], chat: bool) -> dict[str, Any]:
+        tok = self.tokenizer
+        if chat:
+            ids = tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) else list(ids)
+        else:
+            prompt = body["prompt"]
+            ids = list(prompt) if isinstance(prompt, list) else tok(prompt)["input_ids"]
+        if len(ids) + body.get("max_tokens", 16) > self.max_model_len:
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens")
+        temperature = float(body.get("temperature", 1.0))
+        with self.lock, torch.no_grad():
+            if body.get("seed") is not None:
+                torch.manual_seed(int(body["seed"]) % (1 << 63))
+            out = self.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                      max_new_tokens=body.get("max_tokens", 16), do_sample=temperature > 0,
+                                      temperature=temperature if temperature > 0 else None,
+                                      top_p=body.get("top_p", 1.0) if temperature > 0 else None, top_k=None,
+                                      pad_token_id=tok.eos_token_id, output_scores=True, return_dict_in_generate=True)
+        new = out.sequences[0, len(ids):].tolist()
+        finish = "stop" if new and new[-1] == tok.eos_token_id else "length"
+        text = tok.decode(new, skip_special_tokens=True)
+        for stop in body.get("stop") or []:
+            at = text.find(stop)
+            if at >= 0:
+                text, finish = text[:at], "stop"
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "token_ids": new}
+        if body.get("logprobs"):
+            choice["logprobs"] = self._logprobs(out.scores, new, body, chat)
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {"id": "cmpl-test", "object": "chat.completion" if chat else "text_completion", "model": self.name,
+                "choices": [choice], "usage": {"prompt_tokens": len(ids), "completion_tokens": len(new),
+                                               "total_tokens": len(ids) + len(new)}}
+
+    def _logprobs(self, scores: Any, new: list[int], body: dict[str, Any], chat: bool) -> dict[str, Any]:
+        k = int(body.get("top_logprobs", 0) if chat else body["logprobs"])
+        name = (lambda i: f"token_id:{i}") if body.get("return_tokens_as_token_ids") else (
+            lambda i: self.tokenizer.decode([i]))
+        picked, tops = [], []
+        for token, logits in zip(new, scores):
+            lp = torch.log_softmax(logits[0].float(), dim=-1)
+            values, indices = lp.topk(k)
+            picked.append(float(lp[token]))
+            tops.append({name(int(i)): float(v) for v, i in zip(values, indices)})
+        if chat:
+            return {"content": [{"token": name(t), "logprob": p, "top_logprobs": [
+                {"token": n, "logprob": v} for n, v in top.items()]} for t, p, top in zip(new, picked, tops)]}
+        return {"tokens": [name(t) for t in new], "token_logprobs": picked, "top_logprobs": tops}
+
+
+class Faults:
+    """Which fault (if any) the next request gets: drawn from a seeded generator among the first `first` requests
+    (all of them when None), so that a run's faults repeat and the tail of a run shows the recovery."""
+
+    def __init__(self, spec: str, seed: int, first: int | None):
+        self.shares = {k: float(v) for k, v in (item.split("=") for item in spec.split(",") if item)}
+        self.rng = random.Random(seed)
+        self.first = first
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def draw(self) -> str | None:
+        with self.lock:
+            self.count += 1
+            draw = self.rng.random()
+            if self.first is not None and self.count > self.first:
+                return None
+        edge = 0.0
+        for name, share in self.shares.items():
+            edge += share
+            if draw < edge:
+                return name
+        return None
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    backend: Backend
+    faults: Faults
+    log_path: str | None = None
+    log_lock = threading.Lock()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _send(self, status: int, data: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+        raw = json.dumps(data).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def _log(self, body: dict[str, Any], outcome: str) -> None:
+        if self.log_path:
+            digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+            line = json.dumps({"path": self.path, "digest": digest, "outcome": outcome, "seed": body.get("seed"),
+                               "prompt": body.get("prompt"), "messages": body.get("messages")})
+            with self.log_lock, open(self.log_path, "a") as f:
+                f.write(line + "\n")
+
+    def do_GET(self) -> None:
+        if self.path.rstrip("/") != "/v1/models":
+            return self._send(404, {"error": {"message": f"no route {self.path}"}})
+        b = self.backend
+        return self._send(200, {"object": "list", "data": [{"id": b.name, "object": "model", "root": b.name,
+                                                            "owned_by": "tests", "max_model_len": b.max_model_len}]})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        chat = self.path.rstrip("/") == "/v1/chat/completions"
+        if not chat and self.path.rstrip("/") != "/v1/completions":
+            return self._send(404, {"error": {"message": f"no route {self.path}"}})
+        if body.get("model") != self.backend.name:
+            return self._send(404, {"error": {"message": f"The model `{body.get('model')}` does not exist."}})
+        fault = self.faults.draw()
+        if fault in ("429", "503", "drop"):
+            return self._fault(body, fault)
+        if fault == "slow":
+            time.sleep(2.0)
+        return self._answer(body, chat)
+
+    def _fault(self, body: dict[str, Any], fault: str) -> None:
+        self._log(body, fault)
+        if fault == "drop":  # the connection closes without an answer
+            self.close_connection = True
+            self.connection.shutdown(2)
+            return
+        self._send(int(fault), {"error": {"message": "overloaded"}}, {"Retry-After": "1"} if fault == "429" else None)
+
+    def _answer(self, body: dict[str, Any], chat: bool) -> None:
+        tok = self.backend.tokenizer
+        text = json.dumps(body.get("messages")) if chat else (
+            body["prompt"] if isinstance(body["prompt"], str) else tok.decode(body["prompt"]))
+        if "REJECT" in text:
+            self._log(body, "400")
+            return self._send(400, {"error": {"message": "the prompt asks to be rejected"}})
+        try:
+            answer = self.backend.complete(body, chat)
+        except ValueError as exc:
+            self._log(body, "400")
+            return self._send(400, {"error": {"message": str(exc)}})
+        self._log(body, "200")
+        return self._send(200, answer)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--name", default="tiny")
+    parser.add_argument("--faults", default="")
+    parser.add_argument("--log", default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fault-requests", type=int, default=None, help="only the first N requests may fault")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    Handler.backend = Backend(args.model, args.name)
+    Handler.faults = Faults(args.faults, args.seed, args.fault_requests)
+    Handler.log_path = args.log
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    print(f"port {server.server_address[1]}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

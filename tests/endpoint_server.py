@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 class Backend:
     def __init__(self, model_dir: str, name: str):
         self.name = name
+        self.model_dir = model_dir  # the served model's root, as vLLM reports the path it loaded
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.lock = threading.Lock()
@@ -35,8 +36,8 @@ class Backend:
     def complete(self, body: dict[str, Any], chat: bool) -> dict[str, Any]:
         tok = self.tokenizer
         if chat:
-            ids = tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) else list(ids)
+            text = tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
+            ids = tok(text, add_special_tokens=False)["input_ids"]
         else:
             prompt = body["prompt"]
             ids = list(prompt) if isinstance(prompt, list) else tok(prompt)["input_ids"]
@@ -142,7 +143,7 @@ class Handler(BaseHTTPRequestHandler):
         if self.path.rstrip("/") != "/v1/models":
             return self._send(404, {"error": {"message": f"no route {self.path}"}})
         b = self.backend
-        return self._send(200, {"object": "list", "data": [{"id": b.name, "object": "model", "root": b.name,
+        return self._send(200, {"object": "list", "data": [{"id": b.name, "object": "model", "root": b.model_dir,
                                                             "owned_by": "tests", "max_model_len": b.max_model_len}]})
 
     def do_POST(self) -> None:

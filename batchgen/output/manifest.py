@@ -61,11 +61,19 @@ def output_config(cfg: JobConfig) -> dict[str, Any]:
         "dataset": _dataset(cfg),
         "sampling": _sampling(cfg),
         "engine": {"name": engine.name, "model": _local(engine.model), "tokenizer": _local(engine.tokenizer),
-                   "quantization": engine.quantization, "max_model_len": engine.max_model_len},
+                   "quantization": engine.quantization, "max_model_len": engine.max_model_len,
+                   **_endpoint(engine)},
         "run": {"rows_per_part": cfg.rows_per_part, "too_long": cfg.run.too_long,
                 **({"skip_existing": _input(cfg.run.skip_existing)} if cfg.run.skip_existing else {}),
                 **({"attempt": cfg.run.attempt} if cfg.run.attempt else {})},
     }
+
+
+def _endpoint(engine: Any) -> dict[str, Any]:
+    """engine=openai's keys that change what the server generates (where it is, the key, its concurrency do not)."""
+    if engine.name != "openai":
+        return {}
+    return {"endpoint": engine.endpoint, "extensions": engine.extensions, "extra_body": dict(engine.extra_body)}
 
 
 # sampling keys added after the first release: left out of the hash at their defaults, so that an output written

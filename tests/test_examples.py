@@ -39,6 +39,11 @@ NOT_HERE = {
     "duckdb -c": "the duckdb CLI: the query runs through duckdb's Python API in tests/scenarios/test_increments.py",
     "sbatch": "a Slurm cluster: jobs/slurm/*.sh run in tests/scenarios/test_jobs.py",
     "batchgen job=annotate launcher=ray launcher.address=auto": "an existing Ray cluster; the local one runs here",
+    "vllm serve": "a vLLM server: the vLLM tier starts one (tests/vllm_tier/test_vllm_server.py)",
+    "batchgen job=annotate engine=openai": ("an endpoint: tests/engines/test_engine_openai.py runs the engine "
+                                            "against a real model behind an OpenAI-compatible server, the vLLM "
+                                            "tier against vllm serve"),
+    "export OPENAI_API_KEY": "a hosted API's key",
 }
 
 # Where the docs name data or a model this machine does not have: the local stand-in (`{x}` is filled in below).

@@ -82,9 +82,28 @@ class RunConfig:
 
 
 @dataclass
+class Prices:
+    """output.prices: per million tokens, in the currency you bill in; unset (null input and output): no cost."""
+
+    input: Optional[float] = None  # prompt tokens
+    output: Optional[float] = None  # generated tokens (reasoning included)
+    cached_input: Optional[float] = None  # prompt tokens served from a prefix cache; null: the input price
+
+    @property
+    def given(self) -> bool:
+        return self.input is not None or self.output is not None
+
+
+@dataclass
 class OutputConfig:
     # parquet: the parts only; openai_batch: also _openai_batch_output.jsonl, OpenAI's batch output format
     format: str = "parquet"
+    usage: bool = False  # per-row usage columns: cached_prompt_tokens, reasoning_tokens, latency_s
+    prices: Prices = field(default_factory=Prices)  # a cost column per sample and cost totals (summary, report, plan)
+
+    def priced(self) -> Optional[Prices]:
+        """output.prices where given, else None."""
+        return self.prices if self.prices.given else None
 
 
 @dataclass
@@ -143,6 +162,12 @@ def _output_problems(cfg: JobConfig) -> list[str]:
     if cfg.output.format == "openai_batch" and (cfg.launcher.name == "ray" or "://" in cfg.output_dir):
         out.append("output.format=openai_batch is written on a local output_dir by launcher=local (run "
                    "batchgen finalize on the shared output after a Ray job)")
+    prices = cfg.output.prices
+    if prices.given and (prices.input is None or prices.output is None):
+        out.append("output.prices needs both input and output (per million tokens), e.g. "
+                   "output.prices='{input: 0.15, output: 0.6}'")
+    out += [f"output.prices.{key} must be >= 0 (got {value})" for key, value in vars(prices).items()
+            if value is not None and value < 0]
     return out
 
 

@@ -72,6 +72,9 @@ class Result:
     top_logprobs: list[list[list]] | None = None  # per generated token: the top k, [token_id, token, logprob]
     reasoning: str | None = None  # a thinking sample's reasoning (text is then its answer only)
     error: str | None = None  # the engine could not generate this sample (an endpoint rejected it): an error row
+    cached_prompt_tokens: int | None = None  # prompt tokens the engine took from its prefix cache (None: unknown)
+    reasoning_tokens: int | None = None  # generated tokens of a thinking sample's reasoning block (None: not thinking)
+    latency_s: float | None = None  # from the engine taking the request to its result
 
 
 @dataclass(slots=True)
@@ -92,3 +95,7 @@ class OutputRow:
     token_logprobs: list[float] | None = None
     top_logprobs: list[list[dict]] | None = None  # per generated token: [{"token", "token_id", "logprob"}, ...]
     reasoning: str | None = None
+    cached_prompt_tokens: int | None = None  # output.usage: as the engine's Result says
+    reasoning_tokens: int | None = None
+    latency_s: float | None = None
+    cost: float | None = None  # output.prices: this sample's price (each sample's request carries its prompt)

@@ -39,9 +39,14 @@ PROBE_ROWS = 16  # rows of the calibration probe: the longest prompts
 
 
 def model_len(cfg: JobConfig) -> int:
-    """engine.max_model_len, or the model's own from its config.json (no weights loaded)."""
+    """engine.max_model_len, or the model's own from its config.json (no weights loaded); for an endpoint, what its
+    /v1/models says (one GET)."""
     if cfg.engine.max_model_len:
         return cfg.engine.max_model_len
+    if cfg.engine.name == "openai":
+        from batchgen.engines.endpoint.engine import served_max_len
+
+        return served_max_len(cfg.engine)
     from transformers import AutoConfig
 
     try:
@@ -109,10 +114,20 @@ def measure(cfg: JobConfig) -> tuple[dict[str, Any], list[tuple[int, list[int]]]
         "prompt_length": _summary(lengths), "histogram": histogram(lengths),
         "max_model_len": limit, "too_long": {"rows": len(over), "policy": cfg.run.too_long, "first_ids": over[:10],
                                              "what_happens": _too_long_effect(cfg.run.too_long, len(over))},
+        **_cost(cfg, fitted, max_generated),
         "parts": parts, "rows_per_part": cfg.rows_per_part,
         "shards": {"num_shards": shards, "parts_per_shard": [len(range(k, parts, shards)) for k in range(shards)]},
     }
     return plan, rows
+
+
+def _cost(cfg: JobConfig, prompt_tokens: int, generated_tokens: int) -> dict[str, Any]:
+    """output.prices: the job's cost if every sample generates its cap and no prompt token comes from a cache (each
+    sample's request carries its row's prompt): an upper bound, as `max_generated_tokens` is."""
+    prices = cfg.output.priced()
+    if prices is None:
+        return {}
+    return {"cost_estimate": (prompt_tokens * cfg.sampling.n * prices.input + generated_tokens * prices.output) / 1e6}
 
 
 def _summary(lengths: list[int]) -> dict[str, Any]:
@@ -172,7 +187,9 @@ def render(plan: dict[str, Any]) -> str:
              f"{', '.join(f'{k}={v}' for k, v in sorted(plan['error_rows'].items())) or 'none'}",
              f"prompt tokens {plan['prompt_tokens']} (min {n['min']}, median {n['median']}, p95 {n['p95']}, max "
              f"{n['max']}), {plan['prompt_tokens_after_fit']} after run.too_long; at most "
-             f"{plan['max_generated_tokens']} generated tokens",
+             f"{plan['max_generated_tokens']} generated tokens"
+             + (f"; cost at most {plan['cost_estimate']:.6g} (output.prices: every sample at its cap, no prompt "
+                f"cache)" if "cost_estimate" in plan else ""),
              f"max_model_len {plan['max_model_len']}: {plan['too_long']['rows']} rows over max_model_len - "
              f"max_new_tokens (run.too_long={plan['too_long']['policy']}: {plan['too_long']['what_happens']})",
              f"parts {plan['parts']} of {plan['rows_per_part']} rows; shards {plan['shards']['num_shards']}: "

@@ -258,6 +258,8 @@ def _summary_rows(facts: dict[str, Any]) -> list[list[Any]]:
             ["rows skipped (run.skip_existing)", sum(b.rows_skipped for _, b in facts["beats"])],
             ["invalid outputs", sum(b.invalid_outputs for _, b in facts["beats"])],
             ["generated tokens (history)", sum(h.get("generated_tokens", 0) for h in hist)],
+            *([["cost (history; output.prices)", f"{sum(h.get('cost', 0) for h in hist):.6g}"]]
+              if any("cost" in h for h in hist) else []),
             ["generation time (first to last commit)", f"{span:.1f} s"],
             ["batchgen", m.get("batchgen_version")], ["config hash", m.get("config_hash")]]
 

@@ -145,6 +145,12 @@ def split_answer(tokenizer: Any, ids: list[int], params: SampleParams) -> tuple[
     return answer, text
 
 
+def reasoning_tokens(ids: list[int], answer: list[int], params: SampleParams) -> Optional[int]:
+    """The generated tokens before a thinking sample's answer (its reasoning block, markers included); None for a
+    sample that does not think."""
+    return None if params.reasoning is None else len(ids) - len(answer)
+
+
 def model_max_len(config: Any) -> int:
     """The model's own context length from its config (2048 where it says none)."""
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):

@@ -77,6 +77,12 @@ class DummyEngine:
             on_result(self._one(queue.popleft()))
 
     def _one(self, request: Request) -> Result:
+        started = time.monotonic()
+        result = self._generate(request)
+        result.cached_prompt_tokens, result.latency_s = 0, time.monotonic() - started
+        return result
+
+    def _generate(self, request: Request) -> Result:
         key = hashlib.blake2b(repr((request.prompt_ids, request.seed)).encode(), digest_size=16).digest()
         params = request.params
         ids: list[int] = []

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -27,6 +28,7 @@ from batchgen.engines.base import (
     EngineConfig,
     Source,
     generate_by_stream,
+    reasoning_tokens,
     split_answer,
     starved,
     stream_windows,
@@ -240,6 +242,7 @@ class VLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         pending: dict[str, Request] = {}
+        added: dict[str, float] = {}  # when each request went in (its latency starts)
         exhausted = False
         try:
             while True:
@@ -250,7 +253,7 @@ class VLLMEngine:
                         params.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, when done
                         request_id = f"batchgen-{next(self._ids)}"
                         engine.add_request(request_id, {"prompt_token_ids": list(req.prompt_ids)}, params)
-                        pending[request_id] = req
+                        pending[request_id], added[request_id] = req, time.monotonic()
                 if not pending:
                     if exhausted:
                         return
@@ -260,7 +263,10 @@ class VLLMEngine:
                 for out in engine.step():
                     if out.finished:
                         req = pending.pop(out.request_id)
-                        on_result(self._result(req, out.outputs[0]))
+                        result = self._result(req, out.outputs[0])
+                        result.latency_s = time.monotonic() - added.pop(out.request_id)
+                        result.cached_prompt_tokens = getattr(out, "num_cached_tokens", None)
+                        on_result(result)
         except BaseException:
             if pending and hasattr(engine, "abort_request"):
                 engine.abort_request(list(pending))
@@ -346,7 +352,8 @@ class VLLMEngine:
         if reason not in ("stop", "length"):
             raise BatchgenError(f"vLLM finished request {req.key} with finish_reason={reason!r}")
         result = Result(key=req.key, text=text if cut < 0 else text[:cut], finish_reason=reason,
-                        num_prompt_tokens=len(req.prompt_ids), num_generated_tokens=len(ids), reasoning=reasoning)
+                        num_prompt_tokens=len(req.prompt_ids), num_generated_tokens=len(ids), reasoning=reasoning,
+                        reasoning_tokens=reasoning_tokens(ids, answer, req.params))
         if req.params.logprobs is not None:
             picked, top = logprobs_of(ids, completion.logprobs or [], req.params.logprobs)
             result.token_logprobs, result.top_logprobs = picked, with_tokens(self.tokenizer, top)

@@ -51,7 +51,14 @@ OPTIONAL_FIELDS = {
     "token_logprobs": pa.field("token_logprobs", pa.list_(pa.float32())),
     "top_logprobs": pa.field("top_logprobs", pa.list_(pa.list_(TOP_LOGPROB))),
     "reasoning": pa.field("reasoning", pa.string()),
+    # output.usage
+    "cached_prompt_tokens": pa.field("cached_prompt_tokens", pa.int32()),
+    "reasoning_tokens": pa.field("reasoning_tokens", pa.int32()),
+    "latency_s": pa.field("latency_s", pa.float32()),
+    # output.prices
+    "cost": pa.field("cost", pa.float64()),
 }
+USAGE_COLUMNS = ("cached_prompt_tokens", "reasoning_tokens", "latency_s")
 ATTEMPT_FIELD = pa.field("attempt", pa.int32(), nullable=False)  # a retry's parts only (batchgen retry)
 PART_RE = re.compile(r"^part-(\d{5,})\.parquet$")
 TMP_PART_RE = re.compile(r"^\.part-(\d{5,})\.parquet\.tmp-\d+$")
@@ -92,6 +99,7 @@ class PartStats:
     generated_tokens: int = 0
     invalid_outputs: int = 0  # constrained samples whose text did not parse or validate (not input errors)
     skipped: int = 0  # input rows left out: generated in run.skip_existing's output already
+    cost: float = 0.0  # output.prices: the samples' prices summed
 
     @property
     def error_rows(self) -> int:
@@ -105,6 +113,7 @@ class PartStats:
         self.generated_tokens += other.generated_tokens
         self.invalid_outputs += other.invalid_outputs
         self.skipped += other.skipped
+        self.cost += other.cost
 
 
 def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
@@ -131,10 +140,12 @@ def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
             if res is None:
                 raise BatchgenError(f"part {part.index}: the engine returned no result for row {part.ids[row]!r} "
                                     f"sample {s}; nothing of this part was committed, rerun to resume")
+            usage = {"cached_prompt_tokens": res.cached_prompt_tokens, "reasoning_tokens": res.reasoning_tokens,
+                     "latency_s": res.latency_s}
             if res.error is not None:  # the engine's own error row (an endpoint rejected the request)
                 rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=None,
                                       finish_reason="error", num_prompt_tokens=res.num_prompt_tokens,
-                                      num_generated_tokens=0, seed=seed, error=res.error))
+                                      num_generated_tokens=0, seed=seed, error=res.error, **usage))
                 continue
             constraint = constraints.get(row * n + s)
             parsed, invalid = check(constraint, res.text, res.finish_reason) if constraint else (None, None)
@@ -143,21 +154,24 @@ def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
                                   num_generated_tokens=res.num_generated_tokens, seed=seed, error=invalid,
                                   parsed=parsed, choice_scores=_labelled(constraint, res.choice_scores),
                                   token_logprobs=res.token_logprobs, top_logprobs=_top(res.top_logprobs),
-                                  reasoning=res.reasoning))
+                                  reasoning=res.reasoning, **usage))
     if by_key:
         raise BatchgenError(f"part {part.index}: the engine returned results for unknown requests "
                             f"{sorted(by_key)[:5]}; nothing of this part was committed, rerun to resume")
     return rows
 
 
-def optional_columns(sampling: Any, dataset: Any = None) -> tuple[str, ...]:
-    """The OPTIONAL_FIELDS a job with these sampling.* (and dataset.* per-row constraint) settings writes."""
+def optional_columns(sampling: Any, dataset: Any = None, output: Any = None) -> tuple[str, ...]:
+    """The OPTIONAL_FIELDS a job with these sampling.* (dataset.* per-row constraint, output.usage and output.prices)
+    settings writes."""
     constrained = any(getattr(sampling, kind, None) not in (None, "", []) for kind in KINDS) or any(
         getattr(dataset, key, None) for key in ("choice_column", "schema_column", "response_format_column"))
     logprobs = getattr(sampling, "logprobs", None) is not None
     return (("parsed",) * constrained + ("choice_scores",) * bool(getattr(sampling, "choice_scores", False))
             + ("token_logprobs", "top_logprobs") * logprobs
-            + ("reasoning",) * (getattr(sampling, "reasoning", "off") != "off"))
+            + ("reasoning",) * (getattr(sampling, "reasoning", "off") != "off")
+            + USAGE_COLUMNS * bool(getattr(output, "usage", False))
+            + ("cost",) * (output is not None and output.priced() is not None))
 
 
 def _top(top: Optional[list[list[list]]]) -> Optional[list[list[dict[str, Any]]]]:
@@ -170,6 +184,21 @@ def _labelled(constraint: Optional[Constraint], scores: Optional[list[float]]) -
     if constraint is None or scores is None:
         return None
     return [{"choice": c, "score": p} for c, p in zip(constraint.choices, scores, strict=True)]
+
+
+def price(rows: list[OutputRow], prices: Any) -> None:
+    """Each sample's cost under output.prices (per million tokens: `input`, `cached_input` for prompt tokens the
+    engine took from a prefix cache, `input` where that price is not given, and `output` for generated ones). Each
+    sample is its own request (n=1, its own seed), so each carries its prompt; an error row generated nothing and
+    costs what the engine reported of its prompt (an endpoint's rejection: nothing billed, 0)."""
+    cached_price = prices.input if prices.cached_input is None else prices.cached_input
+    for r in rows:
+        if r.generation is None:
+            r.cost = 0.0
+            continue
+        cached = r.cached_prompt_tokens or 0
+        r.cost = ((r.num_prompt_tokens - cached) * prices.input + cached * cached_price
+                  + r.num_generated_tokens * prices.output) / 1e6
 
 
 def error_kind(error: str) -> str:
@@ -185,7 +214,8 @@ def stats_of(part: Part, rows: list[OutputRow]) -> PartStats:
                      prompt_tokens=sum(r.num_prompt_tokens for r in rows if r.sample_index == 0),
                      generated_tokens=sum(r.num_generated_tokens for r in rows),
                      invalid_outputs=sum(k == INVALID for k in kinds),
-                     skipped=part.num_rows - len({r.row for r in rows}))
+                     skipped=part.num_rows - len({r.row for r in rows}),
+                     cost=sum(r.cost or 0.0 for r in rows))
 
 
 class Committer:
@@ -195,6 +225,7 @@ class Committer:
         self.attempt = attempt  # > 0: a retry's parts, with the `attempt` column
         self.passthrough = passthrough
         self.optional = optional  # names of OPTIONAL_FIELDS this job writes, after the contract's columns
+        self.prices: Any = None  # output.prices: each sample's cost is written (price())
         self.exclusive = False  # first writer wins: a part already committed (by another worker) is never replaced
         self.metadata = metadata  # file key-value metadata: config hash, model identity
 
@@ -215,6 +246,8 @@ class Committer:
 
     def commit(self, part: Part, rows: list[OutputRow]) -> PartStats:
         """Write the part under a temp name, fsync, then rename: never a torn file under a final name."""
+        if self.prices is not None:
+            price(rows, self.prices)
         stats = stats_of(part, rows)
         table = self._table(part, rows, stats)
         final = self.part_path(part.index)
@@ -263,7 +296,7 @@ class Committer:
         fields = list(OUTPUT_FIELDS)
         if "parsed" in self.optional:
             columns["parsed"] = pa.array([r.parsed for r in rows], pa.string())
-        for name in ("choice_scores", "token_logprobs", "top_logprobs", "reasoning"):
+        for name in ("choice_scores", "token_logprobs", "top_logprobs", "reasoning", *USAGE_COLUMNS, "cost"):
             if name in self.optional:
                 columns[name] = pa.array([getattr(r, name) for r in rows], OPTIONAL_FIELDS[name].type)
         fields += [OPTIONAL_FIELDS[name] for name in self.optional]
@@ -315,4 +348,5 @@ class Committer:
 def _asdict(stats: PartStats) -> dict[str, Any]:
     return {"rows": stats.rows, "samples": stats.samples, "errors": stats.errors,
             "prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens,
-            "invalid_outputs": stats.invalid_outputs, "skipped": stats.skipped}
+            "invalid_outputs": stats.invalid_outputs, "skipped": stats.skipped,
+            **({"cost": stats.cost} if stats.cost else {})}

@@ -63,10 +63,19 @@ def output_config(cfg: JobConfig) -> dict[str, Any]:
         "engine": {"name": engine.name, "model": _local(engine.model), "tokenizer": _local(engine.tokenizer),
                    "quantization": engine.quantization, "max_model_len": engine.max_model_len,
                    **_endpoint(engine)},
+        **_output(cfg),
         "run": {"rows_per_part": cfg.rows_per_part, "too_long": cfg.run.too_long,
                 **({"skip_existing": _input(cfg.run.skip_existing)} if cfg.run.skip_existing else {}),
                 **({"attempt": cfg.run.attempt} if cfg.run.attempt else {})},
     }
+
+
+def _output(cfg: JobConfig) -> dict[str, Any]:
+    """output.usage and output.prices add columns: in the hash where set (an output written before them keeps its)."""
+    out = cfg.output
+    extra = {**({"usage": True} if out.usage else {}),
+             **({"prices": dataclasses.asdict(out.prices)} if out.priced() is not None else {})}
+    return {"output": extra} if extra else {}
 
 
 def _endpoint(engine: Any) -> dict[str, Any]:
@@ -127,7 +136,8 @@ def _input(path: str) -> str:
 # What a loaded engine reports (Engine.identity()) that changes its outputs: compared on resume. The device and
 # the linear layout are not (the same dtype's arithmetic on another device or layout); an endpoint's served model
 # (what its /v1/models says: id, root, max_model_len) is.
-ENGINE_KEYS = ("engine", "dtype", "activations", "quantization", "quantization_scheme", "served_model")
+ENGINE_KEYS = ("engine", "dtype", "activations", "quantization", "quantization_scheme")
+ENDPOINT_KEYS = ("served_model",)  # recorded only where the engine reports them (engine=openai)
 
 
 def config_hash(cfg: JobConfig) -> str:
@@ -223,7 +233,7 @@ def check_engine(output_dir: Path, identity: dict[str, Any]) -> None:
     quantization) before any part is generated. Call with the output directory's layout lock held."""
     path = output_dir / MANIFEST
     manifest = read_manifest(output_dir) or {}
-    resolved = {k: identity.get(k) for k in ENGINE_KEYS}
+    resolved = {k: identity.get(k) for k in ENGINE_KEYS} | {k: identity[k] for k in ENDPOINT_KEYS if k in identity}
     recorded = manifest.get("engine_resolved")
     if recorded is None:
         write_json_atomic(path, manifest | {"engine_resolved": resolved})

@@ -61,11 +61,11 @@ def _passthrough(cfg: JobConfig, available: list[str], problems: list[str], own_
             if col not in available:
                 problems.append(f"dataset.passthrough_columns: column {col!r} not found (columns: "
                                 f"{', '.join(available)})")
-            elif col in OUTPUT_COLUMNS or col in optional_columns(cfg.sampling, cfg.dataset):
+            elif col in OUTPUT_COLUMNS or col in optional_columns(cfg.sampling, cfg.dataset, cfg.output):
                 problems.append(f"dataset.passthrough_columns: {col!r} collides with an output column; "
                                 f"rename it in the input")
         return list(ds.passthrough_columns)
     used = ({ds.messages_column} if ds.messages_column else set() if ds.template is not None or own_render
             else {ds.prompt_column})
-    taken = set(OUTPUT_COLUMNS) | set(optional_columns(cfg.sampling, cfg.dataset))
+    taken = set(OUTPUT_COLUMNS) | set(optional_columns(cfg.sampling, cfg.dataset, cfg.output))
     return [c for c in available if c not in used and c not in taken]

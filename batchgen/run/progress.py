@@ -51,6 +51,8 @@ class Summary:
             f"  rows {t.rows} (samples {t.samples}), error rows {t.error_rows}: {errors}",
             f"  tokens: prompt {t.prompt_tokens}, generated {t.generated_tokens}",
         ]
+        if t.cost:
+            lines.append(f"  cost: {t.cost:.6g} (output.prices; every committed sample, all runs)")
         if t.skipped:
             lines.append(f"  skipped: {t.skipped} rows already generated in run.skip_existing's output")
         if self.rows_read:
@@ -162,7 +164,8 @@ class Progress:
         record = {"t": round(time.time(), 3), "part": index, "rows": stats.rows, "samples": stats.samples,
                   "generated_tokens": generated_tokens, "prompt_tokens": stats.prompt_tokens,
                   "errors": stats.error_rows, "part_s": None if opened is None else round(time.time() - opened, 3),
-                  "shard": self.cfg.run.shard, "pid": os.getpid(), "host": socket.gethostname(), "worker": worker}
+                  "shard": self.cfg.run.shard, "pid": os.getpid(), "host": socket.gethostname(), "worker": worker,
+                  **({"cost": round(stats.cost, 9)} if self.cfg.output.priced() is not None else {})}
         name = history_name(self.cfg.run.shard, self.cfg.run.num_shards)
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW  # never through a symlink out of output_dir
         try:

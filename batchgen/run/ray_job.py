@@ -51,8 +51,9 @@ class PartWorker:
         self.output_dir = Path(cfg.output_dir)
         job = open_input(cfg, self.output_dir, render_row)  # a JSONL input: the driver's pass, saved beside output
         self.committer = Committer(self.output_dir, passthrough=job.passthrough, metadata=dict(metadata),
-                                   optional=optional_columns(cfg.sampling, cfg.dataset))
+                                   optional=optional_columns(cfg.sampling, cfg.dataset, cfg.output))
         self.committer.exclusive = True
+        self.committer.prices = cfg.output.priced()
         self.planner = Planner(cfg, job.reader, job.renderer, job.tokenizer, job.existing)
         self.engine = build_engine(cfg.engine, job.tokenizer)
         self.stop = GracefulStop()  # never entered: the driver stops the job; shielded sections still nest

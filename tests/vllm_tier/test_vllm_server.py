@@ -25,7 +25,7 @@ pytestmark = pytest.mark.vllm
 
 SERVED = "stand-in"
 JOB = ("dataset.id_column=uid", "dataset.temperature_column=temperature", "sampling.n=2", "sampling.seed=7",
-       "sampling.logprobs=2", "sampling.max_new_tokens=16", "run.rows_per_part=8")
+       "sampling.logprobs=2", "sampling.max_new_tokens=16", "run.rows_per_part=8", "output.usage=true")
 
 
 def free_port() -> int:
@@ -104,6 +104,8 @@ def test_rows_through_vllm_serve_equal_engine_vllm_in_process(server, vllm_model
         assert got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-4), key
         assert [[t["token_id"] for t in top] for top in got["top_logprobs"]] == [
             [t["token_id"] for t in top] for top in want["top_logprobs"]], key
+    assert all(r["latency_s"] > 0 and r["cached_prompt_tokens"] is not None for r in inproc.values())  # vLLM's count
+    assert all(r["latency_s"] > 0 for r in served.values())
     sampled = [k for k in served if int(k[0][1:]) % 2 == 0]
     assert any(served[(uid, 0)]["generation"] != served[(uid, 1)]["generation"] for uid, _ in sampled)
     manifest = json.loads((tmp_path / "served" / "_manifest.json").read_text())

@@ -103,6 +103,7 @@ class _Run:
         self.order = itertools.count()
         self.in_flight = 0
         self.exhausted = False
+        self.first_sent: dict[int, float] = {}  # request key -> its first attempt's start (its latency starts)
 
     def push(self, request: Request, at: float, attempt: int = 0) -> None:
         heapq.heappush(self.pending, _Due(at, next(self.order), request, attempt))
@@ -151,7 +152,7 @@ class Dispatcher:
                 if due is None:
                     continue
                 run.in_flight -= 1
-                retry = self._settle(due, sent_at, outcome, on_result)
+                retry = self._settle(due, sent_at, outcome, on_result, run.first_sent)
                 if retry is not None:
                     run.push(due.request, retry, due.attempt + 1)
         except BaseException:
@@ -172,7 +173,9 @@ class Dispatcher:
                     return
             if not run.pending or run.pending[0].at > now:
                 return
-            self.tasks.put((heapq.heappop(run.pending), now))
+            due = heapq.heappop(run.pending)
+            run.first_sent.setdefault(due.request.key, now)
+            self.tasks.put((due, now))
             self.counts["sent"] += 1
             run.in_flight += 1
 
@@ -184,14 +187,15 @@ class Dispatcher:
         except queue.Empty:
             return None, 0.0, Outcome()
 
-    def _settle(self, due: _Due, sent_at: float, outcome: Outcome | Exception,
-                on_result: Callable[[Result], None]) -> Optional[float]:
-        """Hand a final Result on, or say when to retry (None: settled)."""
+    def _settle(self, due: _Due, sent_at: float, outcome: Outcome | Exception, on_result: Callable[[Result], None],
+                first_sent: dict[int, float]) -> Optional[float]:
+        """Hand a final Result on (its latency from the first attempt), or say when to retry (None: settled)."""
         if isinstance(outcome, Exception):
             raise outcome
         now = time.monotonic()
         if outcome.result is not None:
             self.window.succeeded()
+            outcome.result.latency_s = now - first_sent.pop(due.request.key, sent_at)
             on_result(outcome.result)
             return None
         if outcome.overload:

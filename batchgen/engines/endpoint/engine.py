@@ -10,9 +10,11 @@ names and goes only into the Authorization header. httpx is imported here only.
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from email.utils import parsedate_to_datetime
 from typing import Any, Optional
@@ -42,21 +44,13 @@ class EndpointError(BatchgenError):
 
 class OpenAIEngine:
     def __init__(self, cfg: OpenAIConfig, tokenizer: Any):
-        import httpx
-
-        self.httpx = httpx
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.chat = cfg.endpoint == "chat"
         self.vllm = cfg.extensions == "vllm"
-        key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.client = httpx.Client(base_url=cfg.base_url.rstrip("/") + "/", headers=headers,
-                                   timeout=httpx.Timeout(cfg.timeout_s, connect=min(30.0, cfg.timeout_s)),
-                                   limits=httpx.Limits(max_connections=cfg.max_concurrency,
-                                                       max_keepalive_connections=cfg.max_concurrency))
+        self.client, self.httpx = _client(cfg)
         self.path = "chat/completions" if self.chat else "completions"
-        self.served = self._served_model()
+        self.served = served_model(cfg, self.client, self.httpx)
         self.max_model_len = int(cfg.max_model_len or self.served.get("max_model_len") or DEFAULT_MAX_LEN)
         self.dispatcher = Dispatcher(self.send, most=cfg.max_concurrency, max_retries=cfg.max_retries,
                                      stop_grace_s=cfg.stop_grace_s)
@@ -105,33 +99,53 @@ class OpenAIEngine:
                                 f"({_message(response)})")
         return Outcome(result=wire.error_result(req, status, _message(response)))
 
-    def _served_model(self) -> dict[str, Any]:
-        """What /models says of engine.model (the identity); refuses a model the endpoint does not serve."""
-        for attempt in range(self.cfg.max_retries + 1):
-            try:
-                response = self.client.get("models")
-            except self.httpx.TransportError as exc:
-                if attempt == self.cfg.max_retries:
-                    raise EndpointDown(f"engine.base_url={self.cfg.base_url}: no answer ({type(exc).__name__}: "
-                                       f"{exc}); is the server up?") from exc
-                import time
+def served_model(cfg: OpenAIConfig, client: Any, httpx: Any) -> dict[str, Any]:
+    """What /models says of engine.model (the identity); refuses a model the endpoint does not serve."""
+    for attempt in range(cfg.max_retries + 1):
+        try:
+            response = client.get("models")
+        except httpx.TransportError as exc:
+            if attempt == cfg.max_retries:
+                raise EndpointDown(f"engine.base_url={cfg.base_url}: no answer ({type(exc).__name__}: "
+                                   f"{exc}); is the server up?") from exc
+            time.sleep(min(30.0, 0.5 * 2 ** attempt))
+            continue
+        break
+    if response.status_code in (401, 403):
+        raise EndpointError(f"{cfg.base_url}/models: HTTP {response.status_code}: {FATAL[401]}")
+    if response.status_code != 200:
+        log.warning("%s/models answered HTTP %d: the served model's identity is engine.model alone",
+                    cfg.base_url, response.status_code)
+        return {"id": cfg.model}
+    models = response.json().get("data") or []
+    for m in models:
+        if m.get("id") == cfg.model:
+            return {k: m[k] for k in ("id", "root", "max_model_len") if m.get(k) is not None}
+    served = ", ".join(repr(m.get("id")) for m in models) or "none"
+    raise ConfigError([f"engine.model={cfg.model!r}: {cfg.base_url} serves {served}; set "
+                       f"engine.model to one of them"])
 
-                time.sleep(min(30.0, 0.5 * 2 ** attempt))
-                continue
-            break
-        if response.status_code in (401, 403):
-            raise EndpointError(f"{self.cfg.base_url}/models: HTTP {response.status_code}: {FATAL[401]}")
-        if response.status_code != 200:
-            log.warning("%s/models answered HTTP %d: the served model's identity is engine.model alone",
-                        self.cfg.base_url, response.status_code)
-            return {"id": self.cfg.model}
-        models = response.json().get("data") or []
-        for m in models:
-            if m.get("id") == self.cfg.model:
-                return {k: m[k] for k in ("id", "root", "max_model_len") if m.get(k) is not None}
-        served = ", ".join(repr(m.get("id")) for m in models) or "none"
-        raise ConfigError([f"engine.model={self.cfg.model!r}: {self.cfg.base_url} serves {served}; set "
-                           f"engine.model to one of them"])
+
+def served_max_len(cfg: OpenAIConfig) -> int:
+    """The served model's max_model_len as the endpoint's /models says (DEFAULT_MAX_LEN where it says none), for
+    `batchgen plan`, which loads no engine."""
+    client, httpx = _client(cfg)
+    try:
+        return int(served_model(cfg, client, httpx).get("max_model_len") or DEFAULT_MAX_LEN)
+    finally:
+        client.close()
+
+
+def _client(cfg: OpenAIConfig) -> tuple[Any, Any]:
+    """An httpx client for the endpoint (the API key, if any, in its header), and the httpx module."""
+    import httpx
+
+    key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.Client(base_url=cfg.base_url.rstrip("/") + "/", headers=headers,
+                        timeout=httpx.Timeout(cfg.timeout_s, connect=min(30.0, cfg.timeout_s)),
+                        limits=httpx.Limits(max_connections=cfg.max_concurrency,
+                                            max_keepalive_connections=cfg.max_concurrency)), httpx
 
 
 def retry_after(value: Optional[str]) -> Optional[float]:
@@ -143,8 +157,6 @@ def retry_after(value: Optional[str]) -> Optional[float]:
     except ValueError:
         pass
     try:
-        import datetime
-
         return max(0.0, (parsedate_to_datetime(value) - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
     except (TypeError, ValueError):
         return None

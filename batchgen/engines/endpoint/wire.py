@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from batchgen.constraints import Constraint
-from batchgen.engines.base import split_answer
+from batchgen.engines.base import reasoning_tokens, split_answer
 from batchgen.records import Request, Result
 from batchgen.sampling import find_stop
 
@@ -85,7 +85,7 @@ def result(req: Request, data: dict[str, Any], chat: bool, tokenizer: Any) -> Re
     reason = choice.get("finish_reason")
     usage = data.get("usage") or {}
     ids = choice.get("token_ids")
-    reasoning = None
+    reasoning, answer = None, []
     if ids is not None:
         answer, reasoning = split_answer(tokenizer, list(ids), req.params)
         text = tokenizer.decode(answer, skip_special_tokens=True)
@@ -99,8 +99,13 @@ def result(req: Request, data: dict[str, Any], chat: bool, tokenizer: Any) -> Re
         return Result(key=req.key, text="", finish_reason="error", num_prompt_tokens=prompt_tokens,
                       num_generated_tokens=generated,
                       error=f"endpoint_finish: the endpoint ended the sample with finish_reason={reason!r}")
+    details = usage.get("completion_tokens_details") or {}
+    thought = details.get("reasoning_tokens")
+    if thought is None and ids is not None:
+        thought = reasoning_tokens(list(ids), answer, req.params)
     out = Result(key=req.key, text=text, finish_reason=reason, num_prompt_tokens=prompt_tokens,
-                 num_generated_tokens=generated, reasoning=reasoning)
+                 num_generated_tokens=generated, reasoning=reasoning, reasoning_tokens=thought,
+                 cached_prompt_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
     if req.params.logprobs is not None:
         out.token_logprobs, out.top_logprobs = _logprobs(choice.get("logprobs") or {}, chat, req.params.logprobs,
                                                          tokenizer)

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from batchgen.engines.base import split_answer, with_tokens
+from batchgen.engines.base import reasoning_tokens, split_answer, with_tokens
 from batchgen.engines.hf.cpu import kernels as cpu_kernels
 from batchgen.records import Request, Result
 from batchgen.sampling import SampleParams, find_stop
@@ -125,6 +125,7 @@ class Sampler:
         cut = find_stop(text, req.params.stop) if req.params.stop else -1
         return Result(key=req.key, text=text if cut < 0 else text[:cut], finish_reason=reason or "length",
                       num_prompt_tokens=len(req.prompt_ids), num_generated_tokens=len(generated), reasoning=reasoning,
+                      reasoning_tokens=reasoning_tokens(generated, answer, req.params),
                       token_logprobs=draw and draw.token_logprobs,
                       top_logprobs=draw and draw.top_logprobs and with_tokens(self.tokenizer, draw.top_logprobs))
 

@@ -15,6 +15,7 @@ each of their calls (on CPU, the thread governor that times them), not model int
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -42,6 +43,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     start: int = 0  # prompt tokens taken from the prefix cache: its prefill starts here
     prefix: Optional[Entry] = None  # that cached prefix, until it is loaded into the slot
+    arrived: float = field(default_factory=time.monotonic)  # taken from the source (its latency starts)
 
     @property
     def suffix(self) -> int:
@@ -100,7 +102,9 @@ class Scheduler:
         cache: Any = None
 
         def finish(seq: Sequence, reason: str) -> None:
-            on_result(self.sampler.make_result(seq.request, seq.generated, reason, seq.draw))
+            result = self.sampler.make_result(seq.request, seq.generated, reason, seq.draw)
+            result.cached_prompt_tokens, result.latency_s = seq.start, time.monotonic() - seq.arrived
+            on_result(result)
 
         while True:
             pool.top_up()

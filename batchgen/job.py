@@ -79,6 +79,8 @@ class RunConfig:
     skip_existing: Optional[str] = None
     # set by `batchgen retry` (its attempt-NNN/ output): written as the `attempt` column; 0 = the job itself
     attempt: int = 0
+    dedupe: bool = True  # identical greedy or seeded requests of the job are generated once (run/respcache.py)
+    cache_dir: Optional[str] = None  # answers kept across runs (local or fsspec URL), keyed by a content hash
 
 
 @dataclass

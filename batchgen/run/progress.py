@@ -41,6 +41,7 @@ class Summary:
     prefix_tokens_reused: int = 0  # prompt tokens the engine took from its prefix cache instead of prefilling
     rows_read: int = 0  # input rows this run decoded (a shard of a seekable input: its own parts' only)
     rows_typed: int = 0  # lines a JSONL input's typing pass parsed (once per input: saved for shards and resumes)
+    cache: Any = None  # respcache.CacheStats: answers from run.cache_dir, duplicates generated once (None: off)
 
     def render(self) -> str:
         t = self.totals
@@ -67,6 +68,10 @@ class Summary:
                          f"rows; ids are kept as given)")
         if self.reused_samples:
             lines.append(f"  resumed: {self.reused_samples} samples reused from part journals")
+        c = self.cache
+        if c is not None and (c.hits or c.deduplicated or c.stored):
+            lines.append(f"  response cache: {c.hits} samples from run.cache_dir, {c.deduplicated} duplicate requests "
+                         f"answered once, {c.stored} answers stored")
         if self.prefix_tokens_reused:
             lines.append(f"  prefix cache: {self.prefix_tokens_reused} prompt tokens reused instead of prefilled")
         if self.max_parts_in_flight > 1:

@@ -29,8 +29,10 @@ from batchgen.errors import BatchgenError, ConfigError
 from batchgen.job import JobConfig, LauncherConfig
 from batchgen.output.committer import SUCCESS, Committer, PartStats, optional_columns
 from batchgen.output.lock import OutputLock
+from batchgen.output.manifest import model_identity
 from batchgen.output.outdir import committed_totals
 from batchgen.prompts.render import RenderRow
+from batchgen.run import respcache
 from batchgen.run.feed import Feed, Unreported, check_error_rate
 from batchgen.run.prepare import open_input, open_output
 from batchgen.run.progress import Progress, Summary
@@ -55,7 +57,7 @@ class PartWorker:
         self.committer.exclusive = True
         self.committer.prices = cfg.output.priced()
         self.planner = Planner(cfg, job.reader, job.renderer, job.tokenizer, job.existing)
-        self.engine = build_engine(cfg.engine, job.tokenizer)
+        self.engine = respcache.wrap(build_engine(cfg.engine, job.tokenizer), cfg, model_identity(cfg.engine.model))
         self.stop = GracefulStop()  # never entered: the driver stops the job; shielded sections still nest
 
     def identity(self) -> dict[str, Any]:

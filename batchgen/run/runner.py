@@ -17,12 +17,13 @@ from batchgen.errors import BatchgenError
 from batchgen.job import JobConfig, validate
 from batchgen.output.committer import SUCCESS, Committer, PartStats
 from batchgen.output.heartbeat import status_name
-from batchgen.output.manifest import MANIFEST, check_engine
+from batchgen.output.manifest import MANIFEST, check_engine, model_identity
 from batchgen.output.openai_out import RESULTS, write_if_wanted
 from batchgen.output.outdir import committed_totals
 from batchgen.output.remote import is_remote
 from batchgen.prompts.planner import Planner, shard_holds
 from batchgen.prompts.render import RenderRow
+from batchgen.run import respcache
 from batchgen.run.feed import Feed, auto_lookahead, check_error_rate
 from batchgen.run.prepare import JobInput, JobOutput, open_input, open_output, output_place
 from batchgen.run.progress import Progress, Summary
@@ -90,7 +91,7 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
 def _load_and_generate(cfg: JobConfig, job: JobInput, out: JobOutput, planner: Planner, summary: Summary,
                        progress: Progress, started: float) -> None:
     """Load the engine, check what it resolved to against the manifest, and generate this shard's parts."""
-    engine = build_engine(cfg.engine, job.tokenizer)
+    engine = respcache.wrap(build_engine(cfg.engine, job.tokenizer), cfg, model_identity(cfg.engine.model))
     summary.load_s = time.perf_counter() - started
     with out.lock.layout():
         check_engine(out.output_dir, engine.identity())  # what engine.dtype=auto resolved to, the same
@@ -127,6 +128,7 @@ def _generate_parts(cfg: JobConfig, planner: Planner, engine: Any, committer: Co
         feed.close()
         summary.lookahead_parts, summary.max_parts_in_flight = lookahead, feed.max_in_flight
         summary.prefix_tokens_reused = getattr(getattr(engine, "stats", None), "prefix_tokens_reused", 0)
+        summary.cache = getattr(engine, "cache_stats", None)
     summary.duplicate_ids = progress.duplicate_ids = planner.duplicate_ids
     summary.rows_read, summary.rows_typed = planner.reader.rows_read, planner.reader.rows_typed
     if planner.total_rows == 0 and cfg.run.shard == 0:

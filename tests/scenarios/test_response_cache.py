@@ -1,0 +1,94 @@
+"""Never paying twice: identical requests of a job are generated once (run.dedupe), answers are reused across nights
+from run.cache_dir even where the ids changed, an unseeded-like change (another seed) is not reused, a corrupt cache
+entry costs a miss, and none of it changes a row. Counted by the server's own request log (tests/endpoint_server.py:
+a real model behind an OpenAI-compatible server)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from batchgen.run.runner import run_job
+from tests.conftest import compose_job, corpus, job_overrides, read_output, write_jsonl
+from tests.engines.test_engine_openai import endpoint
+
+ROWS = 30
+
+
+def night(prefix: str, seed: int = 8) -> list[dict]:
+    """30 rows over 21 distinct texts (30% of the rows repeat another's text), ids with the night's prefix."""
+    texts = corpus(21, seed=seed)
+    rng = random.Random(seed)
+    picks = texts + [rng.choice(texts) for _ in range(ROWS - len(texts))]
+    rng.shuffle(picks)
+    return [{"id": f"{prefix}-{i:02d}", "prompt": t} for i, t in enumerate(picks)]
+
+
+def args(model: str, url: str, data: Path, out: Path, *extra: str) -> list[str]:
+    return ["name=t", f"output_dir={out}", f"dataset.path={data}", "dataset.format=auto", "dataset.id_column=id",
+            "run.progress=false", "engine=openai", "engine.model=tiny", f"engine.tokenizer={model}",
+            f"engine.base_url={url}", "sampling.max_new_tokens=8", "run.rows_per_part=8", *extra]
+
+
+def answered(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def generations(out: Path) -> dict[str, str]:
+    return {r["id"]: r["generation"] for r in read_output(out).to_pylist()}
+
+
+def by_text(rows: list[dict], gens: dict[str, str]) -> dict[str, str]:
+    return {r["prompt"]: gens[r["id"]] for r in rows}
+
+
+def test_each_distinct_request_is_generated_once_and_a_later_night_with_new_ids_sends_none(tiny_model, tmp_path):
+    first, second = night("mon"), night("tue")
+    data1, data2 = write_jsonl(tmp_path / "mon.jsonl", first), write_jsonl(tmp_path / "tue.jsonl", second)
+    cache, log = tmp_path / "cache", tmp_path / "server.jsonl"
+    with endpoint(tiny_model, log=log) as url:
+        run_job(compose_job(args(tiny_model, url, data1, tmp_path / "plain", "run.dedupe=false")))
+        plain = len(answered(log))
+        summary = run_job(compose_job(args(tiny_model, url, data1, tmp_path / "mon", f"run.cache_dir={cache}")))
+        monday = len(answered(log)) - plain
+        tuesday_summary = run_job(compose_job(args(tiny_model, url, data2, tmp_path / "tue",
+                                                   f"run.cache_dir={cache}")))
+        tuesday = len(answered(log)) - plain - monday
+    assert plain == ROWS and monday == len({r["prompt"] for r in first}) == 21 and tuesday == 0
+    assert summary.cache.deduplicated == 9 and summary.cache.stored == 21
+    assert tuesday_summary.cache.hits == ROWS and "30 samples from run.cache_dir" in tuesday_summary.render()
+    assert generations(tmp_path / "mon") == generations(tmp_path / "plain")  # each row under its own id
+    assert by_text(second, generations(tmp_path / "tue")) == by_text(first, generations(tmp_path / "plain"))
+
+
+def test_a_corrupt_cache_entry_is_a_miss_and_other_seeds_are_not_reused(tiny_model, tmp_path):
+    rows = night("wed")
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    cache, log = tmp_path / "cache", tmp_path / "server.jsonl"
+    sampled = ("sampling.temperature=0.9", "sampling.seed=3")
+    with endpoint(tiny_model, log=log) as url:
+        run_job(compose_job(args(tiny_model, url, data, tmp_path / "a", f"run.cache_dir={cache}", *sampled)))
+        before = len(answered(log))
+        entries = sorted(cache.rglob("*.json"))
+        entries[0].write_text(entries[0].read_text()[:-20])  # torn
+        entries[1].write_text(entries[1].read_text().replace('"text": "', '"text": "edited '))  # digest fails
+        run_job(compose_job(args(tiny_model, url, data, tmp_path / "b", f"run.cache_dir={cache}", *sampled)))
+        again = len(answered(log)) - before
+        run_job(compose_job(args(tiny_model, url, data, tmp_path / "c", f"run.cache_dir={cache}",
+                                 "sampling.temperature=0.9", "sampling.seed=4")))
+        other_seed = len(answered(log)) - before - again
+    assert before == ROWS  # sampled rows: each row's seed is its own (job seed, id), so no two rows share a request
+    assert again == 2 and generations(tmp_path / "b") == generations(tmp_path / "a")
+    assert other_seed == ROWS
+
+
+def test_dedupe_on_the_hf_engine_writes_what_generating_every_row_writes(tiny_model, tmp_path):
+    rows = night("thu")
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    on = run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "on", "dataset.id_column=id",
+                                           "sampling.max_new_tokens=8")))
+    run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "off", "dataset.id_column=id",
+                                      "sampling.max_new_tokens=8", "run.dedupe=false")))
+    assert on.cache.deduplicated == 9
+    assert generations(tmp_path / "on") == generations(tmp_path / "off")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 
@@ -74,7 +74,7 @@ class Result:
     error: str | None = None  # the engine could not generate this sample (an endpoint rejected it): an error row
     cached_prompt_tokens: int | None = None  # prompt tokens the engine took from its prefix cache (None: unknown)
     reasoning_tokens: int | None = None  # generated tokens of a thinking sample's reasoning block (None: not thinking)
-    latency_s: float | None = None  # from the engine taking the request to its result
+    latency_s: float | None = field(default=None, compare=False)  # from the engine taking the request to its result
 
 
 @dataclass(slots=True)

@@ -135,7 +135,8 @@ class Handler(BaseHTTPRequestHandler):
         if self.log_path:
             digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
             line = json.dumps({"path": self.path, "digest": digest, "outcome": outcome, "seed": body.get("seed"),
-                               "prompt": body.get("prompt"), "messages": body.get("messages")})
+                               "prompt": body.get("prompt"), "messages": body.get("messages"),
+                               "auth": self.headers.get("Authorization")})
             with self.log_lock, open(self.log_path, "a") as f:
                 f.write(line + "\n")
 

@@ -20,7 +20,7 @@ def test_config_errors_exit_2_naming_the_key_before_the_model_loads(tiny_model, 
     cases = {
         "dataset.prompt_column: column 'prompt' not found": [],
         "dataset.path: no such file": [f"dataset.path={tmp_path / 'missing.parquet'}"],
-        "engine=nope: no such option; choices: dummy, hf, vllm": ["engine=nope"],
+        "engine=nope: no such option (did you mean engine=openai?); choices: dummy, hf, openai, vllm": ["engine=nope"],
         "engine.model: no such model directory": [f"engine.model={tmp_path / 'no-model'}",
                                                   "dataset.prompt_column=text"],
         "sampling.top_p must be in (0, 1]": ["sampling.top_p=2.0", "dataset.prompt_column=text"],
@@ -142,7 +142,7 @@ def test_the_cli_explains_itself():
         assert f"  {name:<9} {line}" in shown.stdout
     for group in GROUPS:
         assert f"  {group:<9} {', '.join(group_options(group))}" in shown.stdout
-    assert "hf, vllm" in shown.stdout.replace("dummy, ", "") and "demo" in shown.stdout
+    assert "hf, openai, vllm" in shown.stdout.replace("dummy, ", "") and "demo" in shown.stdout
     version = run_cli(["--version"])
     assert version.returncode == 0 and version.stdout.strip() == f"batchgen {__version__}"
     for name in COMMANDS:

@@ -194,6 +194,23 @@ def test_what_an_endpoint_cannot_do_is_refused_before_anything_is_sent(tiny_mode
     assert "the environment variable BATCHGEN_TEST_NO_SUCH_KEY is not set" in result.stderr
 
 
+def test_the_api_key_goes_into_the_header_and_nowhere_else(tiny_model, data, tmp_path, monkeypatch):
+    """engine.api_key_env names the variable; the key is sent as a bearer token and written to no file of the
+    output (manifest, status, history, logs, part metadata)."""
+    secret = "sk-test-0123456789abcdef"
+    monkeypatch.setenv("BATCHGEN_TEST_KEY", secret)
+    out, log = tmp_path / "out", tmp_path / "server.jsonl"
+    with endpoint(tiny_model, log=log) as url:
+        result = run_cli(overrides(tiny_model, data, out, url, "engine.api_key_env=BATCHGEN_TEST_KEY",
+                                   "dataset.limit=6"), env={"BATCHGEN_TEST_KEY": secret})
+    assert result.returncode == 0, result.stderr
+    sent = {json.loads(line)["auth"] for line in log.read_text().splitlines()}
+    assert sent == {f"Bearer {secret}"}
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) > 5 and not [p for p in files if secret.encode() in p.read_bytes()]
+    assert secret not in result.stdout + result.stderr
+
+
 def test_the_chat_endpoint_sends_the_messages_and_the_server_renders_them(tiny_model, tmp_path):
     """engine.endpoint=chat: each row's messages (the system prompt in) go to the server, whose chat template
     renders them: the rows equal the hf engine's, which renders with the same template locally."""

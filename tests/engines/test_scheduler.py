@@ -126,7 +126,7 @@ def request(ident: int, length: int, p: SampleParams) -> Request:
 
 def expected(req: Request, generated: list[int], reason: str) -> Result:
     return Result(key=req.key, text=FakeTokenizer().decode(generated), finish_reason=reason,
-                  num_prompt_tokens=len(req.prompt_ids), num_generated_tokens=len(generated))
+                  num_prompt_tokens=len(req.prompt_ids), num_generated_tokens=len(generated), cached_prompt_tokens=0)
 
 
 def run(requests: list[Request], stepper: FakeStepper, *, max_batch_tokens: int = 10_000, max_batch_size: int = 4
@@ -231,7 +231,7 @@ def test_a_row_stops_at_its_stop_string_and_the_text_is_cut_before_it():
     _, results = run(requests, stepper, max_batch_size=3)
     assert results[0] == expected(requests[0], [token(0, g) for g in range(6)], "length")
     assert results[1] == Result(key=requests[1].key, text=f"{token(1, 0)} {token(1, 1)} ", finish_reason="stop",
-                                num_prompt_tokens=4, num_generated_tokens=3)
+                                num_prompt_tokens=4, num_generated_tokens=3, cached_prompt_tokens=0)
     assert results[2] == expected(requests[2], [token(2, g) for g in range(3)], "length")
 
 

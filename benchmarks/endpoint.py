@@ -153,7 +153,8 @@ def main() -> None:
         print(f"{args.rows} rows x {args.new_tokens} new tokens, concurrency {args.concurrency}, vLLM server at {url}")
         print("batchgen rows/s: " + ", ".join(f"{args.rows / s:.1f}" for s in ours))
         print("plain    rows/s: " + ", ".join(f"{args.rows / s:.1f}" for s in plain))
-        print("batchgen / plain: " + ", ".join(f"{r:.3f}" for r in ratios) + f"; median {statistics.median(ratios):.3f}")
+        median = statistics.median(ratios)
+        print("batchgen / plain: " + ", ".join(f"{r:.3f}" for r in ratios) + f"; median {median:.3f}")
     finally:
         if proc is not None:
             proc.terminate()

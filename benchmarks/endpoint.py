@@ -8,7 +8,8 @@ Workload (seeded): `--rows` prompts of 5 to 40 words, `--new-tokens` new tokens 
 the requests, journaling, committing Parquet parts), its generation time (the job's wall time less its start-up).
 "plain": an asyncio client (httpx.AsyncClient, a semaphore of the same concurrency) sending the same token-id prompts
 with the same settings and keeping the answers in memory. The two alternate (A B A B ...); the ratio is batchgen's
-rows/s over plain's, per repeat and as the median of those. Printed beside the figures: the CPU.
+rows/s over plain's, per repeat and as the median of those; and the CPU seconds each client spent (on a machine
+whose cores the server also uses, the client's CPU is the server's loss). Printed beside the figures: the CPU.
 """
 
 from __future__ import annotations
@@ -144,15 +145,21 @@ def main() -> None:
         warm = data.with_name("warm.jsonl")
         warm.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts[:8]))
         run_batchgen(url, args.served, model, warm, 4, 4)
-        ours, plain = [], []
+        ours, plain, cpu = [], [], {"batchgen": [], "plain": []}
         for _ in range(args.repeats):
+            start = time.process_time()
             ours.append(run_batchgen(url, args.served, model, data, args.new_tokens, args.concurrency))
+            cpu["batchgen"].append(time.process_time() - start)
+            start = time.process_time()
             plain.append(run_plain(url, args.served, ids, args.new_tokens, args.concurrency))
+            cpu["plain"].append(time.process_time() - start)
         ratios = [p / o for o, p in zip(ours, plain)]
         print(describe_cpu())
         print(f"{args.rows} rows x {args.new_tokens} new tokens, concurrency {args.concurrency}, vLLM server at {url}")
         print("batchgen rows/s: " + ", ".join(f"{args.rows / s:.1f}" for s in ours))
         print("plain    rows/s: " + ", ".join(f"{args.rows / s:.1f}" for s in plain))
+        print("client CPU s (this process, user + system): " + "; ".join(
+            f"{name} {statistics.median(times):.2f}" for name, times in cpu.items()))
         median = statistics.median(ratios)
         print("batchgen / plain: " + ", ".join(f"{r:.3f}" for r in ratios) + f"; median {median:.3f}")
     finally:

@@ -116,6 +116,7 @@ class Handler(BaseHTTPRequestHandler):
     backend: Backend
     faults: Faults
     log_path: str | None = None
+    reject: str = "REJECT"  # a prompt holding this word is answered 400
     log_lock = threading.Lock()
 
     def log_message(self, *args: Any) -> None:
@@ -173,7 +174,7 @@ class Handler(BaseHTTPRequestHandler):
         tok = self.backend.tokenizer
         text = json.dumps(body.get("messages")) if chat else (
             body["prompt"] if isinstance(body["prompt"], str) else tok.decode(body["prompt"]))
-        if "REJECT" in text:
+        if self.reject and self.reject in text:
             self._log(body, "400")
             return self._send(400, {"error": {"message": "the prompt asks to be rejected"}})
         try:
@@ -193,11 +194,13 @@ def main() -> None:
     parser.add_argument("--log", default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fault-requests", type=int, default=None, help="only the first N requests may fault")
+    parser.add_argument("--reject", default="REJECT", help="prompts holding this word get HTTP 400 ('': none)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     Handler.backend = Backend(args.model, args.name)
     Handler.faults = Faults(args.faults, args.seed, args.fault_requests)
     Handler.log_path = args.log
+    Handler.reject = args.reject
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
     print(f"port {server.server_address[1]}", flush=True)

@@ -165,6 +165,22 @@ def test_a_server_that_stays_down_stops_the_job_with_exit_1_and_the_rerun_resume
     assert columns(by_id(out), "generation") == columns(reference, "generation") | {("r005", 0): (None,)}
 
 
+def test_batchgen_retry_sends_the_rejected_rows_again(tiny_model, data, reference, tmp_path):
+    """endpoint_rejected is a retryable kind (a default one): once the server takes them, the latest-attempt view has
+    every row, equal to the hf engine's."""
+    from batchgen.output.view import latest
+
+    out = tmp_path / "out"
+    with endpoint(tiny_model) as url:
+        run_job(compose_job(overrides(tiny_model, data, out, url)))
+    with endpoint(tiny_model, "--reject", "") as url:
+        done = run_cli(["retry", str(out), f"engine.base_url={url}"])
+    assert done.returncode == 0, done.stderr
+    view = {(r["id"], r["sample_index"]): r for r in latest(out).to_pylist()}
+    assert {k: r["generation"] for k, r in view.items()} == {k: r["generation"] for k, r in reference.items()}
+    assert view[("r005", 0)]["attempt"] == 1 and view[("r005", 0)]["error"] is None
+
+
 def test_a_resume_against_another_served_model_is_refused(tiny_model, small_model, data, tmp_path):
     """The same served name and settings, another model behind them (vLLM reports the path it loaded as the root)."""
     out = tmp_path / "out"

@@ -83,6 +83,19 @@ def test_a_corrupt_cache_entry_is_a_miss_and_other_seeds_are_not_reused(tiny_mod
     assert other_seed == ROWS
 
 
+def test_a_cache_on_object_storage(tiny_model, s3, tmp_path):
+    """run.cache_dir on S3 (moto's local server, as the S3 tests use): the second job sends nothing."""
+    rows = night("fri")
+    data = write_jsonl(tmp_path / "in.jsonl", rows)
+    log = tmp_path / "server.jsonl"
+    with endpoint(tiny_model, log=log) as url:
+        run_job(compose_job(args(tiny_model, url, data, tmp_path / "a", "run.cache_dir=s3://bucket/cache")))
+        first = len(answered(log))
+        again = run_job(compose_job(args(tiny_model, url, data, tmp_path / "b", "run.cache_dir=s3://bucket/cache")))
+    assert first == 21 and len(answered(log)) == first and again.cache.hits == ROWS
+    assert generations(tmp_path / "b") == generations(tmp_path / "a")
+
+
 def test_dedupe_on_the_hf_engine_writes_what_generating_every_row_writes(tiny_model, tmp_path):
     rows = night("thu")
     data = write_jsonl(tmp_path / "in.jsonl", rows)

@@ -118,6 +118,7 @@ class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    task: str = "generate"  # generate | loglik (each row's log-likelihood: prompts/planner.py, engines/hf/loglik.py)
 
     @property
     def rows_per_part(self) -> int:
@@ -144,7 +145,7 @@ def validate(cfg: JobConfig) -> JobConfig:
                                                        cfg.sampling.max_reasoning_tokens)
     problems += cfg.engine.problems() + cfg.dataset.problems() + sampling_problems + _run_problems(cfg.run)
     problems += _per_row_problems(cfg) + cfg.launcher.problems()
-    problems += engine_problems(cfg.engine, cfg.sampling, cfg.dataset) + _output_problems(cfg)
+    problems += engine_problems(cfg.engine, cfg.sampling, cfg.dataset) + _output_problems(cfg) + _task_problems(cfg)
     if cfg.launcher.name == "ray" and "://" in cfg.output_dir:
         problems.append("launcher=ray writes output_dir from every worker: use a shared filesystem path, not a URL")
     if cfg.launcher.name == "ray" and cfg.run.num_shards != 1:
@@ -154,6 +155,28 @@ def validate(cfg: JobConfig) -> JobConfig:
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+TASKS = ("generate", "loglik")
+
+
+def _task_problems(cfg: JobConfig) -> list[str]:
+    """task=loglik scores rows, it does not sample: the hf engine, one sample a row, no constraint or decoding key."""
+    if cfg.task not in TASKS:
+        return [f"task must be one of {', '.join(TASKS)} (got {cfg.task!r})"]
+    if cfg.task == "generate":
+        return [] if cfg.dataset.text_column is None else [
+            "dataset.text_column is the text task=loglik scores; set task=loglik or remove it"]
+    s, out = cfg.sampling, []
+    if cfg.engine.name != "hf":
+        out.append(f"task=loglik runs on engine=hf (got engine={cfg.engine.name})")
+    decoding = [key for key, value in (("sampling.n", s.n != 1), ("sampling.num_beams", s.num_beams != 1),
+                                       ("sampling.logprobs", s.logprobs is not None),
+                                       ("sampling.choice_scores", s.choice_scores),
+                                       ("sampling.reasoning", s.reasoning != "off"),
+                                       ("a sampling constraint", s.constraint() is not None)) if value]
+    out += [f"{key}: task=loglik generates nothing; leave it at its default" for key in decoding]
+    return out
 
 
 def _output_problems(cfg: JobConfig) -> list[str]:

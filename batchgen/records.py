@@ -75,6 +75,7 @@ class Result:
     cached_prompt_tokens: int | None = None  # prompt tokens the engine took from its prefix cache (None: unknown)
     reasoning_tokens: int | None = None  # generated tokens of a thinking sample's reasoning block (None: not thinking)
     latency_s: float | None = field(default=None, compare=False)  # from the engine taking the request to its result
+    loglik: list[float] | None = None  # task=loglik: [total log-likelihood, scored tokens] of the scored span
 
 
 @dataclass(slots=True)
@@ -99,3 +100,7 @@ class OutputRow:
     reasoning_tokens: int | None = None
     latency_s: float | None = None
     cost: float | None = None  # output.prices: this sample's price (each sample's request carries its prompt)
+    loglik: float | None = None  # task=loglik: the scored tokens' summed log-probability (natural log)
+    loglik_mean: float | None = None  # per scored token
+    perplexity: float | None = None  # exp(-loglik_mean)
+    scored_tokens: int | None = None

@@ -144,6 +144,7 @@ class SampleParams:
     early_stopping: Any = False
     beam_rank: int = 0
     beam_count: int = 1
+    score_from: Optional[int] = None  # task=loglik: no generation; the prompt's tokens from here on are scored
 
     @property
     def greedy(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 from collections import Counter
@@ -57,7 +58,13 @@ OPTIONAL_FIELDS = {
     "latency_s": pa.field("latency_s", pa.float32()),
     # output.prices
     "cost": pa.field("cost", pa.float64()),
+    # task=loglik
+    "loglik": pa.field("loglik", pa.float64()),
+    "loglik_mean": pa.field("loglik_mean", pa.float64()),
+    "perplexity": pa.field("perplexity", pa.float64()),
+    "scored_tokens": pa.field("scored_tokens", pa.int32()),
 }
+LOGLIK_COLUMNS = ("loglik", "loglik_mean", "perplexity", "scored_tokens")
 USAGE_COLUMNS = ("cached_prompt_tokens", "reasoning_tokens", "latency_s")
 ATTEMPT_FIELD = pa.field("attempt", pa.int32(), nullable=False)  # a retry's parts only (batchgen retry)
 PART_RE = re.compile(r"^part-(\d{5,})\.parquet$")
@@ -148,6 +155,12 @@ def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
                                       num_generated_tokens=0, seed=seed, error=res.error, **usage))
                 continue
             constraint = constraints.get(row * n + s)
+            if res.loglik is not None:  # task=loglik: a score, no generation
+                rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=None,
+                                      finish_reason=res.finish_reason, num_prompt_tokens=res.num_prompt_tokens,
+                                      num_generated_tokens=0, seed=None, error=None, **usage,
+                                      **loglik_columns(res.loglik)))
+                continue
             parsed, invalid = check(constraint, res.text, res.finish_reason) if constraint else (None, None)
             rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=res.text,
                                   finish_reason=res.finish_reason, num_prompt_tokens=res.num_prompt_tokens,
@@ -161,9 +174,10 @@ def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
     return rows
 
 
-def optional_columns(sampling: Any, dataset: Any = None, output: Any = None) -> tuple[str, ...]:
+def optional_columns(sampling: Any, dataset: Any = None, output: Any = None, task: str = "generate"
+                     ) -> tuple[str, ...]:
     """The OPTIONAL_FIELDS a job with these sampling.* (dataset.* per-row constraint, output.usage and output.prices)
-    settings writes."""
+    settings and this task writes."""
     constrained = any(getattr(sampling, kind, None) not in (None, "", []) for kind in KINDS) or any(
         getattr(dataset, key, None) for key in ("choice_column", "schema_column", "response_format_column"))
     logprobs = getattr(sampling, "logprobs", None) is not None
@@ -171,7 +185,8 @@ def optional_columns(sampling: Any, dataset: Any = None, output: Any = None) -> 
             + ("token_logprobs", "top_logprobs") * logprobs
             + ("reasoning",) * (getattr(sampling, "reasoning", "off") != "off")
             + USAGE_COLUMNS * bool(getattr(output, "usage", False))
-            + ("cost",) * (output is not None and output.priced() is not None))
+            + ("cost",) * (output is not None and output.priced() is not None)
+            + LOGLIK_COLUMNS * (task == "loglik"))
 
 
 def _top(top: Optional[list[list[list]]]) -> Optional[list[list[dict[str, Any]]]]:
@@ -184,6 +199,14 @@ def _labelled(constraint: Optional[Constraint], scores: Optional[list[float]]) -
     if constraint is None or scores is None:
         return None
     return [{"choice": c, "score": p} for c, p in zip(constraint.choices, scores, strict=True)]
+
+
+def loglik_columns(loglik: list[float]) -> dict[str, Any]:
+    """A task=loglik Result's [total, scored tokens] as its columns: total, per-token mean, perplexity, tokens."""
+    total, count = loglik[0], int(loglik[1])
+    mean = total / count if count else None
+    return {"loglik": total, "loglik_mean": mean, "perplexity": None if mean is None else math.exp(-mean),
+            "scored_tokens": count}
 
 
 def price(rows: list[OutputRow], prices: Any) -> None:
@@ -296,7 +319,8 @@ class Committer:
         fields = list(OUTPUT_FIELDS)
         if "parsed" in self.optional:
             columns["parsed"] = pa.array([r.parsed for r in rows], pa.string())
-        for name in ("choice_scores", "token_logprobs", "top_logprobs", "reasoning", *USAGE_COLUMNS, "cost"):
+        for name in ("choice_scores", "token_logprobs", "top_logprobs", "reasoning", *USAGE_COLUMNS, "cost",
+                     *LOGLIK_COLUMNS):
             if name in self.optional:
                 columns[name] = pa.array([getattr(r, name) for r in rows], OPTIONAL_FIELDS[name].type)
         fields += [OPTIONAL_FIELDS[name] for name in self.optional]

@@ -64,6 +64,7 @@ def output_config(cfg: JobConfig) -> dict[str, Any]:
                    "quantization": engine.quantization, "max_model_len": engine.max_model_len,
                    **_endpoint(engine)},
         **_output(cfg),
+        **({"task": cfg.task} if cfg.task != "generate" else {}),
         "run": {"rows_per_part": cfg.rows_per_part, "too_long": cfg.run.too_long,
                 **({"skip_existing": _input(cfg.run.skip_existing)} if cfg.run.skip_existing else {}),
                 **({"attempt": cfg.run.attempt} if cfg.run.attempt else {})},
@@ -91,7 +92,7 @@ LATER_SAMPLING_KEYS = ("json_schema", "regex", "choice", "grammar", "choice_scor
                        "reasoning", "reasoning_start", "reasoning_end", "max_reasoning_tokens", "num_beams",
                        "length_penalty", "early_stopping")
 LATER_DATASET_KEYS = ("temperature_column", "stop_column", "choice_column", "schema_column", "top_p_column",
-                      "seed_column", "n_column", "response_format_column")
+                      "seed_column", "n_column", "response_format_column", "text_column")
 
 
 def _sampling(cfg: JobConfig) -> dict[str, Any]:

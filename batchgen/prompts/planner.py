@@ -18,7 +18,7 @@ from batchgen.errors import TooLongError
 from batchgen.job import JobConfig
 from batchgen.prompts.render import Renderer
 from batchgen.prompts.rowparams import RowParams, RowSettings
-from batchgen.reader import Reader
+from batchgen.reader import Reader, column_values
 from batchgen.records import InputBatch, Part, PlannedPart, Request
 from batchgen.sampling import Reasoning, SampleParams, derive_seed
 
@@ -152,6 +152,8 @@ class Planner:
         return Measured(rendered.texts, errors, settings, ids, rendered.messages)
 
     def plan(self, part: Part, max_model_len: int) -> PlannedPart:
+        if self.cfg.task == "loglik":
+            return self._plan_loglik(part)
         rendered, errors, settings, ids, messages = self.measure(part)
         counts = tuple(settings[row].n for row in range(part.num_rows))  # samples per row (dataset.n_column)
         n = max((self.cfg.sampling.n, *counts))  # the key stride: sample s of row r is key r * n + s
@@ -178,6 +180,33 @@ class Planner:
                                      params, beam_rank=s, beam_count=counts[row])) for s in range(counts[row])]
         return PlannedPart(part=part, requests=requests, errors=errors, seeds=seeds, n=n, skipped=skipped,
                            counts=None if set(counts) == {n} else counts)
+
+    def _plan_loglik(self, part: Part) -> PlannedPart:
+        """task=loglik: one request a row, its rendered prompt's tokens then, with dataset.text_column, the text's;
+        the text's tokens are scored given the prompt (without it, the prompt's own from its second token). No cap,
+        no truncation: a row longer than max_model_len is scored in windows (engines/hf/loglik.py)."""
+        m = self.measure(part)
+        errors = list(m.errors)
+        column = self.cfg.dataset.text_column
+        texts = column_values(part.table, column) if column else [None] * part.num_rows
+        requests = []
+        for row in range(part.num_rows):
+            if errors[row] is not None:
+                continue
+            if column is not None and (not isinstance(texts[row], str) or not texts[row]):
+                errors[row] = ("empty_text" if texts[row] in (None, "") else
+                               f"non_string_text: dataset.text_column holds a {type(texts[row]).__name__}")
+                continue
+            tail = self.tokenizer(texts[row], add_special_tokens=False)["input_ids"] if column else []
+            ids = m.ids[row] + tail
+            first = len(m.ids[row]) if column else 1
+            if len(ids) <= first:
+                errors[row] = "empty_text: no token to score"
+                continue
+            params = SampleParams(max_new_tokens=0, temperature=0.0, top_p=1.0, top_k=0, stop=(), ignore_eos=False,
+                                  score_from=first)
+            requests.append(Request(key=row, prompt_ids=ids, params=params, seed=None))
+        return PlannedPart(part=part, requests=requests, errors=errors, seeds=[None] * part.num_rows, n=1)
 
     def _tokenize(self, texts: list[Optional[str]], add_special_tokens: bool) -> list[list[int]]:
         todo = [i for i, t in enumerate(texts) if t is not None]

@@ -37,6 +37,7 @@ class DatasetConfig:
     top_p_column: Optional[str] = None  # a number in (0, 1]
     seed_column: Optional[str] = None  # an integer: the row's samples' seeds derive from it instead of sampling.seed
     n_column: Optional[str] = None  # samples for the row, 1..128 (else sampling.n)
+    text_column: Optional[str] = None  # task=loglik: the text scored given the rendered prompt (null: the prompt)
     response_format_column: Optional[str] = None  # an OpenAI response_format (object or JSON text): text,
     # json_object or json_schema, the row's constraint
     split: Optional[str] = None  # format=hf: split of a DatasetDict or hub dataset

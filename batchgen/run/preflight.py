@@ -36,7 +36,7 @@ def check_columns(cfg: JobConfig, reader: Reader, renderer: Renderer) -> list[st
         return []
     where = ", ".join(reader.files[:3]) + (" ..." if len(reader.files) > 3 else "")
     named = ("id_column", "max_new_tokens_column", "temperature_column", "stop_column", "choice_column",
-             "schema_column", "top_p_column", "seed_column", "n_column", "response_format_column")
+             "schema_column", "top_p_column", "seed_column", "n_column", "response_format_column", "text_column")
     wanted = {f"dataset.{key}": getattr(ds, key) for key in named}
     if ds.messages_column:
         wanted["dataset.messages_column"] = ds.messages_column
@@ -61,11 +61,11 @@ def _passthrough(cfg: JobConfig, available: list[str], problems: list[str], own_
             if col not in available:
                 problems.append(f"dataset.passthrough_columns: column {col!r} not found (columns: "
                                 f"{', '.join(available)})")
-            elif col in OUTPUT_COLUMNS or col in optional_columns(cfg.sampling, cfg.dataset, cfg.output):
+            elif col in OUTPUT_COLUMNS or col in optional_columns(cfg.sampling, cfg.dataset, cfg.output, cfg.task):
                 problems.append(f"dataset.passthrough_columns: {col!r} collides with an output column; "
                                 f"rename it in the input")
         return list(ds.passthrough_columns)
     used = ({ds.messages_column} if ds.messages_column else set() if ds.template is not None or own_render
             else {ds.prompt_column})
-    taken = set(OUTPUT_COLUMNS) | set(optional_columns(cfg.sampling, cfg.dataset, cfg.output))
+    taken = set(OUTPUT_COLUMNS) | set(optional_columns(cfg.sampling, cfg.dataset, cfg.output, cfg.task))
     return [c for c in available if c not in used and c not in taken]

@@ -92,7 +92,8 @@ def open_output(cfg: JobConfig, job: JobInput, resolved: Optional[dict[str, Any]
                 remote.push(MANIFEST)
                 remote.reconcile(config_hash(cfg))  # only now: a staged part goes up once the manifest matched
         kwargs = {"passthrough": job.passthrough, "metadata": file_metadata(cfg),
-                  "optional": optional_columns(cfg.sampling, cfg.dataset, cfg.output), "attempt": cfg.run.attempt}
+                  "optional": optional_columns(cfg.sampling, cfg.dataset, cfg.output, cfg.task),
+                  "attempt": cfg.run.attempt}
         committer = RemoteCommitter(remote, **kwargs) if remote else Committer(output_dir, **kwargs)
         committer.prices = cfg.output.priced()
         mine = (status_name(cfg.run.shard, cfg.run.num_shards),)  # the shard's own status file's temp copies

@@ -53,7 +53,7 @@ class PartWorker:
         self.output_dir = Path(cfg.output_dir)
         job = open_input(cfg, self.output_dir, render_row)  # a JSONL input: the driver's pass, saved beside output
         self.committer = Committer(self.output_dir, passthrough=job.passthrough, metadata=dict(metadata),
-                                   optional=optional_columns(cfg.sampling, cfg.dataset, cfg.output))
+                                   optional=optional_columns(cfg.sampling, cfg.dataset, cfg.output, cfg.task))
         self.committer.exclusive = True
         self.committer.prices = cfg.output.priced()
         self.planner = Planner(cfg, job.reader, job.renderer, job.tokenizer, job.existing)

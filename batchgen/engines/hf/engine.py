@@ -19,7 +19,7 @@ from typing import Any, Optional
 import torch
 
 from batchgen.engines.base import Source, generate_by_stream, stream_windows
-from batchgen.engines.hf import device, prefix, quant
+from batchgen.engines.hf import device, loglik, prefix, quant
 from batchgen.engines.hf.beam import BeamSearcher, with_beams
 from batchgen.engines.hf.config import HFConfig
 from batchgen.engines.hf.cpu import kernels, onednn, runtime, threads
@@ -83,6 +83,7 @@ class HFEngine:
         self.pad_id = _first(tokenizer.pad_token_id, *sorted(self.eos_ids), 0)
         self._scorer: Optional[ChoiceScorer] = None
         self._beams: Optional[BeamSearcher] = None
+        self._loglik: Optional[loglik.LoglikScorer] = None
         between = "" if self.activation_dtype == self.dtype else f" (activations in {self.activation_dtype})"
         log.info("hf engine: %s on %s in %s%s, max_batch_tokens=%d, max_batch_size=%d, %d linears prepacked for "
                  "oneDNN, %d fused q/k/v or gate/up projections", cfg.model, self.device, self.dtype, between,
@@ -126,7 +127,7 @@ class HFEngine:
                  ) -> list[Result]:
         if not requests:
             return []
-        if any(self.scorer.wants(r) or BeamSearcher.wants(r) for r in requests):
+        if any(self.scorer.wants(r) or BeamSearcher.wants(r) or loglik.wants(r) for r in requests):
             return generate_by_stream(self.stream, requests, on_result)  # scored rows answered, the rest decoded
         max_len = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
         if self.fast and supports(self.model, max_len):
@@ -142,6 +143,7 @@ class HFEngine:
         """Continuous batching across windows where the Llama-family step serves every request the model allows;
         otherwise one window at a time through the generic path. Rows that want choice scores are scored as they
         arrive (score.py)."""
+        source = loglik.with_loglik(self.loglik_scorer, source, on_result)  # prefill-only rows, scored at once
         source, on_result = with_choice_scores(self.scorer, source, on_result)
         source = with_beams(self.beams, source, on_result)
         if self.fast and supports(self.model, self.max_model_len):
@@ -162,12 +164,24 @@ class HFEngine:
             self._scorer = ChoiceScorer(self.tokenizer, eos_id=eos)
         return self._scorer
 
-    def _continuous(self, run: Callable[[Scheduler], Any]) -> Any:
+    def loglik_scorer(self) -> loglik.LoglikScorer:
+        """task=loglik's scorer: on the Llama-family step where it serves the model, else the model's own forward."""
+        if self._loglik is None:
+            stepper = self.stepper if self.fast and supports(self.model, self.max_model_len) else None
+            self._loglik = loglik.LoglikScorer(self.model, stepper, self.device, max_len=self.max_model_len,
+                                               max_batch_tokens=self.max_batch_tokens)
+        return self._loglik
+
+    @property
+    def stepper(self) -> LlamaStepper:
         if self._stepper is None:
             # built once per engine; around bf16 GEMMs the cache is bf16, as a bf16 model's would be
             self._stepper = LlamaStepper(self.model, self.activation_dtype, self.dtype)
             log.info("hf engine decode step: %s", self._stepper.describe())
-        scheduler = Scheduler(self.sampler, self._stepper, max_batch_tokens=self.max_batch_tokens,
+        return self._stepper
+
+    def _continuous(self, run: Callable[[Scheduler], Any]) -> Any:
+        scheduler = Scheduler(self.sampler, self.stepper, max_batch_tokens=self.max_batch_tokens,
                               max_batch_size=self.max_batch_size, prefixes=self.prefixes,
                               stats=self.stats,  # the engine's counters, counted as they happen (the status)
                               governor=self.governor)

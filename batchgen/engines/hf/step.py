@@ -9,9 +9,7 @@ With fused projections in a float32 model on CPU, a decode step runs batchgen's 
 GEMMs as well (RMSNorm; rotary embedding, cache write and attention in one call; SiLU-and-multiply):
 `_decode_native`, the same arithmetic in a few calls per layer instead of ~50 torch operations.
 Around W8A8 linears (engine.quantization=int8) those kernels write the quantized rows the int8 GEMM reads and
-apply the row scales of the one before (`_linear_unscaled`), so no pass of its own quantizes or scales.
-Architectures outside the list use the generic path in hf.py. Knows the model's modules, not
-requests, sampling or tokenizers.
+apply the row scales of the one before (`_linear_unscaled`). Other architectures take the generic path (generic.py).
 """
 
 from __future__ import annotations
@@ -116,8 +114,9 @@ class LlamaStepper:
                            head_dim=self.head_dim, dtype=self.kv_dtype, device=self.device)
 
     def prefill(self, cache: SlotKVCache, first_slot: int, prompts: list[list[int]],
-                starts: Optional[list[int]] = None) -> torch.Tensor:
-        """Run prompts into slots [first_slot, first_slot + n); logits of each last token: [n, V].
+                starts: Optional[list[int]] = None, every: bool = False) -> torch.Tensor:
+        """Run prompts into slots [first_slot, first_slot + n); logits of each last token: [n, V]. every=True: every
+        token's final hidden state instead, packed [N, hidden] (task=loglik applies the LM head where it scores).
 
         The GEMMs, norms and MLP run over the prompts' tokens only, packed one after another ([N, hidden]); only
         attention sees them right-padded to the longest ([n, T]): padding cost GEMM work (11% of the benchmark
@@ -157,6 +156,8 @@ class LlamaStepper:
         for i, layer in enumerate(self.layers):
             x, h = self._prefill_layer(i, layer, x, h, batch)
         cache.set_lengths(first_slot, full)
+        if every:
+            return self._norm(self.inner.norm, x.contiguous()) if self.native_step else self.inner.norm(x)
         ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
         if self.native_step:  # the final norm and LM head as a decode step runs them (each row alone)
             h = self._norm(self.inner.norm, x[ends].contiguous(), self.head_input)
@@ -226,8 +227,7 @@ class LlamaStepper:
         return out
 
     def decode(self, cache: SlotKVCache, tokens: torch.Tensor) -> torch.Tensor:
-        """One token for each live slot [0, n): tokens [n] -> logits [n, V]."""
-        return self.decode_picks(cache, tokens)[0]
+        return self.decode_picks(cache, tokens)[0]  # one token for each live slot [0, n): tokens [n] -> logits [n, V]
 
     def decode_picks(self, cache: SlotKVCache, tokens: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """decode()'s logits, and each row's greedy pick ([n] int64, the first largest logit) where the LM head's own

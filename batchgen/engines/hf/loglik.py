@@ -1,0 +1,116 @@
+"""task=loglik on the hf engine: each request's log-likelihood of its tokens from `params.score_from` on, given the
+tokens before them; no generation.
+
+Requests are prefill-only: they are scored as they arrive, never queued behind decodes. Longest first, in groups
+within engine.max_batch_tokens (the budget counts padded tokens, as a prefill does), each group one prefill of
+the Llama-family step (fused projections, batchgen's kernels; every token's final hidden state) or of the model's
+own forward elsewhere; the LM head runs only over the scored positions, a row at a time, and log-softmax in
+float32.
+
+A row longer than engine.max_model_len is scored in windows of that many tokens: the first window scores its
+tokens from score_from; each next one starts half a window later and scores only its second half, so every token
+is scored once, with at least half a window of context before it (the sliding-window perplexity of the
+transformers docs). Knows token ids and the model, not rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+
+from batchgen.engines.base import Source
+from batchgen.records import Request, Result
+
+Span = tuple[list[int], int]  # (token ids, the first position scored)
+
+
+def wants(req: Request) -> bool:
+    return req.params.score_from is not None
+
+
+def windows(ids: list[int], first: int, width: int) -> list[Span]:
+    """The spans that score ids[first:] once each within `width` tokens (see the module docstring)."""
+    if len(ids) <= width:
+        return [(ids, first)]
+    half = max(width // 2, 1)
+    out: list[Span] = [(ids[:width], first)]
+    start = half
+    while start + width < len(ids) + half:
+        end = min(start + width, len(ids))
+        out.append((ids[start:end], max(width - half, first - start)))
+        start += half
+    return [(span, at) for span, at in out if at < len(span)]
+
+
+class LoglikScorer:
+    def __init__(self, model: Any, stepper: Optional[Any], device: torch.device, *, max_len: int,
+                 max_batch_tokens: int):
+        self.model, self.stepper, self.device = model, stepper, device
+        self.max_len, self.max_batch_tokens = max_len, max_batch_tokens
+        self.tokens = 0  # tokens prefilled for scoring
+
+    @torch.inference_mode()
+    def score(self, requests: list[Request]) -> list[Result]:
+        """One Result per request, in request order: loglik = [summed log-probability, scored tokens]."""
+        spans = [(i, span) for i, r in enumerate(requests)
+                 for span in windows(r.prompt_ids, max(r.params.score_from, 1), self.max_len)]
+        spans.sort(key=lambda item: -len(item[1][0]))
+        totals = [[0.0, 0] for _ in requests]
+        start = 0
+        while start < len(spans):
+            width = len(spans[start][1][0])
+            end = min(len(spans), start + max(1, self.max_batch_tokens // width))
+            for (i, _), (total, count) in zip(spans[start:end], self._group([s for _, s in spans[start:end]])):
+                totals[i][0] += total
+                totals[i][1] += count
+            start = end
+        return [Result(key=r.key, text="", finish_reason="scored", num_prompt_tokens=len(r.prompt_ids),
+                       num_generated_tokens=0, loglik=[float(t), int(c)]) for r, (t, c) in zip(requests, totals)]
+
+    def _group(self, spans: list[Span]) -> list[tuple[float, int]]:
+        hidden = self._hidden([ids for ids, _ in spans])
+        out, offset = [], 0
+        for ids, at in spans:
+            h = hidden[offset + at - 1: offset + len(ids) - 1]  # the states that predict ids[at:]
+            logp = torch.log_softmax(self.model.get_output_embeddings()(h).float(), dim=-1)
+            target = torch.tensor(ids[at:], device=logp.device)
+            out.append((logp.gather(1, target[:, None]).double().sum().item(), len(ids) - at))
+            offset += len(ids)
+        self.tokens += offset
+        return out
+
+    def _hidden(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Every token's final hidden state, packed [N, hidden] in prompt order."""
+        if self.stepper is not None:
+            cache = self.stepper.new_cache(len(prompts), max(map(len, prompts)))
+            return self.stepper.prefill(cache, 0, prompts, every=True)
+        width = max(map(len, prompts))
+        ids = torch.zeros((len(prompts), width), dtype=torch.long, device=self.device)
+        mask = torch.zeros_like(ids)
+        for r, p in enumerate(prompts):
+            ids[r, :len(p)] = torch.tensor(p)
+            mask[r, :len(p)] = 1
+        states = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+        return torch.cat([states[r, :len(p)] for r, p in enumerate(prompts)])
+
+
+def with_loglik(scorer: Callable[[], LoglikScorer], source: Source, on_result: Callable[[Result], None]) -> Source:
+    """`source` wrapped: requests that want their log-likelihood (task=loglik) are scored at once and their Results
+    handed on; the rest go to the engine. It asks `source` again after scoring, so the engine is never handed an
+    empty list while the job still has work."""
+    def scored_source() -> Optional[list[Request]]:
+        while True:
+            batch = source()
+            if not batch:
+                return batch
+            rest = [r for r in batch if not wants(r)]
+            scored = [r for r in batch if wants(r)]
+            for result in scorer().score(scored) if scored else ():
+                on_result(result)
+            if rest or not scored:
+                return rest
+
+    return scored_source
+

@@ -1,0 +1,127 @@
+"""task=loglik: each row's log-likelihood equals an unbatched Hugging Face forward's within 1e-4 (float32), on rows of
+mixed lengths, with a text scored given a prompt and a prompt scored alone; rows longer than engine.max_model_len
+are scored in windows (every token once, with at least half a window of context); bad rows cost their row; a
+resumed job writes what an uninterrupted one did; what loglik cannot take is refused."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from batchgen.errors import ConfigError
+from batchgen.run.runner import run_job
+from tests.conftest import compose_job, corpus, job_overrides, read_output, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model):
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+def token_logprobs(model, ids: list[int]) -> list[float]:
+    """log p(ids[t] | ids[:t]) for t >= 1, from one unbatched forward."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
+    return [logp[t - 1, ids[t]].item() for t in range(1, len(ids))]
+
+
+def windowed(model, ids: list[int], first: int, width: int) -> float:
+    """The documented windows, written independently: token t >= width is scored in the window starting at the
+    multiple of width // 2 that puts it in that window's second half."""
+    half = width // 2
+    total = 0.0
+    for t in range(first, len(ids)):
+        start = 0 if t < width else ((t - width) // half + 1) * half
+        total += token_logprobs(model, ids[start:t + 1])[-1]
+    return total
+
+
+def rows(n: int = 14) -> list[dict]:
+    rng = random.Random(5)
+    texts = corpus(n, seed=6)
+    return [{"id": f"r{i:02d}", "prompt": " ".join(corpus(1, seed=100 + i)[0].split()[:rng.randint(1, 12)]),
+             "text": texts[i]} for i in range(n)]
+
+
+def run(model: str, data, out, *extra: str) -> dict[str, dict]:
+    run_job(compose_job(job_overrides(model, data, out, "task=loglik", "dataset.id_column=id", *extra)))
+    return {r["id"]: r for r in read_output(out).to_pylist()}
+
+
+def test_a_texts_loglik_given_its_prompt_equals_an_unbatched_forward(tiny_model, hf, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    data = write_jsonl(tmp_path / "in.jsonl", rows())
+    got = run(tiny_model, data, tmp_path / "out", "dataset.text_column=text", "run.rows_per_part=5")
+    for r in rows():
+        prompt = tok(r["prompt"])["input_ids"]
+        ids = prompt + tok(r["text"], add_special_tokens=False)["input_ids"]
+        want = sum(token_logprobs(hf, ids)[len(prompt) - 1:])
+        row = got[r["id"]]
+        assert row["loglik"] == pytest.approx(want, abs=1e-4) and row["scored_tokens"] == len(ids) - len(prompt)
+        assert row["loglik_mean"] == pytest.approx(want / row["scored_tokens"], abs=1e-6)
+        assert row["perplexity"] == pytest.approx(math.exp(-row["loglik_mean"]), rel=1e-9)
+        assert row["generation"] is None and row["finish_reason"] == "scored" and row["error"] is None
+
+
+def test_a_prompt_scored_alone_and_rows_longer_than_the_window(tiny_model, hf, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    long_rows = [{"id": f"l{i}", "prompt": " ".join(corpus(6, seed=40 + i))} for i in range(4)]  # 60 to 120 tokens
+    data = write_jsonl(tmp_path / "in.jsonl", long_rows)
+    got = run(tiny_model, data, tmp_path / "out", "engine.max_model_len=24")
+    whole = run(tiny_model, data, tmp_path / "whole")
+    for r in long_rows:
+        ids = tok(r["prompt"])["input_ids"]
+        assert len(ids) > 48
+        assert got[r["id"]]["loglik"] == pytest.approx(windowed(hf, ids, 1, 24), abs=1e-4)
+        assert got[r["id"]]["scored_tokens"] == whole[r["id"]]["scored_tokens"] == len(ids) - 1
+        assert whole[r["id"]]["loglik"] == pytest.approx(sum(token_logprobs(hf, ids)), abs=1e-4)
+
+
+def test_bad_rows_cost_their_row_and_a_resumed_job_writes_the_same(tiny_model, tmp_path):
+    data = rows(12)
+    data[2]["text"], data[7]["text"], data[9]["prompt"] = "", 42, ""
+    path = write_jsonl(tmp_path / "in.jsonl", data)
+    args = ("dataset.text_column=text", "run.rows_per_part=4")
+    first = run(tiny_model, path, tmp_path / "out", *args)
+    assert first["r02"]["error"] == "empty_text" and first["r07"]["error"].startswith("non_string_text")
+    assert first["r09"]["error"] == "empty_prompt" and first["r00"]["error"] is None
+    for name in ("part-00001.parquet", "_SUCCESS"):
+        (tmp_path / "out" / name).unlink()
+    again = run(tiny_model, path, tmp_path / "out", *args)
+    assert again == first
+
+
+def test_the_model_forward_path_scores_what_the_fast_path_scores(tiny_model, tmp_path):
+    """Architectures outside the Llama family score through the model's own forward: the same values."""
+    from batchgen.engines import build_engine
+    from batchgen.records import Request
+    from batchgen.sampling import SampleParams
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    cfg = compose_job(job_overrides(tiny_model, write_jsonl(tmp_path / "x.jsonl", rows(1)), tmp_path / "o"))
+    engine = build_engine(cfg.engine, tok)
+    params = SampleParams(max_new_tokens=0, temperature=0.0, top_p=1.0, top_k=0, stop=(), ignore_eos=False,
+                          score_from=3)
+    reqs = [Request(key=k, prompt_ids=tok(t)["input_ids"], params=params, seed=None)
+            for k, t in enumerate(corpus(6, seed=9))]
+    fast = engine.generate(reqs)
+    engine.fast, engine._loglik = False, None
+    slow = engine.generate(reqs)
+    assert [r.loglik[0] for r in slow] == pytest.approx([r.loglik[0] for r in fast], abs=1e-4)
+    assert [r.loglik[1] for r in slow] == [r.loglik[1] for r in fast]
+
+
+def test_what_loglik_cannot_take_is_refused(tiny_model, tmp_path):
+    data = write_jsonl(tmp_path / "in.jsonl", rows(2))
+    with pytest.raises(ConfigError) as err:
+        run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "a", "task=loglik", "sampling.n=2",
+                                          "sampling.logprobs=2", "engine=vllm")))
+    problems = str(err.value)
+    assert "task=loglik runs on engine=hf (got engine=vllm)" in problems
+    assert "sampling.n: task=loglik generates nothing" in problems and "sampling.logprobs" in problems
+    with pytest.raises(ConfigError, match="dataset.text_column is the text task=loglik scores"):
+        run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "b", "dataset.text_column=text")))

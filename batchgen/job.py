@@ -109,6 +109,14 @@ class OutputConfig:
 
 
 @dataclass
+class EmbedConfig:
+    """task=embed: how a row's final hidden states become its embedding."""
+
+    pooling: str = "mean"  # mean: over the row's tokens; last: the last token's state
+    normalize: bool = True  # scaled to unit length (L2)
+
+
+@dataclass
 class JobConfig:
     name: str = "???"
     output_dir: str = "data/outputs/${name}"
@@ -118,7 +126,8 @@ class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
-    task: str = "generate"  # generate | loglik (each row's log-likelihood: prompts/planner.py, engines/hf/loglik.py)
+    task: str = "generate"  # generate | loglik | embed (no generation: prompts/planner.py, engines/hf/loglik.py)
+    embed: EmbedConfig = field(default_factory=EmbedConfig)
 
     @property
     def rows_per_part(self) -> int:
@@ -157,25 +166,30 @@ def validate(cfg: JobConfig) -> JobConfig:
     return cfg
 
 
-TASKS = ("generate", "loglik")
+TASKS = ("generate", "loglik", "embed")
+POOLINGS = ("mean", "last")
 
 
 def _task_problems(cfg: JobConfig) -> list[str]:
-    """task=loglik scores rows, it does not sample: the hf engine, one sample a row, no constraint or decoding key."""
+    """task=loglik and task=embed read rows, they do not sample: the hf engine, one sample a row, no constraint or
+    decoding key."""
     if cfg.task not in TASKS:
         return [f"task must be one of {', '.join(TASKS)} (got {cfg.task!r})"]
+    out = [] if cfg.dataset.text_column is None or cfg.task == "loglik" else [
+        "dataset.text_column is the text task=loglik scores; set task=loglik or remove it"]
+    if cfg.embed.pooling not in POOLINGS:
+        out.append(f"embed.pooling must be one of {', '.join(POOLINGS)} (got {cfg.embed.pooling!r})")
     if cfg.task == "generate":
-        return [] if cfg.dataset.text_column is None else [
-            "dataset.text_column is the text task=loglik scores; set task=loglik or remove it"]
-    s, out = cfg.sampling, []
+        return out
+    s = cfg.sampling
     if cfg.engine.name != "hf":
-        out.append(f"task=loglik runs on engine=hf (got engine={cfg.engine.name})")
+        out.append(f"task={cfg.task} runs on engine=hf (got engine={cfg.engine.name})")
     decoding = [key for key, value in (("sampling.n", s.n != 1), ("sampling.num_beams", s.num_beams != 1),
                                        ("sampling.logprobs", s.logprobs is not None),
                                        ("sampling.choice_scores", s.choice_scores),
                                        ("sampling.reasoning", s.reasoning != "off"),
                                        ("a sampling constraint", s.constraint() is not None)) if value]
-    out += [f"{key}: task=loglik generates nothing; leave it at its default" for key in decoding]
+    out += [f"{key}: task={cfg.task} generates nothing; leave it at its default" for key in decoding]
     return out
 
 

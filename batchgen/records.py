@@ -76,6 +76,7 @@ class Result:
     reasoning_tokens: int | None = None  # generated tokens of a thinking sample's reasoning block (None: not thinking)
     latency_s: float | None = field(default=None, compare=False)  # from the engine taking the request to its result
     loglik: list[float] | None = None  # task=loglik: [total log-likelihood, scored tokens] of the scored span
+    embedding: list[float] | None = None  # task=embed: the pooled final hidden state
 
 
 @dataclass(slots=True)
@@ -104,3 +105,4 @@ class OutputRow:
     loglik_mean: float | None = None  # per scored token
     perplexity: float | None = None  # exp(-loglik_mean)
     scored_tokens: int | None = None
+    embedding: list[float] | None = None  # task=embed

@@ -145,6 +145,8 @@ class SampleParams:
     beam_rank: int = 0
     beam_count: int = 1
     score_from: Optional[int] = None  # task=loglik: no generation; the prompt's tokens from here on are scored
+    pooling: Optional[str] = None  # task=embed: no generation; the prompt's final hidden states pooled (mean, last)
+    normalize: bool = False  # task=embed: the pooled state scaled to unit length
 
     @property
     def greedy(self) -> bool:

@@ -63,6 +63,8 @@ OPTIONAL_FIELDS = {
     "loglik_mean": pa.field("loglik_mean", pa.float64()),
     "perplexity": pa.field("perplexity", pa.float64()),
     "scored_tokens": pa.field("scored_tokens", pa.int32()),
+    # task=embed
+    "embedding": pa.field("embedding", pa.list_(pa.float32())),
 }
 LOGLIK_COLUMNS = ("loglik", "loglik_mean", "perplexity", "scored_tokens")
 USAGE_COLUMNS = ("cached_prompt_tokens", "reasoning_tokens", "latency_s")
@@ -155,11 +157,11 @@ def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
                                       num_generated_tokens=0, seed=seed, error=res.error, **usage))
                 continue
             constraint = constraints.get(row * n + s)
-            if res.loglik is not None:  # task=loglik: a score, no generation
+            if res.loglik is not None or res.embedding is not None:  # task=loglik / embed: no generation
                 rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=None,
                                       finish_reason=res.finish_reason, num_prompt_tokens=res.num_prompt_tokens,
-                                      num_generated_tokens=0, seed=None, error=None, **usage,
-                                      **loglik_columns(res.loglik)))
+                                      num_generated_tokens=0, seed=None, error=None, embedding=res.embedding,
+                                      **usage, **(loglik_columns(res.loglik) if res.loglik is not None else {})))
                 continue
             parsed, invalid = check(constraint, res.text, res.finish_reason) if constraint else (None, None)
             rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=res.text,
@@ -186,7 +188,7 @@ def optional_columns(sampling: Any, dataset: Any = None, output: Any = None, tas
             + ("reasoning",) * (getattr(sampling, "reasoning", "off") != "off")
             + USAGE_COLUMNS * bool(getattr(output, "usage", False))
             + ("cost",) * (output is not None and output.priced() is not None)
-            + LOGLIK_COLUMNS * (task == "loglik"))
+            + LOGLIK_COLUMNS * (task == "loglik") + ("embedding",) * (task == "embed"))
 
 
 def _top(top: Optional[list[list[list]]]) -> Optional[list[list[dict[str, Any]]]]:
@@ -320,7 +322,7 @@ class Committer:
         if "parsed" in self.optional:
             columns["parsed"] = pa.array([r.parsed for r in rows], pa.string())
         for name in ("choice_scores", "token_logprobs", "top_logprobs", "reasoning", *USAGE_COLUMNS, "cost",
-                     *LOGLIK_COLUMNS):
+                     *LOGLIK_COLUMNS, "embedding"):
             if name in self.optional:
                 columns[name] = pa.array([getattr(r, name) for r in rows], OPTIONAL_FIELDS[name].type)
         fields += [OPTIONAL_FIELDS[name] for name in self.optional]

@@ -152,8 +152,8 @@ class Planner:
         return Measured(rendered.texts, errors, settings, ids, rendered.messages)
 
     def plan(self, part: Part, max_model_len: int) -> PlannedPart:
-        if self.cfg.task == "loglik":
-            return self._plan_loglik(part)
+        if self.cfg.task != "generate":
+            return self._plan_read(part, max_model_len)
         rendered, errors, settings, ids, messages = self.measure(part)
         counts = tuple(settings[row].n for row in range(part.num_rows))  # samples per row (dataset.n_column)
         n = max((self.cfg.sampling.n, *counts))  # the key stride: sample s of row r is key r * n + s
@@ -181,12 +181,15 @@ class Planner:
         return PlannedPart(part=part, requests=requests, errors=errors, seeds=seeds, n=n, skipped=skipped,
                            counts=None if set(counts) == {n} else counts)
 
-    def _plan_loglik(self, part: Part) -> PlannedPart:
-        """task=loglik: one request a row, its rendered prompt's tokens then, with dataset.text_column, the text's;
-        the text's tokens are scored given the prompt (without it, the prompt's own from its second token). No cap,
-        no truncation: a row longer than max_model_len is scored in windows (engines/hf/loglik.py)."""
+    def _plan_read(self, part: Part, max_model_len: int) -> PlannedPart:
+        """task=loglik and task=embed: one request a row, nothing generated. loglik: the rendered prompt's tokens
+        then, with dataset.text_column, the text's, which are scored given the prompt (without it, the prompt's own
+        from its second token); no truncation: a row longer than max_model_len is scored in windows
+        (engines/hf/loglik.py). embed: the rendered prompt's tokens (run.too_long applies), pooled."""
         m = self.measure(part)
         errors = list(m.errors)
+        if self.cfg.task == "embed":
+            return self._plan_embed(part, m, errors, max_model_len)
         column = self.cfg.dataset.text_column
         texts = column_values(part.table, column) if column else [None] * part.num_rows
         requests = []
@@ -206,6 +209,17 @@ class Planner:
             params = SampleParams(max_new_tokens=0, temperature=0.0, top_p=1.0, top_k=0, stop=(), ignore_eos=False,
                                   score_from=first)
             requests.append(Request(key=row, prompt_ids=ids, params=params, seed=None))
+        return PlannedPart(part=part, requests=requests, errors=errors, seeds=[None] * part.num_rows, n=1)
+
+    def _plan_embed(self, part: Part, m: Measured, errors: list[Optional[str]], max_model_len: int) -> PlannedPart:
+        params = SampleParams(max_new_tokens=0, temperature=0.0, top_p=1.0, top_k=0, stop=(), ignore_eos=False,
+                              pooling=self.cfg.embed.pooling, normalize=self.cfg.embed.normalize)
+        requests = []
+        for row in range(part.num_rows):
+            if errors[row] is None:
+                fitted, errors[row] = self.fit(m.ids[row], 0, max_model_len, part.ids[row])
+                if errors[row] is None:
+                    requests.append(Request(key=row, prompt_ids=fitted, params=params, seed=None))
         return PlannedPart(part=part, requests=requests, errors=errors, seeds=[None] * part.num_rows, n=1)
 
     def _tokenize(self, texts: list[Optional[str]], add_special_tokens: bool) -> list[list[int]]:

@@ -125,3 +125,24 @@ def test_what_loglik_cannot_take_is_refused(tiny_model, tmp_path):
     assert "sampling.n: task=loglik generates nothing" in problems and "sampling.logprobs" in problems
     with pytest.raises(ConfigError, match="dataset.text_column is the text task=loglik scores"):
         run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "b", "dataset.text_column=text")))
+
+
+@pytest.mark.parametrize("pooling,normalize", [("mean", True), ("last", False)])
+def test_an_embedding_equals_an_unbatched_forwards_pooled_hidden_state(tiny_model, hf, tmp_path, pooling, normalize):
+    """task=embed: the rendered prompt's final hidden states (after the model's last norm) pooled, within 1e-4."""
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    data = write_jsonl(tmp_path / "in.jsonl", rows(10))
+    got = run(tiny_model, data, tmp_path / "out", "task=embed", f"embed.pooling={pooling}",
+              f"embed.normalize={str(normalize).lower()}", "run.rows_per_part=4")
+    for r in rows(10):
+        ids = tok(r["prompt"])["input_ids"]
+        with torch.no_grad():
+            states = hf.model(torch.tensor([ids])).last_hidden_state[0].double()
+        want = states.mean(dim=0) if pooling == "mean" else states[-1]
+        if normalize:
+            want = want / want.norm()
+        row = got[r["id"]]
+        assert row["embedding"] == pytest.approx(want.tolist(), abs=1e-4)
+        assert row["finish_reason"] == "scored" and row["generation"] is None and "loglik" not in row
+    with pytest.raises(ConfigError, match="embed.pooling must be one of mean, last"):
+        run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "x", "task=embed", "embed.pooling=max")))

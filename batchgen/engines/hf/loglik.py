@@ -1,5 +1,6 @@
-"""task=loglik on the hf engine: each request's log-likelihood of its tokens from `params.score_from` on, given the
-tokens before them; no generation.
+"""task=loglik and task=embed on the hf engine: each request's log-likelihood of its tokens from `params.score_from`
+on, given the tokens before them, or its final hidden states pooled into an embedding (`params.pooling`); no
+generation.
 
 Requests are prefill-only: they are scored as they arrive, never queued behind decodes. Longest first, in groups
 within engine.max_batch_tokens (the budget counts padded tokens, as a prefill does), each group one prefill of
@@ -27,7 +28,8 @@ Span = tuple[list[int], int]  # (token ids, the first position scored)
 
 
 def wants(req: Request) -> bool:
-    return req.params.score_from is not None
+    """A prefill-only request: task=loglik (score_from) or task=embed (pooling)."""
+    return req.params.score_from is not None or req.params.pooling is not None
 
 
 def windows(ids: list[int], first: int, width: int) -> list[Span]:
@@ -53,7 +55,10 @@ class LoglikScorer:
 
     @torch.inference_mode()
     def score(self, requests: list[Request]) -> list[Result]:
-        """One Result per request, in request order: loglik = [summed log-probability, scored tokens]."""
+        """One Result per request, in request order: loglik = [summed log-probability, scored tokens], or for a
+        pooling request its embedding."""
+        if requests and requests[0].params.pooling is not None:
+            return self._embed(requests)
         spans = [(i, span) for i, r in enumerate(requests)
                  for span in windows(r.prompt_ids, max(r.params.score_from, 1), self.max_len)]
         spans.sort(key=lambda item: -len(item[1][0]))
@@ -68,6 +73,29 @@ class LoglikScorer:
             start = end
         return [Result(key=r.key, text="", finish_reason="scored", num_prompt_tokens=len(r.prompt_ids),
                        num_generated_tokens=0, loglik=[float(t), int(c)]) for r, (t, c) in zip(requests, totals)]
+
+    def _embed(self, requests: list[Request]) -> list[Result]:
+        """Each request's final hidden states pooled (mean over its tokens, or its last token's), in float32, then
+        scaled to unit length where asked; longest first in groups within max_batch_tokens."""
+        order = sorted(range(len(requests)), key=lambda i: -len(requests[i].prompt_ids))
+        pooled: list[list[float]] = [[] for _ in requests]
+        start = 0
+        while start < len(order):
+            group = order[start:start + max(1, self.max_batch_tokens // len(requests[order[start]].prompt_ids))]
+            hidden = self._hidden([requests[i].prompt_ids for i in group]).float()
+            offset = 0
+            for i in group:
+                req = requests[i]
+                states = hidden[offset:offset + len(req.prompt_ids)]
+                vector = states.mean(dim=0) if req.params.pooling == "mean" else states[-1]
+                if req.params.normalize:
+                    vector = torch.nn.functional.normalize(vector, dim=0)
+                pooled[i] = vector.tolist()
+                offset += len(req.prompt_ids)
+            self.tokens += offset
+            start += len(group)
+        return [Result(key=r.key, text="", finish_reason="scored", num_prompt_tokens=len(r.prompt_ids),
+                       num_generated_tokens=0, embedding=v) for r, v in zip(requests, pooled)]
 
     def _group(self, spans: list[Span]) -> list[tuple[float, int]]:
         hidden = self._hidden([ids for ids, _ in spans])
@@ -107,8 +135,9 @@ def with_loglik(scorer: Callable[[], LoglikScorer], source: Source, on_result: C
                 return batch
             rest = [r for r in batch if not wants(r)]
             scored = [r for r in batch if wants(r)]
-            for result in scorer().score(scored) if scored else ():
-                on_result(result)
+            for kind in ([r for r in scored if r.params.pooling is None], [r for r in scored if r.params.pooling]):
+                for result in scorer().score(kind) if kind else ():
+                    on_result(result)
             if rest or not scored:
                 return rest
 

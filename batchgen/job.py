@@ -182,8 +182,10 @@ def _task_problems(cfg: JobConfig) -> list[str]:
     if cfg.task == "generate":
         return out
     s = cfg.sampling
-    if cfg.engine.name != "hf":
-        out.append(f"task={cfg.task} runs on engine=hf (got engine={cfg.engine.name})")
+    spec = ENGINES.get(cfg.engine.name)
+    if spec is not None and cfg.task not in spec.tasks:
+        runs = ", ".join(f"engine={name}" for name, s in ENGINES.items() if cfg.task in s.tasks)
+        out.append(f"task={cfg.task} runs on {runs} (got engine={cfg.engine.name})")
     decoding = [key for key, value in (("sampling.n", s.n != 1), ("sampling.num_beams", s.num_beams != 1),
                                        ("sampling.logprobs", s.logprobs is not None),
                                        ("sampling.choice_scores", s.choice_scores),

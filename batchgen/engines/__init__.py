@@ -78,12 +78,13 @@ class EngineSpec:
     constraints_available: Optional[Callable[[], Optional[str]]] = None  # why constraints cannot run here, if so
     check_quantization: Optional[Callable[[Any], list[str]]] = None  # a scheme on this device and dtype
     check_sampling: Optional[Callable[[Any, Any, Any], list[str]]] = None  # (engine, sampling, dataset) it refuses
+    tasks: tuple[str, ...] = ("generate",)  # the job tasks it runs (task=loglik, task=embed: the hf engine)
 
 
 ENGINES: dict[str, EngineSpec] = {
     "hf": EngineSpec(HFConfig, _load_hf, rows_per_part=256,
                      quantization=("int8", "int8_wo", "int4", "bnb-int8", "bnb-nf4"),
-                     choice_scores=True, check_quantization=_hf_quantization),
+                     choice_scores=True, check_quantization=_hf_quantization, tasks=("generate", "loglik", "embed")),
     # vllm: one window per part keeps its scheduler busy
     "vllm": EngineSpec(VLLMConfig, _load_vllm, rows_per_part=1024,
                        quantization=("awq", "gptq", "fp8", "compressed-tensors", "bitsandbytes", "gguf", "awq_marlin",

@@ -81,9 +81,8 @@ class HFEngine:
         self.stats = SchedulerStats()  # summed over every window and stream, live
         self.prefixes = prefix.for_config(cfg.prefix_cache, cfg.prefix_cache_mb)  # kept across windows
         self.pad_id = _first(tokenizer.pad_token_id, *sorted(self.eos_ids), 0)
-        self._scorer: Optional[ChoiceScorer] = None
-        self._beams: Optional[BeamSearcher] = None
-        self._loglik: Optional[loglik.LoglikScorer] = None
+        # built on first use: choice scores, beam search, task=loglik and task=embed
+        self._scorer, self._beams, self._loglik = None, None, None
         between = "" if self.activation_dtype == self.dtype else f" (activations in {self.activation_dtype})"
         log.info("hf engine: %s on %s in %s%s, max_batch_tokens=%d, max_batch_size=%d, %d linears prepacked for "
                  "oneDNN, %d fused q/k/v or gate/up projections", cfg.model, self.device, self.dtype, between,

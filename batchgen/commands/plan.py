@@ -97,13 +97,14 @@ def measure(cfg: JobConfig) -> tuple[dict[str, Any], list[tuple[int, list[int]]]
             if len(ids) > limit - setting.max_new_tokens:
                 over.append(part.ids[i])
             try:  # the job's own run.too_long policy (planner.fit): what its num_prompt_tokens will sum to
-                kept, too_long = planner.fit(ids, setting.max_new_tokens, limit, part.ids[i])
+                kept, too_long = planner.fit(ids, setting.max_new_tokens, limit, part.ids[i],
+                                             cuttable=not planner.sends_messages)
             except TooLongError:
                 continue  # run.too_long=fail: the job stops at this row
             if too_long is not None:
                 continue  # a too_long error row in the job
             fitted += len(kept)
-            max_generated += setting.max_new_tokens * cfg.sampling.n
+            max_generated += setting.max_new_tokens * cfg.sampling.n if cfg.task == "generate" else 0
             rows.append((setting.max_new_tokens, ids))
     total = planner.total_rows
     parts = planner.total_parts

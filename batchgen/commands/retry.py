@@ -36,12 +36,12 @@ from batchgen.output.view import OCCURRENCE, attempt_dir, attempts, keyed_batche
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KINDS = ("too_long", "invalid_output", "endpoint_rejected", "endpoint_finish")
+DEFAULT_KINDS = ("too_long", "invalid_output", "endpoint_rejected", "endpoint_finish", "endpoint_failed")
 # kinds a retry can mend with other settings; the reader's own (malformed_json, invalid_utf8, too_large, too_deep,
 # bad_value, unreadable) need the input fixed, and a row of theirs reads the same again
 RETRYABLE = ("too_long", "invalid_output", "empty_prompt", "non_string_prompt", "bad_template", "bad_messages",
              "bad_max_new_tokens", "bad_temperature", "bad_stop", "bad_choice", "bad_schema",
-             "endpoint_rejected", "endpoint_finish")  # engine=openai: the server refused or cut the request
+             "endpoint_rejected", "endpoint_finish", "endpoint_failed")  # engine=openai: refused, cut, kept failing
 RETRY_FILE = "_retry.json"  # the attempt's kinds and overrides, written once its input is ready
 INPUT_FILE = "_input.parquet"  # the attempt's input rows ('_': no reader of the output's parts picks it up)
 ID_COLUMN = "_batchgen_id"  # the original row id, the retry's dataset.id_column

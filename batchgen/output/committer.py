@@ -154,7 +154,8 @@ def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
             if res.error is not None:  # the engine's own error row (an endpoint rejected the request)
                 rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=None,
                                       finish_reason="error", num_prompt_tokens=res.num_prompt_tokens,
-                                      num_generated_tokens=0, seed=seed, error=res.error, **usage))
+                                      num_generated_tokens=res.num_generated_tokens, seed=seed, error=res.error,
+                                      **usage))
                 continue
             constraint = constraints.get(row * n + s)
             if res.loglik is not None or res.embedding is not None:  # task=loglik / embed: no generation
@@ -214,11 +215,13 @@ def loglik_columns(loglik: list[float]) -> dict[str, Any]:
 def price(rows: list[OutputRow], prices: Any) -> None:
     """Each sample's cost under output.prices (per million tokens: `input`, `cached_input` for prompt tokens the
     engine took from a prefix cache, `input` where that price is not given, and `output` for generated ones). Each
-    sample is its own request (n=1, its own seed), so each carries its prompt; an error row generated nothing and
-    costs what the engine reported of its prompt (an endpoint's rejection: nothing billed, 0)."""
+    sample is its own request (n=1, its own seed), so each carries its prompt. An input error row and a request the
+    endpoint rejected cost 0; a sample the endpoint cut off (endpoint_finish) costs what it reported; a scored row
+    (task=loglik, embed) its prompt. The price is that of generating the sample, whether or not this run paid it
+    (a cache hit or a duplicate answered once: the summary counts those)."""
     cached_price = prices.input if prices.cached_input is None else prices.cached_input
     for r in rows:
-        if r.generation is None:
+        if r.generation is None and r.finish_reason != "scored" and not r.num_generated_tokens:
             r.cost = 0.0
             continue
         cached = r.cached_prompt_tokens or 0

@@ -29,7 +29,8 @@ from batchgen.records import Request, Result
 
 log = logging.getLogger(__name__)
 STORED = ("text", "finish_reason", "num_prompt_tokens", "num_generated_tokens", "choice_scores", "token_logprobs",
-          "top_logprobs", "reasoning", "cached_prompt_tokens", "reasoning_tokens")
+          "top_logprobs", "reasoning", "cached_prompt_tokens", "reasoning_tokens", "loglik", "embedding")
+FORMAT = 2  # in every key: an entry written without a field of STORED is never read as an answer
 
 
 def namespace(parts: dict[str, Any]) -> str:
@@ -184,7 +185,7 @@ def wrap(engine: Any, cfg: Any, model: dict[str, Any]) -> Any:
     from batchgen.output.manifest import ENDPOINT_KEYS, ENGINE_KEYS, output_config
 
     identity = engine.identity()
-    space = namespace({"model": model, "engine": output_config(cfg)["engine"],
+    space = namespace({"format": FORMAT, "model": model, "engine": output_config(cfg)["engine"], "task": cfg.task,
                        "resolved": {k: identity.get(k) for k in (*ENGINE_KEYS, *ENDPOINT_KEYS)}})
     store = ResponseStore(cfg.run.cache_dir) if cfg.run.cache_dir else None
     return CachedEngine(engine, space, store, cfg.run.dedupe)

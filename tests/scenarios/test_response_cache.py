@@ -105,3 +105,17 @@ def test_dedupe_on_the_hf_engine_writes_what_generating_every_row_writes(tiny_mo
                                       "sampling.max_new_tokens=8", "run.dedupe=false")))
     assert on.cache.deduplicated == 9
     assert generations(tmp_path / "on") == generations(tmp_path / "off")
+
+
+def test_scores_come_back_from_the_cache_whole(tiny_model, tmp_path):
+    """task=loglik and task=embed answers are kept with their scores: a second job reads every row from run.cache_dir
+    and writes what the first did."""
+    data = write_jsonl(tmp_path / "in.jsonl", night("sat"))
+    for task in ("loglik", "embed"):
+        cache = tmp_path / f"cache-{task}"
+        outs = [tmp_path / f"{task}-{i}" for i in range(2)]
+        summaries = [run_job(compose_job(job_overrides(tiny_model, data, out, f"task={task}", "dataset.id_column=id",
+                                                       f"run.cache_dir={cache}"))) for out in outs]
+        assert summaries[0].cache.deduplicated == 9 and summaries[1].cache.hits == ROWS
+        first, second = (sorted(read_output(out).to_pylist(), key=lambda r: r["id"]) for out in outs)
+        assert second == first and all(r["finish_reason"] == "scored" for r in first)

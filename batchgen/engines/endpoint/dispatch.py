@@ -8,8 +8,9 @@ thread as it arrives, so that the runner journals it at once (a SIGKILL loses on
   half as many on a 429, a 503 or a timeout (multiplicative decrease, once per congestion event: failures of
   attempts sent before the last decrease do not count again), and no new attempt before a `Retry-After`.
 - A transient failure is retried after exponential backoff with jitter (never sooner than `Retry-After`), up to
-  `max_retries` times; then the endpoint counts as down and the job stops (EndpointDown, exit 1) after the results
-  already final are handed on.
+  `max_retries` times; then, if other requests were answered meanwhile, the request alone failed (an
+  `endpoint_failed` error row), else the endpoint counts as down and the job stops (EndpointDown, exit 1) after the
+  results already final are handed on.
 - Anything that stops the run (a signal's StopRequested, an error) first stops sending, then waits up to
   `stop_grace_s` for the attempts in flight and hands on those that finish.
 
@@ -53,6 +54,13 @@ class Outcome:
     transient: Optional[str] = None  # why the attempt should be retried (status or network error)
     overload: bool = False  # the server said it is overloaded (429, 503) or the attempt timed out
     retry_after: Optional[float] = None  # seconds the server asked to wait
+
+
+def failed(req: Request, attempts: int, why: Optional[str]) -> Result:
+    """A request that failed transiently on every attempt while other requests were answered: an error row of its
+    own (endpoint_failed, retryable), not a dead job."""
+    return Result(key=req.key, text="", finish_reason="error", num_prompt_tokens=len(req.prompt_ids),
+                  num_generated_tokens=0, error=f"endpoint_failed: {attempts} attempts, the last: {why}")
 
 
 class Window:
@@ -104,6 +112,11 @@ class _Run:
         self.in_flight = 0
         self.exhausted = False
         self.first_sent: dict[int, float] = {}  # request key -> its first attempt's start (its latency starts)
+        # this run's finished attempts: an attempt of an earlier run (stopped with it in flight) lands in that run's
+        # queue, never in this one, whose keys may be the same numbers
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        self.last_success = -1.0  # when an answer last came back (monotonic)
+        self.first_failed: dict[int, float] = {}  # request key -> when its first attempt failed
 
     def push(self, request: Request, at: float, attempt: int = 0) -> None:
         heapq.heappush(self.pending, _Due(at, next(self.order), request, attempt))
@@ -116,7 +129,6 @@ class Dispatcher:
         self.max_retries = max_retries
         self.stop_grace_s = stop_grace_s
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self.done: queue.SimpleQueue = queue.SimpleQueue()
         self.threads = [threading.Thread(target=self._work, daemon=True, name=f"batchgen-endpoint-{i}")
                         for i in range(most)]
         for thread in self.threads:
@@ -129,12 +141,12 @@ class Dispatcher:
 
     def _work(self) -> None:
         while (task := self.tasks.get()) is not None:
-            due, sent_at = task
+            due, sent_at, done = task
             try:
                 outcome: Outcome | Exception = self.send(due.request)
             except Exception as exc:  # a bug in building or reading a request: raised on the run's thread
                 outcome = exc
-            self.done.put((due, sent_at, outcome))
+            done.put((due, sent_at, outcome))
 
     def run(self, source: Source, on_result: Callable[[Result], None]) -> None:
         run = _Run(source)
@@ -144,19 +156,22 @@ class Dispatcher:
                 if not run.in_flight and not run.pending:
                     if run.exhausted:
                         return
+                    if time.monotonic() < self.window.hold_until:  # the server's Retry-After: wait, then ask
+                        time.sleep(self.window.hold_until - time.monotonic())
+                        continue
                     raise starved()
                 # wait for an attempt to finish, or until the next pending request may start where a slot is free
                 wake = (max(run.pending[0].at, self.window.hold_until)
                         if run.pending and run.in_flight < self.window.slots else None)
-                due, sent_at, outcome = self._next(wake)
+                due, sent_at, outcome = self._next(run, wake)
                 if due is None:
                     continue
                 run.in_flight -= 1
-                retry = self._settle(due, sent_at, outcome, on_result, run.first_sent)
+                retry = self._settle(due, sent_at, outcome, on_result, run)
                 if retry is not None:
                     run.push(due.request, retry, due.attempt + 1)
         except BaseException:
-            self._drain(run.in_flight, on_result)
+            self._drain(run, on_result)
             raise
 
     def _start_due(self, run: _Run) -> None:
@@ -175,55 +190,70 @@ class Dispatcher:
                 return
             due = heapq.heappop(run.pending)
             run.first_sent.setdefault(due.request.key, now)
-            self.tasks.put((due, now))
+            self.tasks.put((due, now, run.done))
             self.counts["sent"] += 1
             run.in_flight += 1
 
-    def _next(self, wake: Optional[float]) -> tuple[Optional[_Due], float, Outcome | Exception]:
+    def _next(self, run: _Run, wake: Optional[float]) -> tuple[Optional[_Due], float, Outcome | Exception]:
         """The next finished attempt; (None, ...) when `wake` comes first."""
         timeout = None if wake is None else max(0.0, wake - time.monotonic())
         try:
-            return self.done.get(timeout=timeout)
+            return run.done.get(timeout=timeout)
         except queue.Empty:
             return None, 0.0, Outcome()
 
     def _settle(self, due: _Due, sent_at: float, outcome: Outcome | Exception, on_result: Callable[[Result], None],
-                first_sent: dict[int, float]) -> Optional[float]:
+                run: _Run) -> Optional[float]:
         """Hand a final Result on (its latency from the first attempt), or say when to retry (None: settled)."""
         if isinstance(outcome, Exception):
             raise outcome
         now = time.monotonic()
         if outcome.result is not None:
             self.window.succeeded()
-            outcome.result.latency_s = now - first_sent.pop(due.request.key, sent_at)
+            run.last_success = now
+            run.first_failed.pop(due.request.key, None)
+            outcome.result.latency_s = now - run.first_sent.pop(due.request.key, sent_at)
             on_result(outcome.result)
             return None
         if outcome.overload:
             self.window.overloaded(sent_at, outcome.transient or "overloaded", outcome.retry_after, now)
+        failing_since = run.first_failed.setdefault(due.request.key, now)
         if due.attempt >= self.max_retries:
+            run.first_failed.pop(due.request.key, None)
+            if run.last_success > failing_since:  # others answered while it kept failing: it fails, not the endpoint
+                run.first_sent.pop(due.request.key, None)
+                on_result(failed(due.request, due.attempt + 1, outcome.transient))
+                return None
             raise EndpointDown(f"the endpoint failed request {due.request.key} {due.attempt + 1} times in a row "
-                               f"(last: {outcome.transient}); the results so far are journaled: rerun the same "
-                               f"command to resume once the endpoint is up (engine.max_retries="
-                               f"{self.max_retries})")
+                               f"(last: {outcome.transient}) with no other answer meanwhile; the results so far are "
+                               f"journaled: rerun the same command to resume once the endpoint is up "
+                               f"(engine.max_retries={self.max_retries})")
         self.counts["retried"] += 1
         delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** due.attempt) * random.uniform(0.5, 1.0)
         log.debug("endpoint: request %d: %s; retry %d in %.2f s", due.request.key, outcome.transient,
                   due.attempt + 1, delay)
         return now + max(delay, outcome.retry_after or 0.0)
 
-    def _drain(self, in_flight: int, on_result: Callable[[Result], None]) -> None:
-        """After a stop or an error: send nothing more; hand on what finishes within stop_grace_s."""
+    def _drain(self, run: _Run, on_result: Callable[[Result], None]) -> None:
+        """After a stop or an error: send nothing more; hand on what finishes within stop_grace_s. A failure handing
+        one on ends the drain (logged); the run's own exception is the one raised."""
         deadline = time.monotonic() + self.stop_grace_s
+        in_flight = run.in_flight
         if in_flight:
             log.warning("endpoint: waiting up to %g s for %d requests in flight", self.stop_grace_s, in_flight)
         while in_flight and (left := deadline - time.monotonic()) > 0:
             try:
-                due, _, outcome = self.done.get(timeout=left)
+                due, _, outcome = run.done.get(timeout=left)
             except queue.Empty:
                 break
             in_flight -= 1
             if isinstance(outcome, Outcome) and outcome.result is not None:
-                on_result(outcome.result)
+                try:
+                    on_result(outcome.result)
+                except BaseException as exc:  # noqa: BLE001 - the original stop or error goes on up
+                    log.warning("endpoint: a result could not be handed on while stopping (%s: %s); %d left "
+                                "undelivered", type(exc).__name__, exc, in_flight)
+                    return
         if in_flight:
             log.warning("endpoint: %d requests still in flight after %g s are dropped (a rerun sends them again)",
                         in_flight, self.stop_grace_s)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -33,6 +34,7 @@ FATAL = {401: "the endpoint refused the API key: check the variable engine.api_k
          403: "the endpoint refused the API key: check the variable engine.api_key_env names",
          404: "no such path or model on the endpoint: check engine.base_url (up to /v1), engine.endpoint and "
               "engine.model"}
+RETRY_AFTER_CAP_S = 600.0  # a longer Retry-After (a quota reset hours away) is waited this long, then asked again
 DEFAULT_MAX_LEN = 1 << 20  # where neither the server nor engine.max_model_len says (a hosted API rejects too long)
 
 
@@ -55,11 +57,11 @@ class OpenAIEngine:
         self.dispatcher = Dispatcher(self.send, most=cfg.max_concurrency, max_retries=cfg.max_retries,
                                      stop_grace_s=cfg.stop_grace_s)
         log.info("openai engine: %s at %s (%s endpoint, up to %d requests in flight, max_model_len=%d)",
-                 cfg.model, cfg.base_url, cfg.endpoint, cfg.max_concurrency, self.max_model_len)
+                 cfg.model, shown_url(cfg.base_url), cfg.endpoint, cfg.max_concurrency, self.max_model_len)
 
     def identity(self) -> dict[str, Any]:
-        return {"engine": "openai", "dtype": None, "endpoint": self.cfg.endpoint, "base_url": self.cfg.base_url,
-                "served_model": self.served}
+        return {"engine": "openai", "dtype": None, "endpoint": self.cfg.endpoint,
+                "base_url": shown_url(self.cfg.base_url), "served_model": self.served}
 
     def close(self) -> None:
         self.dispatcher.close()
@@ -87,7 +89,7 @@ class OpenAIEngine:
         if status == 200:
             try:
                 return Outcome(result=wire.result(req, response.json(), self.chat, self.tokenizer))
-            except (ValueError, KeyError, IndexError, TypeError) as exc:  # a torn or foreign body: ask again
+            except Exception as exc:  # a torn or foreign body (not JSON, no choices, a list): ask again
                 return Outcome(transient=f"unreadable answer ({type(exc).__name__}: {exc})")
         if status in OVERLOAD:
             return Outcome(transient=f"HTTP {status}", overload=True,
@@ -95,34 +97,40 @@ class OpenAIEngine:
         if status in TRANSIENT or status >= 500:
             return Outcome(transient=f"HTTP {status}")
         if status in FATAL:
-            raise EndpointError(f"{self.cfg.base_url}/{self.path}: HTTP {status}: {FATAL[status]} "
+            raise EndpointError(f"{shown_url(self.cfg.base_url)}/{self.path}: HTTP {status}: {FATAL[status]} "
                                 f"({_message(response)})")
         return Outcome(result=wire.error_result(req, status, _message(response)))
 
 def served_model(cfg: OpenAIConfig, client: Any, httpx: Any) -> dict[str, Any]:
-    """What /models says of engine.model (the identity); refuses a model the endpoint does not serve."""
+    """What /models says of engine.model (the identity); refuses a model the endpoint does not serve. An endpoint
+    without /models (404, 405) is identified by engine.model alone; a busy or failing one is asked again, never
+    recorded with less than it would say when well (a later resume would be refused)."""
+    url = shown_url(cfg.base_url)
     for attempt in range(cfg.max_retries + 1):
         try:
             response = client.get("models")
+            why = f"HTTP {response.status_code}"
         except httpx.TransportError as exc:
-            if attempt == cfg.max_retries:
-                raise EndpointDown(f"engine.base_url={cfg.base_url}: no answer ({type(exc).__name__}: "
-                                   f"{exc}); is the server up?") from exc
-            time.sleep(min(30.0, 0.5 * 2 ** attempt))
-            continue
-        break
+            response, why = None, f"no answer ({type(exc).__name__}: {exc}); is the server up?"
+        if response is not None and (response.status_code < 500 and response.status_code != 429):
+            break
+        if attempt == cfg.max_retries:
+            raise EndpointDown(f"engine.base_url={url}: /models: {why} after {attempt + 1} attempts")
+        time.sleep(min(30.0, 0.5 * 2 ** attempt))
     if response.status_code in (401, 403):
-        raise EndpointError(f"{cfg.base_url}/models: HTTP {response.status_code}: {FATAL[401]}")
-    if response.status_code != 200:
-        log.warning("%s/models answered HTTP %d: the served model's identity is engine.model alone",
-                    cfg.base_url, response.status_code)
+        raise EndpointError(f"{url}/models: HTTP {response.status_code}: {FATAL[401]}")
+    if response.status_code in (404, 405):
+        log.warning("%s/models answered HTTP %d: the served model's identity is engine.model alone", url,
+                    response.status_code)
         return {"id": cfg.model}
+    if response.status_code != 200:
+        raise EndpointError(f"{url}/models: HTTP {response.status_code}: {_message(response)}")
     models = response.json().get("data") or []
     for m in models:
         if m.get("id") == cfg.model:
             return {k: m[k] for k in ("id", "root", "max_model_len") if m.get(k) is not None}
     served = ", ".join(repr(m.get("id")) for m in models) or "none"
-    raise ConfigError([f"engine.model={cfg.model!r}: {cfg.base_url} serves {served}; set "
+    raise ConfigError([f"engine.model={cfg.model!r}: {url} serves {served}; set "
                        f"engine.model to one of them"])
 
 
@@ -148,12 +156,32 @@ def _client(cfg: OpenAIConfig) -> tuple[Any, Any]:
                                             max_keepalive_connections=cfg.max_concurrency)), httpx
 
 
+def shown_url(url: str) -> str:
+    """engine.base_url as written to the manifest, part metadata and logs: no user:password and no query (where
+    some gateways take a key)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.hostname + (f":{parts.port}" if parts.port else "") if parts.hostname
+                       else parts.netloc, parts.path, "", ""))
+
+
 def retry_after(value: Optional[str]) -> Optional[float]:
-    """A Retry-After header in seconds (delta-seconds or an HTTP date); None where absent or unreadable."""
+    """A Retry-After header in seconds (delta-seconds or an HTTP date), at most RETRY_AFTER_CAP_S (logged when
+    capped); None where absent or unreadable."""
+    seconds = _retry_after(value)
+    if seconds is not None and seconds > RETRY_AFTER_CAP_S:
+        log.warning("endpoint: Retry-After %s capped at %g s", value, RETRY_AFTER_CAP_S)
+        return RETRY_AFTER_CAP_S
+    return seconds
+
+
+def _retry_after(value: Optional[str]) -> Optional[float]:
     if not value:
         return None
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
+        return max(0.0, seconds) if math.isfinite(seconds) else None
     except ValueError:
         pass
     try:

@@ -25,6 +25,7 @@ from batchgen.engines.base import Source
 from batchgen.records import Request, Result
 
 Span = tuple[list[int], int]  # (token ids, the first position scored)
+HEAD_CHUNK = 256  # scored positions per LM-head call: 256 x a 152k vocabulary of float32 logits is 155 MB
 
 
 def wants(req: Request) -> bool:
@@ -100,11 +101,15 @@ class LoglikScorer:
     def _group(self, spans: list[Span]) -> list[tuple[float, int]]:
         hidden = self._hidden([ids for ids, _ in spans])
         out, offset = [], 0
+        head = self.model.get_output_embeddings()
         for ids, at in spans:
-            h = hidden[offset + at - 1: offset + len(ids) - 1]  # the states that predict ids[at:]
-            logp = torch.log_softmax(self.model.get_output_embeddings()(h).float(), dim=-1)
-            target = torch.tensor(ids[at:], device=logp.device)
-            out.append((logp.gather(1, target[:, None]).double().sum().item(), len(ids) - at))
+            total = 0.0
+            for lo in range(at, len(ids), HEAD_CHUNK):  # [chunk, vocabulary] logits at a time, never [row, vocabulary]
+                hi = min(lo + HEAD_CHUNK, len(ids))
+                logp = torch.log_softmax(head(hidden[offset + lo - 1: offset + hi - 1]).float(), dim=-1)
+                target = torch.tensor(ids[lo:hi], device=logp.device)
+                total += logp.gather(1, target[:, None]).double().sum().item()
+            out.append((total, len(ids) - at))
             offset += len(ids)
         self.tokens += offset
         return out

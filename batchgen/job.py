@@ -117,6 +117,23 @@ class EmbedConfig:
 
 
 @dataclass
+class Question:
+    """task=decide: one question asked of every row, its prompt appended to the row's rendered prompt."""
+
+    name: str = "???"  # its output column
+    kind: str = "choice"  # predicate (yes or no) | choice (one of options) | score (levels 1..levels)
+    prompt: str = ""  # appended to the row's rendered prompt, e.g. "Is this a bug report? Answer yes or no:"
+    options: list[str] = field(default_factory=list)  # choice: the options; predicate: [yes, no] where empty
+    levels: int = 5  # score: the answers 1..levels
+    abstain_below: Optional[float] = None  # a top answer less likely than this marks the row needs_review
+
+
+@dataclass
+class DecideConfig:
+    questions: list[Question] = field(default_factory=list)
+
+
+@dataclass
 class JobConfig:
     name: str = "???"
     output_dir: str = "data/outputs/${name}"
@@ -128,6 +145,7 @@ class JobConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     task: str = "generate"  # generate | loglik | embed (no generation: prompts/planner.py, engines/hf/loglik.py)
     embed: EmbedConfig = field(default_factory=EmbedConfig)
+    decide: DecideConfig = field(default_factory=DecideConfig)
 
     @property
     def rows_per_part(self) -> int:
@@ -166,7 +184,8 @@ def validate(cfg: JobConfig) -> JobConfig:
     return cfg
 
 
-TASKS = ("generate", "loglik", "embed")
+TASKS = ("generate", "loglik", "embed", "decide")
+KINDS = ("predicate", "choice", "score")
 POOLINGS = ("mean", "last")
 
 
@@ -181,6 +200,8 @@ def _task_problems(cfg: JobConfig) -> list[str]:
         out.append(f"embed.pooling must be one of {', '.join(POOLINGS)} (got {cfg.embed.pooling!r})")
     if cfg.task == "generate":
         return out
+    if cfg.task == "decide":
+        out += _question_problems(cfg.decide.questions)
     s = cfg.sampling
     spec = ENGINES.get(cfg.engine.name)
     if spec is not None and cfg.task not in spec.tasks:
@@ -192,6 +213,30 @@ def _task_problems(cfg: JobConfig) -> list[str]:
                                        ("sampling.reasoning", s.reasoning != "off"),
                                        ("a sampling constraint", s.constraint() is not None)) if value]
     out += [f"{key}: task={cfg.task} generates nothing; leave it at its default" for key in decoding]
+    return out
+
+
+def _question_problems(questions: list[Question]) -> list[str]:
+    """task=decide's questions: at least one, each named as a column can be, of a known kind with its answers."""
+    if not questions:
+        return ["task=decide asks decide.questions: a list of {name, kind, prompt, options | levels} (see "
+                "docs/engines.md, Scoring)"]
+    out, seen = [], set()
+    for i, q in enumerate(questions):
+        where = f"decide.questions[{i}]"
+        if not q.name or q.name == "???" or not q.name.isidentifier() or q.name in seen:
+            out.append(f"{where}.name must be a unique identifier (its output column; got {q.name!r})")
+        seen.add(q.name)
+        if q.kind not in KINDS:
+            out.append(f"{where}.kind must be one of {', '.join(KINDS)} (got {q.kind!r})")
+        if q.kind == "choice" and (len(q.options) < 2 or len(set(q.options)) != len(q.options)):
+            out.append(f"{where}.options: a choice needs at least two distinct options")
+        if q.kind == "predicate" and q.options and len(q.options) != 2:
+            out.append(f"{where}.options: a predicate's options are its yes and no answers, two (or none: yes, no)")
+        if q.kind == "score" and not 2 <= q.levels <= 100:
+            out.append(f"{where}.levels must be in 2..100 (got {q.levels})")
+        if q.abstain_below is not None and not 0 < q.abstain_below <= 1:
+            out.append(f"{where}.abstain_below must be in (0, 1] (got {q.abstain_below})")
     return out
 
 

@@ -56,6 +56,8 @@ class PlannedPart:
     n: int  # samples per row
     skipped: frozenset[int] = frozenset()  # rows already generated in run.skip_existing's output: no output rows
     counts: tuple[int, ...] | None = None  # per row, its samples where rows differ (dataset.n_column); None: n each
+    # task=decide: per question (name, kind, its answers, abstain_below), in request key order
+    questions: tuple[tuple[str, str, tuple[str, ...], float | None], ...] | None = None
 
 
 @dataclass(slots=True)
@@ -106,3 +108,5 @@ class OutputRow:
     perplexity: float | None = None  # exp(-loglik_mean)
     scored_tokens: int | None = None
     embedding: list[float] | None = None  # task=embed
+    decisions: dict | None = None  # task=decide: question name -> {answer, confidence, probabilities, expected}
+    needs_review: bool | None = None  # task=decide: a question's top answer below its abstain_below

@@ -147,6 +147,7 @@ class SampleParams:
     score_from: Optional[int] = None  # task=loglik: no generation; the prompt's tokens from here on are scored
     pooling: Optional[str] = None  # task=embed: no generation; the prompt's final hidden states pooled (mean, last)
     normalize: bool = False  # task=embed: the pooled state scaled to unit length
+    shared: int = 0  # task=decide: the first `shared` tokens are the row's prompt, prefilled once for its questions
 
     @property
     def greedy(self) -> bool:

@@ -84,7 +84,8 @@ class EngineSpec:
 ENGINES: dict[str, EngineSpec] = {
     "hf": EngineSpec(HFConfig, _load_hf, rows_per_part=256,
                      quantization=("int8", "int8_wo", "int4", "bnb-int8", "bnb-nf4"),
-                     choice_scores=True, check_quantization=_hf_quantization, tasks=("generate", "loglik", "embed")),
+                     choice_scores=True, check_quantization=_hf_quantization, tasks=("generate", "loglik", "embed",
+                                                                                   "decide")),
     # vllm: one window per part keeps its scheduler busy
     "vllm": EngineSpec(VLLMConfig, _load_vllm, rows_per_part=1024,
                        quantization=("awq", "gptq", "fp8", "compressed-tensors", "bitsandbytes", "gguf", "awq_marlin",

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from batchgen.constraints import INVALID, KINDS, Constraint, check
 from batchgen.errors import BatchgenError
 from batchgen.fsutil import fsync_dir, link_durably, replace_durably
+from batchgen.output import decide
 from batchgen.output.journal import JOURNAL_RE, crash_window, kill_point
 from batchgen.output.trust import check_part
 from batchgen.records import OutputRow, Part, PlannedPart, Result
@@ -109,6 +110,7 @@ class PartStats:
     invalid_outputs: int = 0  # constrained samples whose text did not parse or validate (not input errors)
     skipped: int = 0  # input rows left out: generated in run.skip_existing's output already
     cost: float = 0.0  # output.prices: the samples' prices summed
+    needs_review: int = 0  # task=decide: rows whose top answer to some question fell below its abstain_below
 
     @property
     def error_rows(self) -> int:
@@ -123,6 +125,7 @@ class PartStats:
         self.invalid_outputs += other.invalid_outputs
         self.skipped += other.skipped
         self.cost += other.cost
+        self.needs_review += other.needs_review
 
 
 def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
@@ -130,6 +133,8 @@ def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
     order (journaled ones from an earlier run included); an error row gets one row per sample. Every seed is the
     planner's (planned.seeds), so a row reads the same whichever run generated it. A constrained sample's text is
     checked here, whichever engine made it (constraints.check): `parsed` when it validates, else `invalid_output`."""
+    if planned.questions is not None:
+        return decide.assemble(planned, results)
     by_key = {r.key: r for r in results}
     constraints = {r.key: r.params.constraint for r in planned.requests if r.params.constraint is not None}
     part, n = planned.part, planned.n
@@ -151,19 +156,13 @@ def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
                                     f"sample {s}; nothing of this part was committed, rerun to resume")
             usage = {"cached_prompt_tokens": res.cached_prompt_tokens, "reasoning_tokens": res.reasoning_tokens,
                      "latency_s": res.latency_s}
-            if res.error is not None:  # the engine's own error row (an endpoint rejected the request)
-                rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=None,
-                                      finish_reason="error", num_prompt_tokens=res.num_prompt_tokens,
-                                      num_generated_tokens=res.num_generated_tokens, seed=seed, error=res.error,
-                                      **usage))
+            if res.error is not None or res.loglik is not None or res.embedding is not None:
+                rows.append(_ungenerated(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=None,
+                                                   finish_reason=res.finish_reason, seed=seed, error=res.error,
+                                                   num_prompt_tokens=res.num_prompt_tokens,
+                                                   num_generated_tokens=res.num_generated_tokens, **usage), res))
                 continue
             constraint = constraints.get(row * n + s)
-            if res.loglik is not None or res.embedding is not None:  # task=loglik / embed: no generation
-                rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=None,
-                                      finish_reason=res.finish_reason, num_prompt_tokens=res.num_prompt_tokens,
-                                      num_generated_tokens=0, seed=None, error=None, embedding=res.embedding,
-                                      **usage, **(loglik_columns(res.loglik) if res.loglik is not None else {})))
-                continue
             parsed, invalid = check(constraint, res.text, res.finish_reason) if constraint else (None, None)
             rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=res.text,
                                   finish_reason=res.finish_reason, num_prompt_tokens=res.num_prompt_tokens,
@@ -202,6 +201,20 @@ def _labelled(constraint: Optional[Constraint], scores: Optional[list[float]]) -
     if constraint is None or scores is None:
         return None
     return [{"choice": c, "score": p} for c, p in zip(constraint.choices, scores, strict=True)]
+
+
+def _ungenerated(row: OutputRow, res: Result) -> OutputRow:
+    """A row the engine answered without a generation: its own error (an endpoint's refusal: finish_reason error),
+    or a task=loglik or task=embed score (finish_reason scored)."""
+    if res.error is not None:
+        row.finish_reason = "error"
+        return row
+    row.seed = None
+    row.embedding = res.embedding
+    if res.loglik is not None:
+        for name, value in loglik_columns(res.loglik).items():
+            setattr(row, name, value)
+    return row
 
 
 def loglik_columns(loglik: list[float]) -> dict[str, Any]:
@@ -243,7 +256,7 @@ def stats_of(part: Part, rows: list[OutputRow]) -> PartStats:
                      generated_tokens=sum(r.num_generated_tokens for r in rows),
                      invalid_outputs=sum(k == INVALID for k in kinds),
                      skipped=part.num_rows - len({r.row for r in rows}),
-                     cost=sum(r.cost or 0.0 for r in rows))
+                     cost=sum(r.cost or 0.0 for r in rows), needs_review=sum(bool(r.needs_review) for r in rows))
 
 
 class Committer:
@@ -254,6 +267,7 @@ class Committer:
         self.passthrough = passthrough
         self.optional = optional  # names of OPTIONAL_FIELDS this job writes, after the contract's columns
         self.prices: Any = None  # output.prices: each sample's cost is written (price())
+        self.questions: Optional[list[str]] = None  # task=decide: a column per question, and needs_review
         self.exclusive = False  # first writer wins: a part already committed (by another worker) is never replaced
         self.metadata = metadata  # file key-value metadata: config hash, model identity
 
@@ -329,6 +343,9 @@ class Committer:
             if name in self.optional:
                 columns[name] = pa.array([getattr(r, name) for r in rows], OPTIONAL_FIELDS[name].type)
         fields += [OPTIONAL_FIELDS[name] for name in self.optional]
+        if self.questions:
+            columns.update(decide.columns(rows, self.questions))
+            fields += decide.fields(self.questions)
         if self.attempt:
             columns["attempt"] = pa.array([self.attempt] * len(rows), pa.int32())
             fields.append(ATTEMPT_FIELD)
@@ -344,7 +361,8 @@ class Committer:
     def write_empty(self, schema_fields: Optional[list[pa.Field]] = None) -> None:
         """An empty dataset still yields a readable result: one part with the schema and no rows. It has no row
         group at all (an empty row group makes `datasets.load_dataset("parquet")` fail on a batch size of 0)."""
-        optional = [OPTIONAL_FIELDS[name] for name in self.optional] + [ATTEMPT_FIELD] * bool(self.attempt)
+        optional = ([OPTIONAL_FIELDS[name] for name in self.optional]
+                    + (decide.fields(self.questions) if self.questions else []) + [ATTEMPT_FIELD] * bool(self.attempt))
         schema = pa.schema(OUTPUT_FIELDS + optional + (schema_fields or []),
                            metadata=self.metadata | {"batchgen.part": "0"})
         path = self.part_path(0)
@@ -378,4 +396,5 @@ def _asdict(stats: PartStats) -> dict[str, Any]:
     return {"rows": stats.rows, "samples": stats.samples, "errors": stats.errors,
             "prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens,
             "invalid_outputs": stats.invalid_outputs, "skipped": stats.skipped,
-            **({"cost": stats.cost} if stats.cost else {})}
+            **({"cost": stats.cost} if stats.cost else {}),
+            **({"needs_review": stats.needs_review} if stats.needs_review else {})}

@@ -66,6 +66,7 @@ def output_config(cfg: JobConfig) -> dict[str, Any]:
         **_output(cfg),
         **({"task": cfg.task} if cfg.task != "generate" else {}),
         **({"embed": dataclasses.asdict(cfg.embed)} if cfg.task == "embed" else {}),
+        **({"decide": dataclasses.asdict(cfg.decide)} if cfg.task == "decide" else {}),
         "run": {"rows_per_part": cfg.rows_per_part, "too_long": cfg.run.too_long,
                 **({"skip_existing": _input(cfg.run.skip_existing)} if cfg.run.skip_existing else {}),
                 **({"attempt": cfg.run.attempt} if cfg.run.attempt else {})},

@@ -16,7 +16,7 @@ import pyarrow as pa
 from batchgen.engines import ENGINES
 from batchgen.errors import TooLongError
 from batchgen.job import JobConfig
-from batchgen.prompts.render import Renderer
+from batchgen.prompts.render import Renderer, config_text
 from batchgen.prompts.rowparams import RowParams, RowSettings
 from batchgen.reader import Reader, column_values
 from batchgen.records import InputBatch, Part, PlannedPart, Request
@@ -190,6 +190,8 @@ class Planner:
         errors = list(m.errors)
         if self.cfg.task == "embed":
             return self._plan_embed(part, m, errors, max_model_len)
+        if self.cfg.task == "decide":
+            return self._plan_decide(part, m, errors, max_model_len)
         column = self.cfg.dataset.text_column
         texts = column_values(part.table, column) if column else [None] * part.num_rows
         requests = []
@@ -221,6 +223,47 @@ class Planner:
                 if errors[row] is None:
                     requests.append(Request(key=row, prompt_ids=fitted, params=params, seed=None))
         return PlannedPart(part=part, requests=requests, errors=errors, seeds=[None] * part.num_rows, n=1)
+
+    def _plan_decide(self, part: Part, m: Measured, errors: list[Optional[str]], max_model_len: int) -> PlannedPart:
+        """task=decide: for every row, question and answer, one scored request: the row's rendered prompt, the
+        question's prompt, then " answer" and EOS, scored from the answer on (EOS included, so an answer that is a
+        prefix of another, "bug" and "bugfix", is not credited with the longer one's mass). The row's prompt is
+        marked shared (all of it but its last token, whose state predicts the question's first): the engine prefills
+        it once for all of them. A row whose prompt, longest question and answer exceed max_model_len is too_long."""
+        questions, answers = self.questions()
+        width = sum(len(a) for a in answers)
+        longest = max(len(q) + max(map(len, opts)) for q, opts in questions)
+        meta = tuple((q.name, q.kind, a, q.abstain_below) for q, a in zip(self.cfg.decide.questions, answers))
+        requests = []
+        for row in range(part.num_rows):
+            if errors[row] is not None:
+                continue
+            base, j = m.ids[row], 0
+            if len(base) + longest > max_model_len:
+                errors[row] = (f"too_long: {len(base)} prompt tokens + {longest} of a question and its answer > "
+                               f"engine.max_model_len={max_model_len}")
+                continue
+            for q_ids, opts in questions:
+                for option in opts:
+                    params = SampleParams(max_new_tokens=0, temperature=0.0, top_p=1.0, top_k=0, stop=(),
+                                          ignore_eos=False, score_from=len(base) + len(q_ids),
+                                          shared=len(base) - 1)
+                    requests.append(Request(key=row * width + j, prompt_ids=base + q_ids + option, params=params,
+                                            seed=None))
+                    j += 1
+        return PlannedPart(part=part, requests=requests, errors=errors, seeds=[None] * part.num_rows, n=1,
+                           questions=meta)
+
+    def questions(self) -> tuple[list[tuple[list[int], list[list[int]]]], tuple[tuple[str, ...], ...]]:
+        """Each question's prompt ids and its answers' ids (" answer" then EOS), and the answers as text."""
+        eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
+        out, answers = [], []
+        for q in self.cfg.decide.questions:
+            opts = (q.options or ["yes", "no"]) if q.kind != "score" else [str(k) for k in range(1, q.levels + 1)]
+            prompt = self.tokenizer(config_text(q.prompt), add_special_tokens=False)["input_ids"]
+            out.append((prompt, [self.tokenizer(" " + o, add_special_tokens=False)["input_ids"] + eos for o in opts]))
+            answers.append(tuple(opts))
+        return out, tuple(answers)
 
     def _tokenize(self, texts: list[Optional[str]], add_special_tokens: bool) -> list[list[int]]:
         todo = [i for i, t in enumerate(texts) if t is not None]

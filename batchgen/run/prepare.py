@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from batchgen.job import JobConfig
 from batchgen.output.committer import Committer, optional_columns, writing
+from batchgen.output.decide import question_names as decide_names
 from batchgen.output.existing import Existing
 from batchgen.output.heartbeat import status_name
 from batchgen.output.lock import OutputLock
@@ -96,6 +97,7 @@ def open_output(cfg: JobConfig, job: JobInput, resolved: Optional[dict[str, Any]
                   "attempt": cfg.run.attempt}
         committer = RemoteCommitter(remote, **kwargs) if remote else Committer(output_dir, **kwargs)
         committer.prices = cfg.output.priced()
+        committer.questions = decide_names(cfg)
         mine = (status_name(cfg.run.shard, cfg.run.num_shards),)  # the shard's own status file's temp copies
         committer.clean_stale(lambda k: k % cfg.run.num_shards == cfg.run.shard, mine)
         yield JobOutput(output_dir, remote.url if remote else output_dir, remote, lock, committer)

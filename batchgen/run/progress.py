@@ -52,6 +52,8 @@ class Summary:
             f"  rows {t.rows} (samples {t.samples}), error rows {t.error_rows}: {errors}",
             f"  tokens: prompt {t.prompt_tokens}, generated {t.generated_tokens}",
         ]
+        if t.needs_review:
+            lines.append(f"  needs review: {t.needs_review} rows (a top answer below its question's abstain_below)")
         if t.cost:
             lines.append(f"  cost: {t.cost:.6g} (output.prices; every committed sample, all runs)")
         if t.skipped:

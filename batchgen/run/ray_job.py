@@ -28,6 +28,7 @@ from typing import Any, Optional
 from batchgen.errors import BatchgenError, ConfigError
 from batchgen.job import JobConfig, LauncherConfig
 from batchgen.output.committer import SUCCESS, Committer, PartStats, optional_columns
+from batchgen.output.decide import question_names
 from batchgen.output.lock import OutputLock
 from batchgen.output.manifest import model_identity
 from batchgen.output.outdir import committed_totals
@@ -56,6 +57,7 @@ class PartWorker:
                                    optional=optional_columns(cfg.sampling, cfg.dataset, cfg.output, cfg.task))
         self.committer.exclusive = True
         self.committer.prices = cfg.output.priced()
+        self.committer.questions = question_names(cfg)
         self.planner = Planner(cfg, job.reader, job.renderer, job.tokenizer, job.existing)
         self.engine = respcache.wrap(build_engine(cfg.engine, job.tokenizer), cfg, model_identity(cfg.engine.model))
         self.stop = GracefulStop()  # never entered: the driver stops the job; shielded sections still nest

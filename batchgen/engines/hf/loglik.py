@@ -60,6 +60,8 @@ class LoglikScorer:
         pooling request its embedding."""
         if requests and requests[0].params.pooling is not None:
             return self._embed(requests)
+        if self.stepper is not None and requests and all(r.params.shared > 0 for r in requests):
+            return self._shared(requests)
         spans = [(i, span) for i, r in enumerate(requests)
                  for span in windows(r.prompt_ids, max(r.params.score_from, 1), self.max_len)]
         spans.sort(key=lambda item: -len(item[1][0]))
@@ -97,6 +99,46 @@ class LoglikScorer:
             start += len(group)
         return [Result(key=r.key, text="", finish_reason="scored", num_prompt_tokens=len(r.prompt_ids),
                        num_generated_tokens=0, embedding=v) for r, v in zip(requests, pooled)]
+
+    def _shared(self, requests: list[Request]) -> list[Result]:
+        """task=decide: requests that share their first `params.shared` tokens (a row's prompt) prefill them once;
+        each then prefills only its own tokens after them (the question and an answer), attending over the
+        prefix's keys and values, loaded into its cache slot."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(tuple(r.prompt_ids[:r.params.shared]), []).append(i)
+        totals: list[tuple[float, int]] = [(0.0, 0)] * len(requests)
+        for prefix, members in groups.items():
+            cache = self.stepper.new_cache(1, len(prefix))
+            self.stepper.prefill(cache, 0, [list(prefix)])
+            k, v = cache.prefix_of(0, len(prefix))
+            self.tokens += len(prefix)
+            longest = max(len(requests[i].prompt_ids) for i in members)
+            step = max(1, self.max_batch_tokens // longest)
+            for start in range(0, len(members), step):
+                chunk = members[start:start + step]
+                for i, total in zip(chunk, self._suffixes([requests[i] for i in chunk], k, v)):
+                    totals[i] = total
+        return [Result(key=r.key, text="", finish_reason="scored", num_prompt_tokens=len(r.prompt_ids),
+                       num_generated_tokens=0, loglik=[t, c]) for r, (t, c) in zip(requests, totals)]
+
+    def _suffixes(self, chunk: list[Request], k: torch.Tensor, v: torch.Tensor) -> list[tuple[float, int]]:
+        shared = k.shape[2]
+        cache = self.stepper.new_cache(len(chunk), max(len(r.prompt_ids) for r in chunk))
+        for slot in range(len(chunk)):
+            cache.load_prefix(slot, k, v)
+        hidden = self.stepper.prefill(cache, 0, [r.prompt_ids for r in chunk], [shared] * len(chunk), every=True)
+        head, out, offset = self.model.get_output_embeddings(), [], 0
+        for r in chunk:
+            ids, at = r.prompt_ids, r.params.score_from
+            # hidden[offset + t] is position shared + t's state, which predicts ids[shared + t + 1]
+            h = hidden[offset + at - 1 - shared: offset + len(ids) - 1 - shared]
+            logp = torch.log_softmax(head(h).float(), dim=-1)
+            target = torch.tensor(ids[at:], device=logp.device)
+            out.append((logp.gather(1, target[:, None]).double().sum().item(), len(ids) - at))
+            offset += len(ids) - shared
+        self.tokens += offset
+        return out
 
     def _group(self, spans: list[Span]) -> list[tuple[float, int]]:
         hidden = self._hidden([ids for ids, _ in spans])

@@ -36,7 +36,8 @@ NOT_HERE = {
     "bash scripts/gpu_wheels.sh": "the GPU check, on a lent GPU machine",
     "bash scripts/gpu_check.sh": "the GPU check, on a lent GPU machine",
     "30 2 * * *": "a crontab line: jobs/increment.sh runs under env -i in tests/scenarios/test_jobs.py",
-    "duckdb -c": "the duckdb CLI: the query runs through duckdb's Python API in tests/scenarios/test_increments.py",
+    "duckdb -c": ("the duckdb CLI: the queries run through duckdb's Python API in tests/scenarios/test_increments.py "
+                  "and tests/engines/test_decide.py"),
     "sbatch": "a Slurm cluster: jobs/slurm/*.sh run in tests/scenarios/test_jobs.py",
     "batchgen job=annotate launcher=ray launcher.address=auto": "an existing Ray cluster; the local one runs here",
     "vllm serve": "a vLLM server: the vLLM tier starts one (tests/vllm_tier/test_vllm_server.py)",

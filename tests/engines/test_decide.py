@@ -125,3 +125,22 @@ def test_bad_question_sets_are_refused_naming_the_question(tiny_model, tmp_path)
     assert "decide.questions[1].name must be a unique identifier" in text
     assert "decide.questions[1].kind must be one of predicate, choice, score" in text
     assert "decide.questions[2].levels must be in 2..100" in text and "decide.questions[2].abstain_below" in text
+
+
+def test_the_decide_preset_and_its_output_read_back_in_pandas_and_duckdb(tiny_model, tmp_path):
+    """`batchgen job=decide` (the support tickets, three questions; the tiny model in place of the demo model) and
+    the docs' read-back in pandas and duckdb (docs/engines.md)."""
+    import duckdb
+    import pandas as pd
+
+    from tests.conftest import run_cli
+
+    out = tmp_path / "decide"
+    done = run_cli(["job=decide", f"output_dir={out}", f"engine.model={tiny_model}", "dataset.limit=12",
+                    "run.progress=false", "engine.dtype=float32"])
+    assert done.returncode == 0, done.stderr
+    df = pd.read_parquet(out)
+    assert len(df) == 12 and set(df["topic"].str["answer"]) <= {"billing", "bug", "feature", "account", "other"}
+    rows = duckdb.sql(f"select ticket_id, is_bug.answer, is_bug.confidence, topic.answer, urgency.expected, "
+                      f"needs_review from '{out}/*.parquet' order by urgency.expected desc limit 10").fetchall()
+    assert len(rows) == 10 and all(1.0 <= r[4] <= 5.0 and r[1] in ("yes", "no") for r in rows)

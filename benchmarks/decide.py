@@ -73,7 +73,7 @@ def main() -> None:
     data.write_text("".join(json.dumps(r) + "\n" for r in rows(args.rows)))
     common = ["name=bench", f"dataset.path={data}", "dataset.format=jsonl", "dataset.id_column=id",
               f"engine.model={model}", "run.dedupe=false"]
-    listed = ", ".join("{name: %s, kind: choice, prompt: %s, options: [%s]}" % (n, json.dumps(p), ", ".join(o))
+    listed = ", ".join(f"{{name: {n}, kind: choice, prompt: {json.dumps(p)}, options: [{', '.join(o)}]}}"
                        for n, p, o in QUESTIONS)
     decide = [*common, "task=decide", f"+decide.questions=[{listed}]"]
     singles = [[*common, f"dataset.template='{{prompt}}{p}'", f"sampling.choice=[{','.join(o)}]",

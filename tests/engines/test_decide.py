@@ -144,3 +144,21 @@ def test_the_decide_preset_and_its_output_read_back_in_pandas_and_duckdb(tiny_mo
     rows = duckdb.sql(f"select ticket_id, is_bug.answer, is_bug.confidence, topic.answer, urgency.expected, "
                       f"needs_review from '{out}/*.parquet' order by urgency.expected desc limit 10").fetchall()
     assert len(rows) == 10 and all(1.0 <= r[4] <= 5.0 and r[1] in ("yes", "no") for r in rows)
+
+
+def test_a_decide_job_killed_after_journaling_resumes_to_the_same_rows(tiny_model, tmp_path):
+    """SIGKILL right after the first scores are journaled (a part half done), then the same command: the rows equal
+    an uninterrupted run's, the journaled scores reused."""
+    from tests.conftest import run_cli
+
+    data = write_jsonl(tmp_path / "in.jsonl", rows(10))
+    cli = [*job_overrides(tiny_model, data, tmp_path / "out", "task=decide", "dataset.id_column=id", QUESTIONS,
+                          "run.rows_per_part=4")]
+    killed = run_cli(cli, env={"BATCHGEN_TEST_KILL_AT": "samples journaled"})
+    assert killed.returncode == -9, killed.stderr
+    assert not (tmp_path / "out" / "_SUCCESS").exists()
+    resumed = run_cli(cli)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "reused from part journals" in resumed.stdout + resumed.stderr
+    clean = decide(tiny_model, data, tmp_path / "clean", "run.rows_per_part=4")
+    assert {r["id"]: r for r in read_output(tmp_path / "out").to_pylist()} == clean

@@ -50,6 +50,15 @@ def _openai_sampling(cfg: Any, sampling: Any, dataset: Any) -> list[str]:
                        sampling.reasoning != "off")
 
 
+def _vllm_for_task(cfg: Any, task: str, embed: Any) -> Any:
+    """task=embed on vLLM: its pooling runner over the model's hidden states (engine.extra_args may override)."""
+    if task != "embed":
+        return cfg
+    pooling = {"runner": "pooling", "convert": "embed",
+               "pooler_config": {"pooling_type": embed.pooling.upper()}}
+    return dataclasses.replace(cfg, extra_args=pooling | dict(cfg.extra_args))
+
+
 def _hf_quantization(cfg: HFConfig) -> list[str]:
     from batchgen.engines.hf import quant
 
@@ -78,7 +87,8 @@ class EngineSpec:
     constraints_available: Optional[Callable[[], Optional[str]]] = None  # why constraints cannot run here, if so
     check_quantization: Optional[Callable[[Any], list[str]]] = None  # a scheme on this device and dtype
     check_sampling: Optional[Callable[[Any, Any, Any], list[str]]] = None  # (engine, sampling, dataset) it refuses
-    tasks: tuple[str, ...] = ("generate",)  # the job tasks it runs (task=loglik, task=embed: the hf engine)
+    tasks: tuple[str, ...] = ("generate",)  # the job tasks it runs (task=loglik, embed, decide)
+    for_task: Optional[Callable[[Any, str, Any], Any]] = None  # (engine config, task, embed config) -> its config
 
 
 ENGINES: dict[str, EngineSpec] = {
@@ -91,7 +101,8 @@ ENGINES: dict[str, EngineSpec] = {
                        quantization=("awq", "gptq", "fp8", "compressed-tensors", "bitsandbytes", "gguf", "awq_marlin",
                                      "gptq_marlin", "experts_int8"),
                        beam_early_stopping=False, reasoning_with_constraint=False,
-                       constraints_available=_vllm_structured_outputs),
+                       constraints_available=_vllm_structured_outputs, tasks=("generate", "embed"),
+                       for_task=_vllm_for_task),
     # openai: an endpoint; its parts are journaled as answers arrive, so a part is a commit unit, not a batch
     "openai": EngineSpec(OpenAIConfig, _load_openai, rows_per_part=256, quantization=(), beam_search=False,
                          reasoning_with_constraint=False, check_sampling=_openai_sampling),
@@ -103,6 +114,14 @@ ENGINES: dict[str, EngineSpec] = {
 def default_rows_per_part(name: str) -> int:
     """The engine's commit unit when run.rows_per_part is null (an unknown engine is refused by validate)."""
     return ENGINES[name].rows_per_part if name in ENGINES else 256
+
+
+def task_engine(cfg: Any) -> EngineConfig:
+    """The job's engine config as its task needs it (EngineSpec.for_task: task=embed on vLLM's pooling runner)."""
+    spec = ENGINES.get(cfg.engine.name)
+    if spec is None or spec.for_task is None:
+        return cfg.engine
+    return spec.for_task(cfg.engine, cfg.task, cfg.embed)
 
 
 def build_engine(cfg: EngineConfig, tokenizer: Any) -> Engine:

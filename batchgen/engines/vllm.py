@@ -201,7 +201,13 @@ class VLLMEngine:
         self.cfg = cfg
         self.tokenizer = tokenizer  # batchgen's own: decodes the token ids vLLM returns, like the hf engine
         structured = structured_outputs_problem() is None
-        self.llm = self.vllm.LLM(**llm_kwargs(cfg, cpu=is_cpu_build(self.vllm), structured=structured))
+        kwargs = llm_kwargs(cfg, cpu=is_cpu_build(self.vllm), structured=structured)
+        if isinstance(kwargs.get("pooler_config"), dict):  # task=embed (engines.for_task): vLLM's pooling runner
+            from vllm.config import PoolerConfig
+
+            kwargs["pooler_config"] = PoolerConfig(**kwargs["pooler_config"])
+        self.pooling = kwargs.get("runner") == "pooling"
+        self.llm = self.vllm.LLM(**kwargs)
         self.model_config = self.llm.llm_engine.model_config
         self.max_model_len = self.model_config.max_model_len
         self.max_batch_size = cfg.max_batch_size or VLLM_MAX_NUM_SEQS  # sequences one step may hold (max_num_seqs)
@@ -228,6 +234,12 @@ class VLLMEngine:
         return generate_by_stream(self.stream, requests, on_result)
 
     def stream(self, source: Source, on_result: Callable[[Result], None]) -> None:
+        if self.pooling:  # task=embed: each batch the source gives is one embed call
+            stream_windows(self._embed, source, on_result)
+        else:
+            self._stream_generate(source, on_result)
+
+    def _stream_generate(self, source: Source, on_result: Callable[[Result], None]) -> None:
         """vLLM's request queue topped up from `source` before every engine step, so its scheduler always has the
         next parts' requests to admit as rows finish; each result goes to `on_result` the step it finishes."""
         engine = self.llm.llm_engine
@@ -317,6 +329,21 @@ class VLLMEngine:
         if on_result is not None:
             for result in results:
                 on_result(result)
+        return results
+
+    def _embed(self, requests: list[Request], on_result: Optional[Callable[[Result], None]] = None
+               ) -> list[Result]:
+        """task=embed on vLLM's pooling runner (runner=pooling, convert=embed: the model's final hidden states pooled
+        as engine.extra_args.pooler_config says, MEAN or LAST); params.normalize is vLLM's use_activation (L2)."""
+        from vllm import PoolingParams
+
+        outputs = self.llm.embed([{"prompt_token_ids": list(r.prompt_ids)} for r in requests], use_tqdm=False,
+                                 pooling_params=[PoolingParams(use_activation=r.params.normalize) for r in requests])
+        results = [Result(key=r.key, text="", finish_reason="scored", num_prompt_tokens=len(r.prompt_ids),
+                          num_generated_tokens=0, embedding=[float(x) for x in out.outputs.embedding])
+                   for r, out in zip(requests, outputs, strict=True)]
+        for result in results if on_result is not None else ():
+            on_result(result)
         return results
 
     def sampling_params(self, req: Request) -> Any:

@@ -47,7 +47,7 @@ class PartWorker:
     """A Ray actor's body: one engine, loaded once; parts run one at a time."""
 
     def __init__(self, cfg: JobConfig, render_row: Optional[RenderRow], metadata: dict[str, str]):
-        from batchgen.engines import build_engine
+        from batchgen.engines import build_engine, task_engine
         from batchgen.prompts.planner import Planner
 
         self.cfg = cfg
@@ -59,7 +59,8 @@ class PartWorker:
         self.committer.prices = cfg.output.priced()
         self.committer.questions = question_names(cfg)
         self.planner = Planner(cfg, job.reader, job.renderer, job.tokenizer, job.existing)
-        self.engine = respcache.wrap(build_engine(cfg.engine, job.tokenizer), cfg, model_identity(cfg.engine.model))
+        self.engine = respcache.wrap(build_engine(task_engine(cfg), job.tokenizer), cfg,
+                                   model_identity(cfg.engine.model))
         self.stop = GracefulStop()  # never entered: the driver stops the job; shielded sections still nest
 
     def identity(self) -> dict[str, Any]:

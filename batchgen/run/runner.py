@@ -11,7 +11,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
-from batchgen.engines import build_engine
+from batchgen.engines import build_engine, task_engine
 from batchgen.engines.base import stream_windows
 from batchgen.errors import BatchgenError
 from batchgen.job import JobConfig, validate
@@ -91,7 +91,8 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
 def _load_and_generate(cfg: JobConfig, job: JobInput, out: JobOutput, planner: Planner, summary: Summary,
                        progress: Progress, started: float) -> None:
     """Load the engine, check what it resolved to against the manifest, and generate this shard's parts."""
-    engine = respcache.wrap(build_engine(cfg.engine, job.tokenizer), cfg, model_identity(cfg.engine.model))
+    engine = respcache.wrap(build_engine(task_engine(cfg), job.tokenizer), cfg,
+                            model_identity(cfg.engine.model))
     summary.load_s = time.perf_counter() - started
     with out.lock.layout():
         check_engine(out.output_dir, engine.identity())  # what engine.dtype=auto resolved to, the same

@@ -260,6 +260,8 @@ def _summary_rows(facts: dict[str, Any]) -> list[list[Any]]:
             ["generated tokens (history)", sum(h.get("generated_tokens", 0) for h in hist)],
             *([["cost (history; output.prices)", f"{sum(h.get('cost', 0) for h in hist):.6g}"]]
               if any("cost" in h for h in hist) else []),
+            *([["rows needing review (history; task=decide)", sum(h.get("needs_review", 0) for h in hist)]]
+              if any("needs_review" in h for h in hist) else []),
             ["generation time (first to last commit)", f"{span:.1f} s"],
             ["batchgen", m.get("batchgen_version")], ["config hash", m.get("config_hash")]]
 

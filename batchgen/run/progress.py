@@ -172,7 +172,8 @@ class Progress:
                   "generated_tokens": generated_tokens, "prompt_tokens": stats.prompt_tokens,
                   "errors": stats.error_rows, "part_s": None if opened is None else round(time.time() - opened, 3),
                   "shard": self.cfg.run.shard, "pid": os.getpid(), "host": socket.gethostname(), "worker": worker,
-                  **({"cost": round(stats.cost, 9)} if self.cfg.output.priced() is not None else {})}
+                  **({"cost": round(stats.cost, 9)} if self.cfg.output.priced() is not None else {}),
+                  **({"needs_review": stats.needs_review} if self.cfg.task == "decide" else {})}
         name = history_name(self.cfg.run.shard, self.cfg.run.num_shards)
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW  # never through a symlink out of output_dir
         try:

@@ -162,3 +162,17 @@ def test_a_decide_job_killed_after_journaling_resumes_to_the_same_rows(tiny_mode
     assert "reused from part journals" in resumed.stdout + resumed.stderr
     clean = decide(tiny_model, data, tmp_path / "clean", "run.rows_per_part=4")
     assert {r["id"]: r for r in read_output(tmp_path / "out").to_pylist()} == clean
+
+
+def test_rows_needing_review_are_counted_in_the_summary_the_history_and_the_report(tiny_model, tmp_path):
+    from batchgen.commands.report import _summary_rows, gather
+
+    data = write_jsonl(tmp_path / "in.jsonl", rows(8))
+    out = tmp_path / "out"
+    strict = QUESTIONS.replace("abstain_below: 0.9", "abstain_below: 0.99999")
+    summary = run_job(compose_job(job_overrides(tiny_model, data, out, "task=decide", "dataset.id_column=id",
+                                                strict, "run.rows_per_part=3")))
+    flagged = sum(r["needs_review"] for r in read_output(out).to_pylist())
+    assert flagged > 0 and summary.totals.needs_review == flagged
+    assert f"needs review: {flagged} rows" in summary.render()
+    assert ["rows needing review (history; task=decide)", flagged] in _summary_rows(gather(out))

@@ -79,7 +79,7 @@ def test_a_wheel_runs_a_preset_job_and_every_command_from_another_directory(inst
     assert (home / "out" / "_report.html").exists()
     assert "newline" in run([batchgen, "help", "dataset.template"], home).stdout  # the reference ships too
     helped = run([batchgen, "--config-dir", "my-presets", "--help"], home).stdout
-    assert "annotate, annotate_json, classify, demo, mine" in helped
+    assert "annotate, annotate_json, classify, decide, demo, mine" in helped
 
 
 def test_the_console_shows_the_bar_warnings_and_the_summary_each_error_once(tiny_model, tmp_path):

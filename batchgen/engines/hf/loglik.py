@@ -128,30 +128,31 @@ class LoglikScorer:
         for slot in range(len(chunk)):
             cache.load_prefix(slot, k, v)
         hidden = self.stepper.prefill(cache, 0, [r.prompt_ids for r in chunk], [shared] * len(chunk), every=True)
-        head, out, offset = self.model.get_output_embeddings(), [], 0
+        out, offset = [], 0
         for r in chunk:
-            ids, at = r.prompt_ids, r.params.score_from
             # hidden[offset + t] is position shared + t's state, which predicts ids[shared + t + 1]
-            h = hidden[offset + at - 1 - shared: offset + len(ids) - 1 - shared]
-            logp = torch.log_softmax(head(h).float(), dim=-1)
-            target = torch.tensor(ids[at:], device=logp.device)
-            out.append((logp.gather(1, target[:, None]).double().sum().item(), len(ids) - at))
-            offset += len(ids) - shared
+            out.append(self._span(hidden, offset - shared, r.prompt_ids, r.params.score_from))
+            offset += len(r.prompt_ids) - shared
         self.tokens += offset
         return out
+
+    def _span(self, hidden: torch.Tensor, base: int, ids: list[int], at: int) -> tuple[float, int]:
+        """The summed log-probability of ids[at:] and how many tokens that is, where hidden[base + t] is the state
+        at ids' position t (it predicts ids[t + 1]). The LM head runs over HEAD_CHUNK positions at a time: [chunk,
+        vocabulary] logits, never [row, vocabulary]."""
+        head, total = self.model.get_output_embeddings(), 0.0
+        for lo in range(at, len(ids), HEAD_CHUNK):
+            hi = min(lo + HEAD_CHUNK, len(ids))
+            logp = torch.log_softmax(head(hidden[base + lo - 1: base + hi - 1]).float(), dim=-1)
+            target = torch.tensor(ids[lo:hi], device=logp.device)
+            total += logp.gather(1, target[:, None]).double().sum().item()
+        return total, len(ids) - at
 
     def _group(self, spans: list[Span]) -> list[tuple[float, int]]:
         hidden = self._hidden([ids for ids, _ in spans])
         out, offset = [], 0
-        head = self.model.get_output_embeddings()
         for ids, at in spans:
-            total = 0.0
-            for lo in range(at, len(ids), HEAD_CHUNK):  # [chunk, vocabulary] logits at a time, never [row, vocabulary]
-                hi = min(lo + HEAD_CHUNK, len(ids))
-                logp = torch.log_softmax(head(hidden[offset + lo - 1: offset + hi - 1]).float(), dim=-1)
-                target = torch.tensor(ids[lo:hi], device=logp.device)
-                total += logp.gather(1, target[:, None]).double().sum().item()
-            out.append((total, len(ids) - at))
+            out.append(self._span(hidden, offset, ids, at))
             offset += len(ids)
         self.tokens += offset
         return out

@@ -5,11 +5,12 @@ Plain dataclasses: the CLI fills them from Hydra once; nothing here imports omeg
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from batchgen.engines import (
     ENGINES,
@@ -102,6 +103,14 @@ class OutputConfig:
     format: str = "parquet"
     usage: bool = False  # per-row usage columns: cached_prompt_tokens, reasoning_tokens, latency_s
     prices: Prices = field(default_factory=Prices)  # a cost column per sample and cost totals (summary, report, plan)
+    # where consumers read the result: parquet (output_dir's parts), or each committed part also made exactly one
+    # transaction of a table (output/tables/): delta (deltalake) or iceberg (pyiceberg), output_dir its staging area
+    sink: str = "parquet"
+    table: Optional[str] = None  # delta: the table's path or URL; iceberg: namespace.table in output.catalog
+    catalog: dict[str, Any] = field(default_factory=dict)  # iceberg: pyiceberg's catalog properties (type, uri, ...)
+    storage_options: dict[str, str] = field(default_factory=dict)  # delta: delta-rs storage options (S3 endpoint...)
+    mode: str = "append"  # append | upsert: merge on (id, sample_index), a retried or re-generated row replaces its
+    schema_evolution: str = "none"  # none: a table of other columns is refused | add_columns: new columns are added
 
     def priced(self) -> Optional[Prices]:
         """output.prices where given, else None."""
@@ -254,6 +263,34 @@ def _output_problems(cfg: JobConfig) -> list[str]:
                    "output.prices='{input: 0.15, output: 0.6}'")
     out += [f"output.prices.{key} must be >= 0 (got {value})" for key, value in vars(prices).items()
             if value is not None and value < 0]
+    return out + _sink_problems(cfg.output)
+
+
+def _sink_problems(output: OutputConfig) -> list[str]:
+    """output.sink and the keys of a table output."""
+    out = []
+    if output.sink not in ("parquet", "delta", "iceberg"):
+        out.append(f"output.sink must be parquet, delta or iceberg (got {output.sink!r})")
+    if output.mode not in ("append", "upsert"):
+        out.append(f"output.mode must be append or upsert (got {output.mode!r})")
+    if output.schema_evolution not in ("none", "add_columns"):
+        out.append(f"output.schema_evolution must be none or add_columns (got {output.schema_evolution!r})")
+    if output.sink == "parquet":
+        if output.table or output.mode != "append":
+            out.append("output.table and output.mode=upsert are for a table output: set output.sink=delta or iceberg")
+        return out
+    if not output.table:
+        where = "a path or URL, e.g. output.table=s3://bucket/annotations" if output.sink == "delta" else \
+            "namespace.table in output.catalog, e.g. output.table=nightly.annotations"
+        out.append(f"output.sink={output.sink} needs output.table: {where}")
+    elif output.sink == "iceberg" and "." not in output.table:
+        out.append(f"output.table={output.table!r}: an Iceberg table is named namespace.table")
+    if output.sink == "iceberg" and not output.catalog:
+        out.append("output.sink=iceberg needs output.catalog, pyiceberg's catalog properties, e.g. "
+                   "output.catalog='{type: sql, uri: \"sqlite:///cat.db\", warehouse: \"file:///data/warehouse\"}'")
+    package = {"delta": "deltalake", "iceberg": "pyiceberg"}[output.sink]
+    if importlib.util.find_spec(package) is None:
+        out.append(f"output.sink={output.sink} needs the {package} package: pip install 'batchgen[{output.sink}]'")
     return out
 
 

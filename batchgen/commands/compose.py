@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -28,9 +28,29 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # the root config,
 USER_CONF_ENV = "BATCHGEN_CONF_DIR"  # directories of the user's own presets (DIR/job/NAME.yaml), os.pathsep-separated
 _config_dirs: list[str] = []  # from --config-dir DIR on the command line (main() takes them out of argv)
 
-ConfigStore.instance().store(name="batchgen_schema", node=JobConfig)
+
+
+def _open_dicts(node: Any) -> DictConfig:
+    """A config class as Hydra's schema, its dict-valued keys (engine.extra_body, output.catalog) open: set whole on
+    the command line (`output.catalog='{type: sql, ...}'`), a key Hydra's struct mode would refuse to add."""
+    cfg = OmegaConf.structured(node)
+    _open(cfg)
+    return cfg
+
+
+def _open(cfg: DictConfig) -> None:
+    for key in cfg:
+        value = None if OmegaConf.is_missing(cfg, key) or OmegaConf.is_interpolation(cfg, key) else cfg[key]
+        if isinstance(value, DictConfig):
+            if OmegaConf.get_type(value) is dict:
+                OmegaConf.set_struct(value, False)
+            else:
+                _open(value)
+
+
+ConfigStore.instance().store(name="batchgen_schema", node=_open_dicts(JobConfig))
 for _name, _spec in ENGINES.items():  # each engine's config class, under its group file (conf/engine/NAME.yaml)
-    ConfigStore.instance().store(group="engine", name=f"{_name}_schema", node=_spec.config)
+    ConfigStore.instance().store(group="engine", name=f"{_name}_schema", node=_open_dicts(_spec.config))
 
 
 def to_job_config(cfg: DictConfig, check: bool = True) -> JobConfig:

@@ -7,6 +7,7 @@ listing, and the journals and locks from its staging directory where this is the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
 import sys
 import tempfile
@@ -87,6 +88,7 @@ def _describe(shown: str, files: Path, local: Optional[Path], parts: int) -> str
         lines.append(f"  all shards: rows {done}/{total if total is not None else '?'}, error rows "
                      f"{sum(b.rows_failed for _, b in beats)}")
     lines.append(f"  committed parts: {parts}")
+    lines += _table(files)
     lines += _journals(local) if local else []
     lines += _attempts(files)
     if local is None:
@@ -98,6 +100,25 @@ def _describe(shown: str, files: Path, local: Optional[Path], parts: int) -> str
     if not writers:
         lines.append("  no run holds the lock")
     return "\n".join(lines)
+
+
+def _table(files: Path) -> list[str]:
+    """A table output (output.sink): how many of the output's parts the table holds, read from the table."""
+    manifest = read_manifest(files) or {}
+    recorded = (manifest.get("config") or {}).get("output") or {}
+    if recorded.get("sink", "parquet") == "parquet":
+        return []
+    from batchgen.job import OutputConfig
+    from batchgen.output.tables import open_sink
+
+    keys = {f.name for f in dataclasses.fields(OutputConfig)} - {"prices"}
+    output = OutputConfig(**{k: v for k, v in recorded.items() if k in keys})
+    parts = manifest.get("parts") or 0
+    try:
+        held = len(open_sink(output, manifest.get("job_id", "")).refresh(range(parts)))
+    except Exception as exc:  # noqa: BLE001 - any reader's failure is reported, not raised: status writes nothing
+        return [f"  table: {output.sink} {output.table}: cannot read it ({type(exc).__name__}: {exc})"]
+    return [f"  table: {output.sink} {output.table}, {held} of {parts or '?'} parts committed"]
 
 
 def _attempts(output_dir: Path) -> list[str]:

@@ -270,16 +270,26 @@ class Committer:
         self.questions: Optional[list[str]] = None  # task=decide: a column per question, and needs_review
         self.exclusive = False  # first writer wins: a part already committed (by another worker) is never replaced
         self.metadata = metadata  # file key-value metadata: config hash, model identity
+        self.sink: Any = None  # output.sink's table (output/tables/): each committed part also one transaction of it
 
     def part_path(self, index: int) -> Path:
         return self.output_dir / f"part-{index:05d}.parquet"
 
     def committed(self) -> set[int]:
-        return {int(m.group(1)) for p in self.output_dir.iterdir() if (m := PART_RE.match(p.name))}
+        """Parts committed here, and a table output's parts of this output (those whose files output_dir lost)."""
+        here = {int(m.group(1)) for p in self.output_dir.iterdir() if (m := PART_RE.match(p.name))}
+        return here | self.sink.known if self.sink is not None else here
 
     def read_stats(self, index: int) -> PartStats:
-        """A committed part's counts, once its metadata shows it is this job's (trust.check_part)."""
+        """A committed part's counts, once its metadata shows it is this job's (trust.check_part); a part only the
+        table output holds, as its commit recorded them."""
+        if self.sink is not None and not self.part_path(index).exists():
+            return PartStats(**(self.sink.stats(index) or {}))
         return self.stats_from(self.part_path(index), pq.read_metadata(self.part_path(index)).metadata, index)
+
+    def read_part(self, index: int) -> pa.Table:
+        """A committed part's rows, with its metadata (a table output's reconcile commits it from here)."""
+        return pq.read_table(self.part_path(index))
 
     def stats_from(self, path: Any, meta: Optional[dict[bytes, bytes]], index: int) -> PartStats:
         check_part(path, meta, index, self.metadata.get("batchgen.config_hash", ""))
@@ -307,7 +317,17 @@ class Committer:
         except OutputWriteError:
             tmp.unlink(missing_ok=True)
             raise
+        self.to_table(part.index, table)
         return stats
+
+    def to_table(self, index: int, table: pa.Table) -> None:
+        """A part committed here, made one transaction of the table output (none: nothing to do)."""
+        if self.sink is None:
+            return
+        kill_point("part committed before its table commit")
+        crash_window("part committed, not yet in its table")
+        self.sink.commit(index, table, self.attempt)
+        kill_point("part committed to its table")
 
     def clean_stale(self, mine: Callable[[int], bool], own_files: tuple[str, ...] = ()) -> None:
         """Remove what a killed run of this shard left behind: temp parts and temp journals of its own parts,
@@ -376,6 +396,7 @@ class Committer:
         except OutputWriteError:
             tmp.unlink(missing_ok=True)
             raise
+        self.to_table(0, schema.empty_table())
 
     def finish(self, total_parts: int, before_success: Optional[Callable[[], None]] = None) -> bool:
         """Write _SUCCESS, last, once every part exists (whichever shard finishes last): after `before_success`

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import uuid
 from pathlib import Path
 from typing import Any, Optional
 
@@ -74,10 +75,14 @@ def output_config(cfg: JobConfig) -> dict[str, Any]:
 
 
 def _output(cfg: JobConfig) -> dict[str, Any]:
-    """output.usage and output.prices add columns: in the hash where set (an output written before them keeps its)."""
+    """output.usage and output.prices add columns, a table sink writes elsewhere: in the hash where set (an output
+    written before them keeps its). A table is its name and its catalog's (credentials are neither)."""
     out = cfg.output
+    table = {"sink": out.sink, "table": out.table, "mode": out.mode,
+             **({"catalog": {k: out.catalog.get(k) for k in ("type", "uri", "warehouse")}} if out.catalog else {})}
     extra = {**({"usage": True} if out.usage else {}),
-             **({"prices": dataclasses.asdict(out.prices)} if out.priced() is not None else {})}
+             **({"prices": dataclasses.asdict(out.prices)} if out.priced() is not None else {}),
+             **(table if out.sink != "parquet" else {})}
     return {"output": extra} if extra else {}
 
 
@@ -228,6 +233,17 @@ def record_layout(output_dir: Path, num_shards: int) -> None:
         log.warning("%s was written with run.num_shards=%s and no writer of it is live; continuing with "
                     "run.num_shards=%s (committed parts are kept whatever the sharding)", output_dir, old, num_shards)
     write_json_atomic(path, manifest | {"layout": {"num_shards": num_shards}})
+
+
+def job_id(output_dir: Path) -> str:
+    """The output's own identity, made once (a random id in the manifest) and kept by every resume, shard, Ray worker
+    and machine that writes it: what a table output's transactions are named by (output/tables/). Call with the
+    layout lock held."""
+    manifest = read_manifest(output_dir) or {}
+    if not manifest.get("job_id"):
+        manifest["job_id"] = uuid.uuid4().hex
+        write_json_atomic(output_dir / MANIFEST, manifest)
+    return manifest["job_id"]
 
 
 def check_engine(output_dir: Path, identity: dict[str, Any]) -> None:

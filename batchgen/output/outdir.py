@@ -14,7 +14,7 @@ from batchgen.errors import ConfigError
 from batchgen.fsutil import write_json_atomic
 from batchgen.job import JobConfig
 from batchgen.output.committer import Committer, PartStats
-from batchgen.output.manifest import build_manifest, check_or_write, config_hash, model_identity, record_layout
+from batchgen.output.manifest import build_manifest, check_or_write, config_hash, job_id, model_identity, record_layout
 from batchgen.output.trust import refuse_strays
 from batchgen.reader import Reader
 
@@ -32,6 +32,7 @@ def prepare_output_dir(cfg: JobConfig, output_dir: Path, reader: Reader, resolve
         resolved = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
     check_or_write(output_dir, build_manifest(cfg, resolved, reader.fingerprint(), reader.count_rows()))
     record_layout(output_dir, cfg.run.num_shards)
+    job_id(output_dir)  # made once: what a table output names this output's transactions by
     save_input_index(output_dir, reader)
 
 

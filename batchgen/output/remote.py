@@ -149,9 +149,17 @@ class RemoteCommitter(Committer):
         import pyarrow.parquet as pq
 
         key = self.remote.key(self.part_path(index).name)
+        if self.sink is not None and not self.remote.fs.exists(key):
+            return PartStats(**(self.sink.stats(index) or {}))
         with self.remote.fs.open(key, "rb") as f:
             meta = pq.read_metadata(f).metadata
         return self.stats_from(f"{self.remote.url}/{self.part_path(index).name}", meta, index)
+
+    def read_part(self, index: Any) -> Any:
+        import pyarrow.parquet as pq
+
+        with self.remote.fs.open(self.remote.key(self.part_path(index).name), "rb") as f:
+            return pq.read_table(f)
 
     def commit(self, part: Any, rows: Any) -> PartStats:
         stats = super().commit(part, rows)

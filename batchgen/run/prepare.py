@@ -17,9 +17,10 @@ from batchgen.output.decide import question_names as decide_names
 from batchgen.output.existing import Existing
 from batchgen.output.heartbeat import status_name
 from batchgen.output.lock import OutputLock
-from batchgen.output.manifest import MANIFEST, config_hash
+from batchgen.output.manifest import MANIFEST, config_hash, job_id, read_manifest
 from batchgen.output.outdir import file_metadata, load_input_index, prepare_output_dir
 from batchgen.output.remote import RemoteCommitter, RemoteOutput, is_remote
+from batchgen.output.tables import open_sink
 from batchgen.output.trust import refuse_links
 from batchgen.prompts.render import Renderer, RenderRow
 from batchgen.reader import Reader, open_reader
@@ -92,12 +93,33 @@ def open_output(cfg: JobConfig, job: JobInput, resolved: Optional[dict[str, Any]
             if remote:
                 remote.push(MANIFEST)
                 remote.reconcile(config_hash(cfg))  # only now: a staged part goes up once the manifest matched
-        kwargs = {"passthrough": job.passthrough, "metadata": file_metadata(cfg),
-                  "optional": optional_columns(cfg.sampling, cfg.dataset, cfg.output, cfg.task),
-                  "attempt": cfg.run.attempt}
-        committer = RemoteCommitter(remote, **kwargs) if remote else Committer(output_dir, **kwargs)
-        committer.prices = cfg.output.priced()
-        committer.questions = decide_names(cfg)
+            committer = make_committer(cfg, output_dir, job.passthrough, file_metadata(cfg), remote)
         mine = (status_name(cfg.run.shard, cfg.run.num_shards),)  # the shard's own status file's temp copies
         committer.clean_stale(lambda k: k % cfg.run.num_shards == cfg.run.shard, mine)
+        if committer.sink is not None:
+            _reconcile_table(cfg, output_dir, committer)
         yield JobOutput(output_dir, remote.url if remote else output_dir, remote, lock, committer)
+
+
+def make_committer(cfg: JobConfig, output_dir: Path, passthrough: list[str], metadata: dict[str, str],
+                   remote: Optional[RemoteOutput] = None) -> Committer:
+    """The job's committer over output_dir (or an object-storage output's staging), with what the config adds to
+    each part: optional columns, prices, decide's questions, the table output (its job id from the manifest)."""
+    kwargs = {"passthrough": passthrough, "metadata": metadata, "attempt": cfg.run.attempt,
+              "optional": optional_columns(cfg.sampling, cfg.dataset, cfg.output, cfg.task)}
+    committer = RemoteCommitter(remote, **kwargs) if remote else Committer(output_dir, **kwargs)
+    committer.prices = cfg.output.priced()
+    committer.questions = decide_names(cfg)
+    committer.sink = open_sink(cfg.output, job_id(output_dir)) if cfg.output.sink != "parquet" else None
+    return committer
+
+
+def _reconcile_table(cfg: JobConfig, output_dir: Path, committer: Committer) -> None:
+    """A table output: read which parts of this output the table holds (a resume skips them, whichever machine
+    committed them), then commit this shard's parts that output_dir holds and the table lacks (a run killed between
+    the part's write and its table commit)."""
+    parts = (read_manifest(output_dir) or {}).get("parts") or 0
+    committer.sink.refresh(range(parts))
+    lacking = committer.committed() - committer.sink.known
+    committer.sink.reconcile([k for k in lacking if k % cfg.run.num_shards == cfg.run.shard], committer.read_part,
+                             cfg.run.attempt)

@@ -27,15 +27,14 @@ from typing import Any, Optional
 
 from batchgen.errors import BatchgenError, ConfigError
 from batchgen.job import JobConfig, LauncherConfig
-from batchgen.output.committer import SUCCESS, Committer, PartStats, optional_columns
-from batchgen.output.decide import question_names
+from batchgen.output.committer import SUCCESS, Committer, PartStats
 from batchgen.output.lock import OutputLock
 from batchgen.output.manifest import model_identity
 from batchgen.output.outdir import committed_totals
 from batchgen.prompts.render import RenderRow
 from batchgen.run import respcache
 from batchgen.run.feed import Feed, Unreported, check_error_rate
-from batchgen.run.prepare import open_input, open_output
+from batchgen.run.prepare import make_committer, open_input, open_output
 from batchgen.run.progress import Progress, Summary
 from batchgen.run.stopping import GracefulStop, Reaper, StopRequested
 
@@ -53,11 +52,8 @@ class PartWorker:
         self.cfg = cfg
         self.output_dir = Path(cfg.output_dir)
         job = open_input(cfg, self.output_dir, render_row)  # a JSONL input: the driver's pass, saved beside output
-        self.committer = Committer(self.output_dir, passthrough=job.passthrough, metadata=dict(metadata),
-                                   optional=optional_columns(cfg.sampling, cfg.dataset, cfg.output, cfg.task))
+        self.committer = make_committer(cfg, self.output_dir, job.passthrough, dict(metadata))
         self.committer.exclusive = True
-        self.committer.prices = cfg.output.priced()
-        self.committer.questions = question_names(cfg)
         self.planner = Planner(cfg, job.reader, job.renderer, job.tokenizer, job.existing)
         self.engine = respcache.wrap(build_engine(task_engine(cfg), job.tokenizer), cfg,
                                    model_identity(cfg.engine.model))

@@ -42,6 +42,9 @@ class Summary:
     rows_read: int = 0  # input rows this run decoded (a shard of a seekable input: its own parts' only)
     rows_typed: int = 0  # lines a JSONL input's typing pass parsed (once per input: saved for shards and resumes)
     cache: Any = None  # respcache.CacheStats: answers from run.cache_dir, duplicates generated once (None: off)
+    table: str = ""  # output.sink's table, described ("" for the Parquet output)
+    table_commits: int = 0  # parts this run committed to it
+    table_commit_s: float = 0.0  # the time those commits took
 
     def render(self) -> str:
         t = self.totals
@@ -70,6 +73,16 @@ class Summary:
                          f"rows; ids are kept as given)")
         if self.reused_samples:
             lines.append(f"  resumed: {self.reused_samples} samples reused from part journals")
+        lines += self._run_notes()
+        if self.state != "already_done":
+            lines.append(f"  this run: {self.generated_tokens} generated tokens in {self.wall_s:.2f}s (start-up and "
+                         f"model load {self.load_s:.2f}s), {self.generated_tokens / gen_s:.1f} generated tok/s after "
+                         f"load")
+        return "\n".join(lines)
+
+    def _run_notes(self) -> list[str]:
+        """What this run reused, streamed and committed to a table."""
+        lines: list[str] = []
         c = self.cache
         if c is not None and (c.hits or c.deduplicated or c.stored):
             lines.append(f"  response cache: {c.hits} samples from run.cache_dir, {c.deduplicated} duplicate requests "
@@ -79,11 +92,11 @@ class Summary:
         if self.max_parts_in_flight > 1:
             lines.append(f"  streamed: up to {self.max_parts_in_flight} parts in flight (run.lookahead_parts="
                          f"{self.lookahead_parts})")
-        if self.state != "already_done":
-            lines.append(f"  this run: {self.generated_tokens} generated tokens in {self.wall_s:.2f}s (start-up and "
-                         f"model load {self.load_s:.2f}s), {self.generated_tokens / gen_s:.1f} generated tok/s after "
-                         f"load")
-        return "\n".join(lines)
+        if self.table_commits:
+            lines.append(f"  table: {self.table_commits} parts committed to the {self.table} in "
+                         f"{self.table_commit_s:.2f}s ({100 * self.table_commit_s / max(self.wall_s, 1e-9):.1f}% of "
+                         f"this run)")
+        return lines
 
 
 class Progress:

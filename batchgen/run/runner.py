@@ -130,6 +130,9 @@ def _generate_parts(cfg: JobConfig, planner: Planner, engine: Any, committer: Co
         summary.lookahead_parts, summary.max_parts_in_flight = lookahead, feed.max_in_flight
         summary.prefix_tokens_reused = getattr(getattr(engine, "stats", None), "prefix_tokens_reused", 0)
         summary.cache = getattr(engine, "cache_stats", None)
+        if committer.sink is not None:
+            summary.table, summary.table_commits = committer.sink.describe(), committer.sink.commits
+            summary.table_commit_s = committer.sink.commit_s
     summary.duplicate_ids = progress.duplicate_ids = planner.duplicate_ids
     summary.rows_read, summary.rows_typed = planner.reader.rows_read, planner.reader.rows_typed
     if planner.total_rows == 0 and cfg.run.shard == 0:

@@ -9,6 +9,7 @@ import threading
 import time
 from collections import Counter
 
+import pyarrow as pa
 import pytest
 
 from batchgen.run.runner import run_job
@@ -81,3 +82,19 @@ def test_a_worker_killed_mid_job_loses_and_duplicates_nothing(cluster, tiny_mode
     assert got.equals(single)
     workers = json.loads((out / "_status.json").read_text())["engine"]["workers"]
     assert workers["0"]["failures"] >= 1  # the killed worker's part was requeued
+
+
+def test_ray_workers_commit_each_part_to_a_delta_table_once(cluster, tiny_model, data, single, tmp_path):
+    """Each worker commits the parts it generates to the table output itself, racing the other worker's commits."""
+    deltalake = pytest.importorskip("deltalake", reason="output.sink=delta needs deltalake")
+    out = tmp_path / "out"
+    summary = run_job(compose_job(overrides(tiny_model, data, out, "launcher=ray", "launcher.num_workers=2",
+                                            "output.sink=delta", f"output.table={tmp_path / 'table'}")))
+    assert summary.state == "done"
+    table = deltalake.DeltaTable(str(tmp_path / "table")).to_pyarrow_table()
+    keys = Counter(zip(table.column("id").to_pylist(), table.column("sample_index").to_pylist()))
+    assert len(keys) == ROWS * 2 and set(keys.values()) == {1}
+    expected = single.append_column("attempt", pa.array([0] * single.num_rows, pa.int32()))
+    order = ["id", "sample_index"]
+    assert table.select(expected.column_names).sort_by([(c, "ascending") for c in order]).to_pylist() == \
+        expected.sort_by([(c, "ascending") for c in order]).to_pylist()

@@ -50,7 +50,8 @@ class TableSink:
         self.evolve = output.schema_evolution == "add_columns"
         self.upsert = output.mode == "upsert"
         self.known: set[int] = set()  # parts of this output in the table: read by refresh(), then our own commits
-        self.commit_s = 0.0  # time spent committing, for the summary and the benchmark
+        self.commits = 0  # parts this process committed to the table
+        self.commit_s = 0.0  # the time those commits took (the summary's, the benchmark's)
 
     def txn(self, index: int) -> str:
         return f"batchgen-{self.job_id}-part-{index:05d}"
@@ -102,6 +103,7 @@ class TableSink:
             added = check_schema(have, rows.schema, self.evolve, self.describe()) if have is not None else []
             try:
                 self._write(table, aligned(rows, have), meta, added)
+                self.commits += 1
                 break
             except Exception as exc:  # noqa: BLE001 - each format's conflict is its own class (_conflict)
                 if not self._conflict(exc) or tries == COMMIT_TRIES:

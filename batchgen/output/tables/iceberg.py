@@ -34,6 +34,8 @@ class IcebergSink(TableSink):
             props = {k: str(v) for k, v in self.output.catalog.items()}
             if props.get("uri", "").startswith("sqlite:///"):  # a local SQLite catalog: its directory made here
                 Path(props["uri"][len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+            if props.get("warehouse") and "://" not in props["warehouse"]:  # a local directory, as pyiceberg's URI
+                props["warehouse"] = Path(props["warehouse"]).resolve().as_uri()
             self._catalog = load_catalog(props.pop("name", "default"), **props)
         return self._catalog
 

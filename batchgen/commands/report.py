@@ -28,6 +28,7 @@ from batchgen.errors import ConfigError
 from batchgen.output.heartbeat import read_heartbeats
 from batchgen.output.manifest import MANIFEST, read_manifest
 from batchgen.output.remote import RemoteOutput, is_remote
+from batchgen.output.tables import table_line
 from batchgen.output.view import attempt_dir, attempts, latest_batches
 
 REPORT = "_report.html"
@@ -81,7 +82,7 @@ def gather(output_dir: Path) -> dict[str, Any]:
     return {"manifest": manifest, "rows": rows, "samples": len(generated), "prompt": prompt, "generated": generated,
             "reasons": reasons, "errors": errors, "error_counts": counts, "history": history(output_dir),
             "beats": [(p.name, b) for p, b in read_heartbeats(output_dir)], "retries": retries,
-            "examples": example_rows(output_dir),
+            "examples": example_rows(output_dir), "table": table_line(manifest),
             "complete": (output_dir / "_SUCCESS").exists()}
 
 
@@ -263,6 +264,7 @@ def _summary_rows(facts: dict[str, Any]) -> list[list[Any]]:
             *([["rows needing review (history; task=decide)", sum(h.get("needs_review", 0) for h in hist)]]
               if any("needs_review" in h for h in hist) else []),
             ["generation time (first to last commit)", f"{span:.1f} s"],
+            *([["table output", facts["table"]]] if facts.get("table") else []),
             ["batchgen", m.get("batchgen_version")], ["config hash", m.get("config_hash")]]
 
 

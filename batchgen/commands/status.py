@@ -7,7 +7,6 @@ listing, and the journals and locks from its staging directory where this is the
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import fnmatch
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from batchgen.output.journal import JOURNAL_RE, read_journal
 from batchgen.output.lock import live_writers
 from batchgen.output.manifest import MANIFEST, parse_manifest, read_manifest
 from batchgen.output.remote import RemoteOutput, is_remote
+from batchgen.output.tables import table_line
 
 
 def describe(output_dir: Path) -> str:
@@ -104,21 +104,8 @@ def _describe(shown: str, files: Path, local: Optional[Path], parts: int) -> str
 
 def _table(files: Path) -> list[str]:
     """A table output (output.sink): how many of the output's parts the table holds, read from the table."""
-    manifest = read_manifest(files) or {}
-    recorded = (manifest.get("config") or {}).get("output") or {}
-    if recorded.get("sink", "parquet") == "parquet":
-        return []
-    from batchgen.job import OutputConfig
-    from batchgen.output.tables import open_sink
-
-    keys = {f.name for f in dataclasses.fields(OutputConfig)} - {"prices"}
-    output = OutputConfig(**{k: v for k, v in recorded.items() if k in keys})
-    parts = manifest.get("parts") or 0
-    try:
-        held = len(open_sink(output, manifest.get("job_id", "")).refresh(range(parts)))
-    except Exception as exc:  # noqa: BLE001 - any reader's failure is reported, not raised: status writes nothing
-        return [f"  table: {output.sink} {output.table}: cannot read it ({type(exc).__name__}: {exc})"]
-    return [f"  table: {output.sink} {output.table}, {held} of {parts or '?'} parts committed"]
+    line = table_line(read_manifest(files) or {})
+    return [f"  table: {line}"] if line else []
 
 
 def _attempts(output_dir: Path) -> list[str]:

@@ -2,6 +2,8 @@
 of an output (output/view.py: one row per row of the job, a retried row's latest attempt without error in its
 place), streamed batch by batch: into one Parquet or JSONL file with --to (written under a temporary name and
 renamed when complete), else as JSON lines on stdout. Only committed parts are read; nothing in OUTPUT_DIR changes.
+With --table: the rows of the job's table output (output.sink=delta|iceberg) as the table holds them now (with
+output.mode=upsert, the latest attempt per row; other jobs' rows of the same table included).
 """
 
 from __future__ import annotations
@@ -10,13 +12,15 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.output.manifest import MANIFEST
+from batchgen.output.manifest import MANIFEST, read_manifest
+from batchgen.output.tables import recorded_sink
 from batchgen.output.view import latest_batches
 
 FORMATS = (".parquet", ".jsonl")
@@ -70,11 +74,13 @@ class _Sink:
             self.temp.unlink(missing_ok=True)
 
 
-def export(output_dir: Path, to: Optional[Path], columns: Optional[list[str]], limit: Optional[int]) -> int:
-    """Write the view; the number of rows written."""
+def export(output_dir: Path, to: Optional[Path], columns: Optional[list[str]], limit: Optional[int],
+           table_output: bool = False) -> int:
+    """Write the view (or, `table_output`, the rows of the table output the manifest records); the number of rows
+    written."""
     rows, sink, complete = 0, _Sink(to), False
     try:
-        for table in latest_batches(output_dir, columns):
+        for table in (_table_batches(output_dir, columns) if table_output else latest_batches(output_dir, columns)):
             table = table if limit is None else table.slice(0, max(limit - rows, 0))
             sink.write(table)
             rows += table.num_rows
@@ -86,12 +92,22 @@ def export(output_dir: Path, to: Optional[Path], columns: Optional[list[str]], l
     return rows
 
 
+def _table_batches(output_dir: Path, columns: Optional[list[str]]) -> Iterator[pa.Table]:
+    sink = recorded_sink(read_manifest(output_dir) or {})
+    if sink is None:
+        raise ValueError(f"{output_dir} has no table output (output.sink is parquet): drop --table")
+    for batch in sink.batches(columns):
+        yield pa.Table.from_batches([batch])
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="batchgen view", description=__doc__.split("\n\n")[0])
     parser.add_argument("output_dir", type=Path)
     parser.add_argument("--to", type=Path, help="a .parquet or .jsonl file (default: JSON lines on stdout)")
     parser.add_argument("--columns", help="comma-separated columns (default: all)")
     parser.add_argument("--limit", type=int, help="the first N rows only")
+    parser.add_argument("--table", action="store_true",
+                        help="the rows of the job's table output (output.sink=delta|iceberg) as the table holds them")
     args = parser.parse_args(argv)
     if not (args.output_dir / MANIFEST).is_file():
         print(f"batchgen view: error: {args.output_dir}: no {MANIFEST}; point it at a job's output_dir",
@@ -102,8 +118,8 @@ def main(argv: list[str]) -> int:
         return 2
     columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
     try:
-        rows = export(args.output_dir, args.to, columns, args.limit)
-    except (KeyError, ValueError, pa.ArrowInvalid) as exc:  # an unknown column, an unreadable part
+        rows = export(args.output_dir, args.to, columns, args.limit, args.table)
+    except (KeyError, ValueError, FileNotFoundError, pa.ArrowInvalid) as exc:  # an unknown column, an unreadable part
         print(f"batchgen view: error: {exc}", file=sys.stderr)
         return 2
     if args.to is not None:

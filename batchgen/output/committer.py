@@ -288,8 +288,7 @@ class Committer:
         return self.stats_from(self.part_path(index), pq.read_metadata(self.part_path(index)).metadata, index)
 
     def read_part(self, index: int) -> pa.Table:
-        """A committed part's rows, with its metadata (a table output's reconcile commits it from here)."""
-        return pq.read_table(self.part_path(index))
+        return pq.read_table(self.part_path(index))  # with its metadata: a table output's reconcile commits from here
 
     def stats_from(self, path: Any, meta: Optional[dict[bytes, bytes]], index: int) -> PartStats:
         check_part(path, meta, index, self.metadata.get("batchgen.config_hash", ""))

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import pyarrow as pa
 
-from batchgen.output.tables import KEYS, STATS_KEY, TXN_KEY, TableSink
+from batchgen.output.tables.sink import KEYS, STATS_KEY, TXN_KEY, TableSink
 
 MERGE_ON = " AND ".join(f"t.{k} = s.{k}" for k in KEYS)
 
@@ -32,6 +32,9 @@ class DeltaSink(TableSink):
             return DeltaTable(self.uri, storage_options=self.options)
         except TableNotFoundError:
             return None
+
+    def _batches(self, table: Any, columns: Optional[list[str]]) -> Any:
+        return table.to_pyarrow_dataset().to_batches(columns=columns)
 
     def _schema(self, table: Any) -> pa.Schema:
         return pa.schema(table.schema().to_arrow())

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import pyarrow as pa
 
-from batchgen.output.tables import KEYS, STATS_KEY, TXN_KEY, TableSink
+from batchgen.output.tables.sink import KEYS, STATS_KEY, TXN_KEY, TableSink
 
 
 class IcebergSink(TableSink):
@@ -46,6 +46,9 @@ class IcebergSink(TableSink):
             return self.catalog.load_table(self.identifier)
         except NoSuchTableError:
             return None
+
+    def _batches(self, table: Any, columns: Optional[list[str]]) -> Any:
+        return table.scan(selected_fields=tuple(columns or ("*",))).to_arrow_batch_reader()
 
     def _schema(self, table: Any) -> pa.Schema:
         return table.schema().as_arrow()

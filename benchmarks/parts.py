@@ -66,9 +66,6 @@ def run_job(python: str, engine: str, model: Path, data: Path, out: Path, rows_p
     proc = subprocess.run([python, "-c", MEASURED, *args], capture_output=True, text=True, cwd=ROOT, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
-    line = next(x for x in proc.stdout.splitlines() if "this run:" in x)
-    job_s = float(line.split(" in ")[1].split("s")[0])
-    load_s = float(line.split("model load ")[1].split("s")[0])
     streamed = next((x for x in proc.stdout.splitlines() if "streamed: up to" in x), "")
     in_flight = int(streamed.split("up to ")[1].split()[0]) if streamed else 1
     rss_kb = int(next(x for x in proc.stderr.splitlines() if x.startswith("MAXRSS_KB")).split()[1])
@@ -78,8 +75,14 @@ def run_job(python: str, engine: str, model: Path, data: Path, out: Path, rows_p
         occupancy = stats["decode_row_steps"] / max(stats["decode_steps"], 1)
     else:  # vllm: requests queued per step, capped at max_num_seqs
         occupancy = stats.get("queued_row_steps", 0) / max(stats.get("steps", 0), 1)
-    return {"gen_s": job_s - load_s, "occupancy_rows": occupancy, "in_flight": in_flight,
+    return {"gen_s": generation_s(proc.stdout), "occupancy_rows": occupancy, "in_flight": in_flight,
             "rss_mb": rss_kb / 1024, "generated": status["generated_tokens"]}
+
+
+def generation_s(summary: str) -> float:
+    """A job's generation time from its printed summary: the run's wall time less start-up and model load."""
+    line = next(x for x in summary.splitlines() if "this run:" in x)
+    return float(line.split(" in ")[1].split("s")[0]) - float(line.split("model load ")[1].split("s")[0])
 
 
 def main() -> None:

@@ -55,13 +55,10 @@ def run_job(model: Path, data: Path, where: Path, sink: str, rows_per_part: int,
                           timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
-    line = next(x for x in proc.stdout.splitlines() if "this run:" in x)
-    job_s = float(line.split(" in ")[1].split("s")[0])
-    load_s = float(line.split("model load ")[1].split("s")[0])
     table = next((x for x in proc.stdout.splitlines() if "  table: " in x), "")
     commits = int(table.split("table: ")[1].split()[0]) if table else 0
     commit_s = float(table.split(" in ")[1].split("s")[0]) if table else 0.0
-    return {"gen_s": job_s - load_s, "commits": commits, "commit_s": commit_s}
+    return {"gen_s": parts_module().generation_s(proc.stdout), "commits": commits, "commit_s": commit_s}
 
 
 def main() -> None:

@@ -350,3 +350,27 @@ def test_a_commit_that_loses_a_race_is_retried_against_the_table_as_it_then_is(t
     assert b.known == {0} and b.commits == 1
     if kind == "iceberg":  # the catalog refuses a commit on stale metadata: pyiceberg retries it (0.12), else batchgen
         assert "concurrent update, retrying" in caplog.text or "lost a race" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["delta", "iceberg"])
+def test_upsert_replaces_only_the_samples_it_carries(tmp_path, kind):
+    """A part carrying sample 1 of an id replaces that sample only; the id's sample 0 stays as it was, other ids
+    are untouched, new keys are appended."""
+    from batchgen.job import OutputConfig
+    from batchgen.output.tables import open_sink
+
+    catalog = {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db", "warehouse": f"{tmp_path}/wh"}
+    output = OutputConfig(sink=kind, mode="upsert", **({"table": str(tmp_path / "delta-table")} if kind == "delta"
+                                                       else {"table": "nightly.annotations", "catalog": catalog}))
+    sink = open_sink(output, "job")
+
+    def part(keys: list[tuple[str, int]], text: str) -> pa.Table:
+        return pa.table({"id": [k for k, _ in keys], "sample_index": pa.array([s for _, s in keys], pa.int32()),
+                         "generation": [f"{text} {k}{s}" for k, s in keys]})
+
+    sink.commit(0, part([("a", 0), ("a", 1), ("b", 0), ("b", 1)], "old"), 0)
+    sink.commit(1, part([("a", 1), ("c", 0)], "new"), 1)
+    got = sorted(zip(*(read_table(kind, tmp_path).column(c).to_pylist() for c in ("id", "sample_index",
+                                                                                 "generation", "attempt"))))
+    assert got == [("a", 0, "old a0", 0), ("a", 1, "new a1", 1), ("b", 0, "old b0", 0), ("b", 1, "old b1", 0),
+                   ("c", 0, "new c0", 1)]

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from batchgen.output.tables.sink import KEYS, STATS_KEY, TXN_KEY, TableSink
+from batchgen.output.tables.sink import KEYS, STATS_KEY, TXN_KEY, TableSink, aligned
 
 
 class IcebergSink(TableSink):
@@ -66,14 +67,33 @@ class IcebergSink(TableSink):
         if table is None:
             self.catalog.create_namespace_if_not_exists(self.identifier.rsplit(".", 1)[0])
             table = self.catalog.create_table_if_not_exists(self.identifier, schema=rows.schema)
+        replaced, kept = self._matches(table, rows) if self.upsert else ([], None)
         with table.transaction() as tx:
             if added:
                 with tx.update_schema() as update:
                     update.union_by_name(rows.schema)
-            if self.upsert:  # unchanged rows make no snapshot; a part of only such rows is not recorded (harmless)
-                tx.upsert(rows, join_cols=list(KEYS), snapshot_properties=meta)
-            else:
-                tx.append(rows, snapshot_properties=meta)
+            if replaced:
+                from pyiceberg.expressions import In
+
+                tx.delete(In(KEYS[0], replaced), snapshot_properties=meta)
+            tx.append(rows if kept is None else pa.concat_tables([kept.select(rows.column_names), rows]),
+                      snapshot_properties=meta)
+
+    def _matches(self, table: Any, rows: pa.Table) -> tuple[list[str], Optional[pa.Table]]:
+        """output.mode=upsert as a delete by id and an append, in one transaction: the ids of the part that the table
+        holds a row of, and the table's rows of those ids that the part does not replace (another sample of the id),
+        appended again. pyiceberg's own upsert matches (id, sample_index) pairs with one predicate per row, which
+        costs about 0.25 s a part of 256 rows; a single `In` on the id column costs a fraction of that."""
+        from pyiceberg.expressions import In
+
+        ids = pc.unique(rows.column(KEYS[0])).to_pylist()
+        held = table.scan(row_filter=In(KEYS[0], ids), selected_fields=KEYS).to_arrow()
+        if held.num_rows == 0:
+            return [], None
+        replaced = pc.unique(held.column(KEYS[0])).to_pylist()
+        others = aligned(table.scan(row_filter=In(KEYS[0], replaced)).to_arrow(), rows.schema)  # pyiceberg: large types
+        kept = others.join(rows.select(list(KEYS)), keys=list(KEYS), join_type="left anti")
+        return replaced, kept
 
     def _conflict(self, exc: Exception) -> bool:
         from pyiceberg.exceptions import CommitFailedException

@@ -374,3 +374,18 @@ def test_upsert_replaces_only_the_samples_it_carries(tmp_path, kind):
                                                                                  "generation", "attempt"))))
     assert got == [("a", 0, "old a0", 0), ("a", 1, "new a1", 1), ("b", 0, "old b0", 0), ("b", 1, "old b1", 0),
                    ("c", 0, "new c0", 1)]
+
+
+@pytest.mark.parametrize("kind", ["delta", "iceberg"])
+def test_a_resume_skips_the_parts_the_table_holds_whose_files_output_dir_lost(tiny_model, tmp_path, kind):
+    data = write_parquet(tmp_path / "in.parquet", rows(0, 30))
+    cli = args(tiny_model, data, tmp_path / "out", kind, tmp_path)
+    first = run_job(compose_job(cli))
+    (tmp_path / "out" / "part-00001.parquet").unlink()  # a lost file (another machine's staging, a cleanup)
+    (tmp_path / "out" / "_SUCCESS").unlink()
+    again = run_job(compose_job(cli))
+    assert again.state == "done" and again.generated_tokens == 0  # part 1 is in the table: nothing generated
+    assert again.totals.rows == first.totals.rows == 30 and again.totals.samples == 60  # its counts from the table
+    table = read_table(kind, tmp_path)
+    assert table.num_rows == 60
+    assert_once(table)

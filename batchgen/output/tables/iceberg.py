@@ -91,7 +91,7 @@ class IcebergSink(TableSink):
         if held.num_rows == 0:
             return [], None
         replaced = pc.unique(held.column(KEYS[0])).to_pylist()
-        others = aligned(table.scan(row_filter=In(KEYS[0], replaced)).to_arrow(), rows.schema)  # pyiceberg: large types
+        others = aligned(table.scan(row_filter=In(KEYS[0], replaced)).to_arrow(), rows.schema)  # large types to plain
         kept = others.join(rows.select(list(KEYS)), keys=list(KEYS), join_type="left anti")
         return replaced, kept
 

@@ -29,7 +29,6 @@ USER_CONF_ENV = "BATCHGEN_CONF_DIR"  # directories of the user's own presets (DI
 _config_dirs: list[str] = []  # from --config-dir DIR on the command line (main() takes them out of argv)
 
 
-
 def _open_dicts(node: Any) -> DictConfig:
     """A config class as Hydra's schema, its dict-valued keys (engine.extra_body, output.catalog) open: set whole on
     the command line (`output.catalog='{type: sql, ...}'`), a key Hydra's struct mode would refuse to add."""

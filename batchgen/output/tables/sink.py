@@ -1,7 +1,6 @@
 """The table sink's format-independent half: exactly-once commits by transaction name, the rows as the table holds
 them, schema checks. Its formats: delta.py, iceberg.py; what the sink is and does: the package's docstring."""
 
-
 from __future__ import annotations
 
 import json
@@ -13,12 +12,12 @@ from typing import Any, Optional
 import pyarrow as pa
 
 from batchgen.errors import BatchgenError, ConfigError
+from batchgen.output.view import OCCURRENCE
 
 log = logging.getLogger(__name__)
 TXN_KEY = "batchgen.txn"  # the commit's name, in Delta's commitInfo and Iceberg's snapshot summary
 STATS_KEY = "batchgen.stats"  # the part's counts, as in its file metadata
 KEYS = ("id", "sample_index")  # what output.mode=upsert merges on
-HIDDEN = ("_batchgen_occurrence",)  # view.OCCURRENCE: a retry's key into the job's rows, not data
 COMMIT_TRIES = 8
 
 
@@ -58,16 +57,11 @@ class TableSink:
         return json.loads(raw) if raw else None
 
     def reconcile(self, parts: Iterable[int], read: Callable[[int], pa.Table], attempt: int) -> None:
-        """Commit the parts committed in output_dir that the table lacks (a run killed between the two)."""
-        parts = sorted(parts)
-        table = self._load()
-        names = self._holds(table, [self.txn(k) for k in parts]) if table is not None else set()
-        for k in parts:
-            if self.txn(k) in names:
-                self.known.add(k)
-            else:
-                log.info("part %d is in output_dir but not in the %s: committing it now", k, self.describe())
-                self.commit(k, read(k), attempt)
+        """Commit the parts committed in output_dir that the table lacked when `refresh` read it (a run killed
+        between the two); commit() asks the table again, so a part another process committed since is not doubled."""
+        for k in sorted(parts):
+            log.info("part %d is in output_dir but not in the %s: committing it now", k, self.describe())
+            self.commit(k, read(k), attempt)
 
     def commit(self, index: int, part: pa.Table, attempt: int) -> None:
         """Part `index` as one transaction of the table, unless the table holds it already; a conflict with another
@@ -130,7 +124,7 @@ class TableSink:
 def table_rows(part: pa.Table, attempt: int) -> pa.Table:
     """A part's rows as the table holds them: batchgen's hidden columns dropped, `attempt` set (the job's own parts
     have none: 0), every field nullable and without metadata (a JSONL passthrough's encoding note is the file's)."""
-    part = part.drop_columns([c for c in HIDDEN if c in part.column_names])
+    part = part.drop_columns([OCCURRENCE] if OCCURRENCE in part.column_names else [])  # a retry's key, not data
     if "attempt" not in part.column_names:
         part = part.append_column(pa.field("attempt", pa.int32()), pa.array([attempt] * part.num_rows, pa.int32()))
     schema = pa.schema([pa.field(f.name, f.type, nullable=True) for f in part.schema])

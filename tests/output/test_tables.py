@@ -352,6 +352,29 @@ def test_a_commit_that_loses_a_race_is_retried_against_the_table_as_it_then_is(t
         assert "concurrent update, retrying" in caplog.text or "lost a race" in caplog.text
 
 
+def test_two_first_commits_creating_the_iceberg_namespace_at_once_both_land(tmp_path):
+    """The SQL catalog checks that a namespace is missing, then inserts it: two shards' first commits can both pass
+    the check (forced here: the other's namespace lands in between) and the second insert fails on the catalog's
+    unique key. The namespace exists then, so the commit goes on."""
+    from batchgen.job import OutputConfig
+    from batchgen.output.tables import open_sink
+
+    catalog = {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db", "warehouse": f"{tmp_path}/wh"}
+    composed = OutputConfig(sink="iceberg", table="nightly.annotations", catalog=catalog)
+    a, b = open_sink(composed, "job-a"), open_sink(composed, "job-b")
+    a.catalog.create_namespace("nightly")  # the other shard's, between b's check and b's insert
+    exists, checks = b.catalog.namespace_exists, []
+
+    def checked_before_it_landed(namespace):  # b's first check ran before a's namespace landed
+        checks.append(namespace)
+        return len(checks) > 1 and exists(namespace)
+
+    b.catalog.namespace_exists = checked_before_it_landed
+    b.commit(0, pa.table({"id": ["z0", "z1"], "sample_index": pa.array([0, 0], pa.int32()),
+                          "generation": ["a", "b"]}), 0)
+    assert sorted(read_table("iceberg", tmp_path).column("id").to_pylist()) == ["z0", "z1"] and len(checks) > 1
+
+
 @pytest.mark.parametrize("kind", ["delta", "iceberg"])
 def test_upsert_replaces_only_the_samples_it_carries(tmp_path, kind):
     """A part carrying sample 1 of an id replaces that sample only; the id's sample 0 stays as it was, other ids

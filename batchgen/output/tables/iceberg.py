@@ -65,7 +65,7 @@ class IcebergSink(TableSink):
 
     def _write(self, table: Any, rows: pa.Table, meta: dict[str, str], added: list[str]) -> None:
         if table is None:
-            self.catalog.create_namespace_if_not_exists(self.identifier.rsplit(".", 1)[0])
+            self._create_namespace()
             table = self.catalog.create_table_if_not_exists(self.identifier, schema=rows.schema)
         replaced, kept = self._matches(table, rows) if self.upsert else ([], None)
         with table.transaction() as tx:
@@ -78,6 +78,17 @@ class IcebergSink(TableSink):
                 tx.delete(In(KEYS[0], replaced), snapshot_properties=meta)
             tx.append(rows if kept is None else pa.concat_tables([kept.select(rows.column_names), rows]),
                       snapshot_properties=meta)
+
+    def _create_namespace(self) -> None:
+        """The table's namespace, unless it exists. The SQL catalog checks, then inserts: two shards' first commits
+        at once can both pass the check, and the second insert fails on the catalog's unique key. The namespace
+        exists then, which is all this asks; any other failure is raised."""
+        namespace = self.identifier.rsplit(".", 1)[0]
+        try:
+            self.catalog.create_namespace_if_not_exists(namespace)
+        except Exception:  # noqa: BLE001 - the catalog's own error class for the lost race (sqlalchemy's, for SQL)
+            if not self.catalog.namespace_exists(namespace):
+                raise
 
     def _matches(self, table: Any, rows: pa.Table) -> tuple[list[str], Optional[pa.Table]]:
         """output.mode=upsert as a delete by id and an append, in one transaction: the ids of the part that the table

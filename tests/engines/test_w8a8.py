@@ -323,27 +323,32 @@ def test_scaling_and_picking_in_one_pass_equals_the_two_kernels_on_every_variant
             assert torch.equal(picks, cpu_kernels.argmax_rows(lib, want)), (isa, tuple(x.shape), bias is None)
 
 
-def test_the_amx_gemm_gives_onednns_bits():
-    """batchgen's AMX int8 GEMM (the avx512_amx variant): the float32 output of oneDNN's int8 matmul bit for bit, and
-    the exact integer products times the channel scales: row counts around its 16-row tiles (1, 15, 16, 17, 33, 64,
-    130: both loop orders), panel counts not a multiple of 4, rows with and without padded storage, extreme bytes."""
-    from batchgen.engines.hf.cpu import amx
+@pytest.mark.parametrize("which", ["amx", "vnni"])
+def test_batchgens_int8_gemms_give_onednns_bits(which):
+    """batchgen's AMX int8 GEMM (the avx512_amx variant) and its AVX-512 VNNI one (every AVX-512 variant, on a CPU
+    with avx512_vnni): the float32 output of oneDNN's int8 matmul bit for bit, and the exact integer products times
+    the channel scales: row counts around the AMX 16-row tiles and the VNNI 6-row tiles (1 to 7, 12, 15, 16, 17, 33,
+    64, 130: both AMX loop orders), channel counts not a multiple of the 64-channel tile, rows with and without
+    padded storage, extreme bytes."""
+    from batchgen.engines.hf.cpu import int8_gemm
 
-    lib = cpu_kernels.load("avx512_amx") if "avx512_amx" in ISAS else None
-    if lib is None or not amx.fits(lib, 32, 64):
-        pytest.skip("no AMX here (amx_tile, amx_int8), or a compiler without its intrinsics, or Linux refused it")
+    isa = "avx512_amx" if which == "amx" else "avx512"
+    lib = cpu_kernels.load(isa) if isa in ISAS else None
+    if int8_gemm.kernel(lib, 32, 64) != which:
+        pytest.skip(f"batchgen's {which} int8 GEMM does not run here (CPU flags, compiler, or Linux refused AMX)")
     gen = torch.Generator().manual_seed(8)
-    for n, k in ((32, 64), (96, 256), (1152, 896)):
+    shapes = [(32, 64), (96, 256), (1152, 896)] + ([(48, 148), (80, 900)] if which == "vnni" else [])  # VNNI: K % 4
+    for n, k in shapes:
         weight = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
-        weight[0] = 127
+        weight[0], weight[-1, ::2] = 127, -127
         scale = torch.rand(n, generator=gen) / 50
-        packed, comp = amx.pack(weight)
+        packed, comp = int8_gemm.pack(weight)
         onednn = torch.ops.onednn.qlinear_prepack(weight, None)
-        for m in (1, 15, 16, 17, 33, 64, 130):
+        for m in (1, 2, 3, 4, 5, 6, 7, 12, 15, 16, 17, 33, 64, 130):
             q = torch.randint(0, 256, (m, k), generator=gen, dtype=torch.uint8)
             q[0] = 255
             for rows in (q, cpu_kernels.u8_rows(m, k).copy_(q)):  # storage of m rows (copied inside), of 16-row tiles
-                got = amx.int8_gemm(lib, rows, packed, comp, scale)
+                got = int8_gemm.gemm(lib, which, rows, packed, comp, scale)
                 want = w8a8._gemm(q, onednn, scale, torch.zeros(n, dtype=torch.int64))
                 exact = ((q.int() - 128) @ weight.int().t()).float() * scale
                 assert same_bits(got, want) and same_bits(got, exact), (n, k, m)

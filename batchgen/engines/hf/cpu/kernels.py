@@ -52,7 +52,8 @@ from batchgen.engines.hf.cpu.signatures import declare  # noqa: F401 (the tests 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 # Compiled together into one library; the header is in the cache key as well (a change to either rebuilds).
-SOURCES = tuple(HERE / f"kernels_{name}.c" for name in ("attention", "norms", "int8", "int4", "w8a8", "amx"))
+SOURCES = tuple(HERE / f"kernels_{name}.c" for name in ("attention", "norms", "int8", "int4", "w8a8", "amx",
+                                                             "vnni"))
 HEADER = HERE / "kernels_simd.h"
 # -ffp-contract=off: a * b + c stays two roundings unless a kernel asks for an FMA (rotary embedding matches torch)
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")

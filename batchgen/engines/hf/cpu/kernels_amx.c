@@ -6,7 +6,7 @@
  * 10.5-14.4 GB/s where its bf16 kernel reached 15-19 (docs/performance.md), so int8 gained 1.4x, not 2x. This one
  * walks each panel of 32 output channels once from memory: the tile unit multiplies up to 32 rows (two 16-row A
  * tiles) by both 16-channel weight tiles per 64 K-values, then the panel's next 32 rows read the weights again from
- * the core's cache. Layout of the weights (cpu/amx.py pack): [N/16][K/4][16][4], the 16-channel block's four
+ * the core's cache. Layout of the weights (cpu/int8_gemm.py pack): [N/16][K/4][16][4], the 16-channel block's four
  * consecutive K-values per channel side by side (the tile unit's "VNNI" layout), so a weight tile is 1 KiB in a row.
  *
  * The result is exact integer arithmetic then one float multiply: (float)(sum (a - 128) w) * scale[n], where the

@@ -42,7 +42,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def _declare_w8a8(lib: ctypes.CDLL, ptr: type) -> None:
-    """kernels_w8a8.c's and kernels_amx.c's, where the build has them (a build of an older source has none)."""
+    """kernels_w8a8.c's, kernels_amx.c's and kernels_vnni.c's, where the build has them (an older one has none)."""
     if hasattr(lib, "batchgen_quantize_rows"):  # kernels_w8a8.c (a build of an older source has none)
         lib.batchgen_quantize_rows.restype = None
         lib.batchgen_quantize_rows.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ptr, ctypes.c_int]
@@ -58,6 +58,10 @@ def _declare_w8a8(lib: ctypes.CDLL, ptr: type) -> None:
     if hasattr(lib, "batchgen_scale_rows_argmax"):
         lib.batchgen_scale_rows_argmax.restype = None
         lib.batchgen_scale_rows_argmax.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ptr, ptr, ctypes.c_int]
+    if hasattr(lib, "batchgen_vnni_int8_gemm"):  # the AVX-512 variants
+        lib.batchgen_vnni_int8_gemm.restype = None
+        lib.batchgen_vnni_int8_gemm.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ctypes.c_long, ptr, ptr, ptr,
+                                                ctypes.c_int]
     if hasattr(lib, "batchgen_amx_int8_gemm"):  # the avx512_amx variant only
         lib.batchgen_amx_init.restype = ctypes.c_int
         lib.batchgen_amx_init.argtypes = []

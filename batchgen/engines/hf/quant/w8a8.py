@@ -2,10 +2,11 @@
 
 Weights: int8, one symmetric scale per output channel, reordered once for the GEMM that runs them. Activations:
 quantized per row (per token) on the fly, symmetric, 8 bits, by batchgen's kernel (cpu/kernels_w8a8.c; torch
-operations where the kernels are not built). The product: u8 x s8 with int32 accumulation, on AMX CPUs by batchgen's
-tile GEMM (cpu/kernels_amx.c, cpu/amx.py: weights packed once in its layout), elsewhere by oneDNN's matmul (AVX-512
-VNNI `vpdpbusd` or AVX-VNNI) reached through torch's `onednn::qlinear_pointwise`; the same bits either way. The
-float32 output is scaled per row and the bias added in one pass.
+operations where the kernels are not built). The product: u8 x s8 with int32 accumulation, by batchgen's GEMMs
+(cpu/int8_gemm.py: weights packed once in their layout): the AMX tile GEMM (cpu/kernels_amx.c) on AMX CPUs, the
+AVX-512 VNNI `vpdpbusd` GEMM (cpu/kernels_vnni.c) on other CPUs with avx512_vnni; elsewhere (AVX-VNNI only, a shape
+they do not take, no kernels built) by oneDNN's matmul reached through torch's `onednn::qlinear_pointwise`; the same
+bits every way. The float32 output is scaled per row and the bias added in one pass.
 
 Where the GEMM is exact only with VNNI: on CPUs without it (AVX2, AVX-512 without VNNI) oneDNN multiplies u8 by s8
 with `vpmaddubsw`, whose 16-bit pair sums saturate (255 * 127 * 2 > 32767): wrong results without an error. Before
@@ -23,7 +24,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
-from batchgen.engines.hf.cpu import amx
+from batchgen.engines.hf.cpu import int8_gemm
 from batchgen.engines.hf.cpu import kernels as cpu_kernels
 from batchgen.engines.hf.cpu.onednn import replace_linears
 from batchgen.engines.hf.quant.common import quantize_by_rows
@@ -121,7 +122,8 @@ class Int8DynamicLinear(nn.Module):
         self.register_buffer("zero", torch.zeros(self.out_features, dtype=torch.int64), persistent=False)
         self.register_buffer("bias", bias)
         self.register_buffer("packed", None, persistent=False)  # qweight reordered for the GEMM (pack)
-        self.register_buffer("comp", None, persistent=False)  # the AMX GEMM's zero-point share (None: oneDNN's)
+        self.register_buffer("comp", None, persistent=False)  # batchgen's GEMM's zero-point share (None: oneDNN's)
+        self.kernel: Optional[int8_gemm.Kernel] = None  # batchgen's GEMM that runs it (pack()); None: oneDNN's
         self.lib = cpu_kernels.load()  # batchgen's kernels (quantize, scale rows); None: torch operations
 
     @classmethod
@@ -139,10 +141,12 @@ class Int8DynamicLinear(nn.Module):
         return fused
 
     def pack(self) -> torch.Tensor:
-        """The weight reordered once: for batchgen's AMX GEMM where it runs (cpu/kernels_amx.c), else for oneDNN."""
+        """The weight reordered once: for batchgen's AMX or VNNI GEMM where one runs (cpu/int8_gemm.py), else for
+        oneDNN."""
         if self.packed is None:
-            if amx.fits(self.lib, self.out_features, self.in_features):
-                self.packed, self.comp = amx.pack(self.qweight)
+            self.kernel = int8_gemm.kernel(self.lib, self.out_features, self.in_features)
+            if self.kernel is not None:
+                self.packed, self.comp = int8_gemm.pack(self.qweight)
             else:
                 self.packed = torch.ops.onednn.qlinear_prepack(self.qweight, None)
             self.qweight = torch.empty(0, dtype=torch.int8)  # the packed copy is the weight from now on
@@ -173,7 +177,7 @@ class Int8DynamicLinear(nn.Module):
         [M, N] float32 (finish() applies them, or the kernel that reads the output does)."""
         packed = self.pack()
         if self.comp is not None:
-            return amx.int8_gemm(self.lib, rows.q, packed, self.comp, self.scale)
+            return int8_gemm.gemm(self.lib, self.kernel, rows.q, packed, self.comp, self.scale)
         return _gemm(rows.q, packed, self.scale, self.zero)
 
     def finish(self, y: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:

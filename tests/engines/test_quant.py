@@ -15,7 +15,7 @@ from torch import nn
 from batchgen.engines.hf import quant
 from batchgen.engines.hf.cpu import kernels as cpu_kernels
 from batchgen.engines.hf.cpu import onednn as cpu_linear
-from batchgen.engines.hf.quant import int4, int8, w8a8
+from batchgen.engines.hf.quant import int4, int8, w4a8, w8a8
 from batchgen.errors import ConfigError
 from batchgen.job import validate
 from batchgen.run.runner import run_job
@@ -57,6 +57,11 @@ def bench_model(tmp_path_factory) -> str:
     from batchgen.engines.toymodel import build_model
 
     return str(build_model(tmp_path_factory.mktemp("models") / "bench-llama", corpus(), size="bench"))
+
+
+def int4_kind() -> type:
+    """What engine.quantization=int4 builds here: W4A8 linears where batchgen's VNNI kernel runs, else weight-only."""
+    return w4a8.Int4DynamicLinear if w4a8.runs_here(cpu_kernels.load()) else int4.Int4WeightOnlyLinear
 
 
 def test_int8_weights_take_at_most_055x_of_bf16(bench_model):
@@ -298,8 +303,7 @@ def test_quantized_projections_fuse_and_generate_what_unfused_ones_do(small_mode
         native_or_skip()  # int8 runs aten's kernel where batchgen's is not built
     if scheme == "int8" and w8a8.probe() is not None:
         pytest.skip(f"W8A8 does not run here: {w8a8.probe()}")
-    kind = {"int8": w8a8.Int8DynamicLinear, "int8_wo": int8.Int8WeightOnlyLinear,
-            "int4": int4.Int4WeightOnlyLinear}[scheme]
+    kind = {"int8": w8a8.Int8DynamicLinear, "int8_wo": int8.Int8WeightOnlyLinear, "int4": int4_kind()}[scheme]
     tokenizer = AutoTokenizer.from_pretrained(small_model)
     # float32: in bf16 a fused GEMM may block its sums differently from the parts and round apart
     config = HFConfig(model=small_model, quantization=scheme, device="cpu", dtype="float32", max_batch_size=8)
@@ -412,6 +416,8 @@ def test_quantized_bf16_runs_its_prefill_gemms_in_bf16_and_float32_around_them(s
     from batchgen.engines.hf.engine import HFEngine
 
     native_or_skip()
+    if scheme == "int4" and int4_kind() is w4a8.Int4DynamicLinear:
+        pytest.skip("int4 runs W4A8 here (batchgen's VNNI kernel: int8 GEMMs, no dequantized ones)")
     tokenizer = AutoTokenizer.from_pretrained(small_model)
     engines = {dtype: HFEngine(HFConfig(model=small_model, quantization=scheme, device="cpu", dtype=dtype),
                                tokenizer) for dtype in ("bfloat16", "float32")}

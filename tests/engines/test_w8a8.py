@@ -191,36 +191,46 @@ def test_the_fused_producers_write_the_bytes_of_the_unfused_passes_on_every_vari
             assert all(map(same_bits, got, want)), (isa, rows, inter, s is None)
 
 
-def w8a8_llama(bias: bool) -> nn.Module:
-    """A random Llama (Qwen2's q/k/v biases where `bias`) with W8A8 linears, fused projections, weights packed: what
-    the engine builds for engine.quantization=int8."""
+def w8a8_llama(bias: bool, scheme: str = "int8") -> nn.Module:
+    """A random Llama (Qwen2's q/k/v biases where `bias`) with W8A8 linears (scheme int8; int4: W4A8 linears and a
+    W8A8 LM head), fused projections, weights packed: what the engine builds for engine.quantization=int8 (int4)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from batchgen.engines.hf import quant
     from batchgen.engines.hf.fusion import fuse_projections
-    from batchgen.engines.hf.quant import int8
+    from batchgen.engines.hf.quant import int8, w4a8
 
     torch.manual_seed(4)
-    config = LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=344, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, attention_bias=bias,
+    config = LlamaConfig(vocab_size=304, hidden_size=128, intermediate_size=344 if scheme == "int8" else 384,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, attention_bias=bias,
                          max_position_embeddings=128)
-    model = int8.int8_cpu(LlamaForCausalLM(config).eval(), torch.device("cpu"))
+    convert = int8.int8_cpu if scheme == "int8" else w4a8.int4_cpu
+    model = convert(LlamaForCausalLM(config).eval(), torch.device("cpu"))
     fuse_projections(model, quant.concatenate)
     quant.pack_w8a8(model)
     return model
 
 
-@needs_w8a8
-@pytest.mark.parametrize("bias", [False, True])
-def test_the_native_step_with_fused_quantization_equals_the_unfused_one(bias):
-    """The decode step (and the prefill) with the quantization and row scales folded into batchgen's kernels gives the
-    logits of the same step calling each W8A8 linear whole (quantize, GEMM, scale rows), bit for bit: prompts of
-    different lengths, several decode steps."""
-    from batchgen.engines.hf.step import LlamaStepper
+def needs_scheme(scheme: str) -> None:
+    from batchgen.engines.hf.quant import w4a8
 
     if cpu_kernels.load() is None:
         pytest.skip("batchgen's CPU kernels are not built here")
-    model = w8a8_llama(bias)
+    if scheme == "int4" and not w4a8.runs_here(cpu_kernels.load()):
+        pytest.skip("batchgen's W4A8 GEMM does not run here (no avx512_vnni, or no AVX-512 kernels)")
+
+
+@needs_w8a8
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_native_step_with_fused_quantization_equals_the_unfused_one(bias, scheme):
+    """The decode step (and the prefill) with the quantization and row scales folded into batchgen's kernels gives the
+    logits of the same step calling each W8A8 (W4A8) linear whole (quantize, GEMM, scale rows), bit for bit: prompts
+    of different lengths, several decode steps."""
+    from batchgen.engines.hf.step import LlamaStepper
+
+    needs_scheme(scheme)
+    model = w8a8_llama(bias, scheme)
     fused, plain = LlamaStepper(model, torch.float32), LlamaStepper(model, torch.float32)
     assert fused.native_step and fused.gemm_inputs[0] == (torch.uint8,) * 4 and fused.head_input == torch.uint8
     assert "W8A8" in fused.describe()
@@ -249,15 +259,16 @@ def test_the_native_step_with_fused_quantization_equals_the_unfused_one(bias):
 
 
 @needs_w8a8
-def test_with_w8a8_a_rows_logits_do_not_depend_on_the_rows_beside_it():
-    """Exact int32 GEMMs, per-row kernels and per-row prefill attention: a row prefilled and decoded alone, or beside
-    longer and shorter rows (padded prefill batches of other widths), gets the same logits at every step, bit for
-    bit. (Before prefill attention ran per row, a row beside a longer one differed by an ulp at one step.)"""
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_with_w8a8_a_rows_logits_do_not_depend_on_the_rows_beside_it(scheme):
+    """Exact int32 GEMMs (W4A8: exact per group, folded in a fixed order), per-row kernels and per-row prefill
+    attention: a row prefilled and decoded alone, or beside longer and shorter rows (padded prefill batches of other
+    widths), gets the same logits at every step, bit for bit. (Before prefill attention ran per row, a row beside a
+    longer one differed by an ulp at one step.)"""
     from batchgen.engines.hf.step import LlamaStepper
 
-    if cpu_kernels.load() is None:
-        pytest.skip("batchgen's CPU kernels are not built here")
-    stepper = LlamaStepper(w8a8_llama(False), torch.float32)
+    needs_scheme(scheme)
+    stepper = LlamaStepper(w8a8_llama(False, scheme), torch.float32)
     assert stepper.row_exact
     gen = torch.Generator().manual_seed(1)
     row = torch.randint(3, 290, (23,), generator=gen).tolist()
@@ -352,3 +363,31 @@ def test_batchgens_int8_gemms_give_onednns_bits(which):
                 want = w8a8._gemm(q, onednn, scale, torch.zeros(n, dtype=torch.int64))
                 exact = ((q.int() - 128) @ weight.int().t()).float() * scale
                 assert same_bits(got, want) and same_bits(got, exact), (n, k, m)
+
+
+def test_the_w4a8_gemm_is_the_int4_weights_times_the_quantized_rows():
+    """batchgen's W4A8 GEMM (kernels_vnni.c): the int4 weights quant/int4.py quantizes (scale and min per group of
+    64) times the rows' int8 values, summed exactly per group and folded in float32: within float32 rounding of the
+    float64 product of the dequantized weights and the rows, at row tails (1 to 7, 13, 64) and channel tails (16, 48,
+    80, 1152 channels), K of one and several groups."""
+    from batchgen.engines.hf.quant.int4 import quantize_int4
+    from batchgen.engines.hf.quant.w4a8 import Int4DynamicLinear, runs_here
+
+    lib = cpu_kernels.load()
+    if not runs_here(lib):
+        pytest.skip("batchgen's W4A8 GEMM does not run here (no avx512_vnni, or no AVX-512 kernels)")
+    gen = torch.Generator().manual_seed(4)
+    for n, k in ((16, 64), (48, 128), (80, 256), (1152, 896)):
+        linear = nn.Linear(k, n, bias=False)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(n, k, generator=gen) * 0.05)
+        q, scale, mins = quantize_int4(linear.weight, 64)
+        dequantized = (q.double().view(n, k // 64, 64) * scale.double()[..., None] + mins.double()[..., None])
+        module = Int4DynamicLinear(linear)
+        for m in (1, 2, 3, 4, 5, 6, 7, 13, 64):
+            rows = w8a8.QuantizedRows(torch.randint(0, 256, (m, k), generator=gen, dtype=torch.uint8),
+                                 torch.ones(m))
+            rows.q[0] = 255
+            got = module.matmul(rows).double()
+            want = (rows.q.double() - 128) @ dequantized.reshape(n, k).t()
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (n, k, m)

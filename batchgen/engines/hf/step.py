@@ -102,7 +102,7 @@ class LlamaStepper:
         """Which decode step runs, for the engine's log."""
         if self.native_step:
             kinds = self.gemm_inputs[0]
-            gemms = ("W8A8 int8 GEMMs (quantization fused into the kernels)" if torch.uint8 in kinds
+            gemms = ("W8A8/W4A8 int8 GEMMs (quantization fused into the kernels)" if torch.uint8 in kinds
                      else "bf16 GEMMs" if torch.bfloat16 in kinds else "GEMMs")
             return (f"batchgen's CPU kernels ({self.native.batchgen_isa().decode()}) between the {gemms} (RMSNorm, "
                     f"rotary embedding + attention, SiLU), KV cache in {str(self.kv_dtype).removeprefix('torch.')}")

@@ -27,9 +27,14 @@ def kernel(lib: Optional[ctypes.CDLL], n: int, k: int) -> Optional[Kernel]:
         return None
     if hasattr(lib, "batchgen_amx_int8_gemm") and k % 64 == 0 and n % 32 == 0 and _amx_granted(lib):
         return "amx"
-    if hasattr(lib, "batchgen_vnni_int8_gemm") and k % 4 == 0 and n % 16 == 0 and "avx512_vnni" in cpu_flags():
+    if k % 4 == 0 and n % 16 == 0 and has_vnni(lib):
         return "vnni"
     return None
+
+
+def has_vnni(lib: Optional[ctypes.CDLL]) -> bool:
+    """True where batchgen's VNNI GEMMs run: a kernel variant that has them (AVX-512) and a CPU with avx512_vnni."""
+    return lib is not None and hasattr(lib, "batchgen_vnni_int8_gemm") and "avx512_vnni" in cpu_flags()
 
 
 @cache

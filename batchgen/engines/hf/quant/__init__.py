@@ -57,8 +57,9 @@ from batchgen.engines.hf.quant.common import (
     TORCHAO_HINT,
     import_or_hint,
 )
-from batchgen.engines.hf.quant.int4 import Int4WeightOnlyLinear, int4_cpu, int4_cuda
+from batchgen.engines.hf.quant.int4 import Int4WeightOnlyLinear, int4_cuda
 from batchgen.engines.hf.quant.int8 import Int8WeightOnlyLinear, int8_cpu, int8_cuda, int8_wo_cpu
+from batchgen.engines.hf.quant.w4a8 import Int4DynamicLinear, int4_cpu
 from batchgen.engines.hf.quant.w8a8 import Int8DynamicLinear
 from batchgen.engines.hf.quant.w8a8 import pack_all as pack_w8a8  # noqa: F401 (the engine's name for it)
 from batchgen.errors import ModelLoadError
@@ -120,8 +121,10 @@ def route_rows(model: nn.Module, native_rows: Optional[int] = None, dequant_rows
 
 def scheme_in_use(model: nn.Module) -> Optional[str]:
     """What `engine.quantization=int8` resolved to on this CPU, for the engine's identity (compared on resume):
-    "w8a8" where W8A8 linears run; None otherwise (weight-only int8, as earlier versions ran it, and the rest)."""
-    return "w8a8" if any(isinstance(m, Int8DynamicLinear) for m in model.modules()) else None
+    "w8a8" where W8A8 linears run, "w4a8" where W4A8 ones do (int4); None otherwise (weight-only int8 and int4, as
+    earlier versions ran them, and the rest)."""
+    kinds = {type(m) for m in model.modules()}
+    return "w4a8" if Int4DynamicLinear in kinds else "w8a8" if Int8DynamicLinear in kinds else None
 
 
 def set_gemm_dtype(model: nn.Module, dtype: Optional[torch.dtype]) -> int:
@@ -139,7 +142,7 @@ def set_gemm_dtype(model: nn.Module, dtype: Optional[torch.dtype]) -> int:
 def concatenate(parts: list[nn.Module]) -> Optional[nn.Module]:
     """`fuse` for fusion.fuse_projections: one int8 or int4 module for parts quantized alike; else None."""
     kind = type(parts[0])
-    if kind in (Int8WeightOnlyLinear, Int4WeightOnlyLinear, Int8DynamicLinear):
+    if kind in (Int8WeightOnlyLinear, Int4WeightOnlyLinear, Int8DynamicLinear, Int4DynamicLinear):
         return kind.concatenate(parts)
     return None
 
@@ -270,9 +273,12 @@ def cpu_kind() -> str:
 
 def warn_if_slow_at_working_batch(scheme_name: str, model: Optional[nn.Module] = None) -> None:
     """Say so when the scheme decoded large batches slower than the unquantized model on a CPU of this kind."""
-    if scheme_name == "int4" and model is not None and not any(
-            isinstance(m, Int4WeightOnlyLinear) for m in model.modules()):
-        scheme_name = "int4-torchao"  # batchgen's kernels are not built here: torchao's int4 runs
+    if scheme_name == "int4" and model is not None:
+        kinds = {type(m) for m in model.modules()}
+        if Int4DynamicLinear in kinds:
+            scheme_name = "int4-w4a8"  # batchgen's VNNI kernel runs it in int8
+        elif Int4WeightOnlyLinear not in kinds:
+            scheme_name = "int4-torchao"  # batchgen's kernels are not built here: torchao's int4 runs
     kind = cpu_kind()
     ratio = CPU_WORKING_BATCH_VS_UNQUANTIZED.get(kind, {}).get(scheme_name)
     if ratio is None or ratio >= 0.9:

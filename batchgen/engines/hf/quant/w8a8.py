@@ -194,13 +194,13 @@ class Int8DynamicLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def _takes(linear: nn.Module) -> bool:
+def takes(linear: nn.Module) -> bool:
     return type(linear) is nn.Linear and linear.weight.device.type == "cpu" and linear.weight.is_floating_point()
 
 
 def w8a8_linears(model: nn.Module) -> tuple[int, int]:
     """Replace every plain float CPU nn.Linear by an Int8DynamicLinear, in place, one at a time; (converted, kept)."""
-    return replace_linears(model, lambda linear: Int8DynamicLinear(linear) if _takes(linear) else None)
+    return replace_linears(model, lambda linear: Int8DynamicLinear(linear) if takes(linear) else None)
 
 
 def pack_all(model: nn.Module) -> int:

@@ -447,6 +447,25 @@ def test_a_quantized_model_holds_no_view_of_its_checkpoint(small_model):
     assert quant.own_parameters(tied) == 2 and tied[0].weight is tied[1].weight
 
 
+def test_a_converted_weights_checkpoint_pages_are_given_back_and_read_the_same_after(tmp_path):
+    """A weight from_pretrained left as a view of the mapped checkpoint: its whole pages are given back once its
+    replacement exists (the file mapping is read-only, so a later read faults the file's bytes in again: the values
+    are unchanged); memory of the heap is never given back."""
+    from safetensors.torch import load_file, save_file
+
+    from batchgen.engines.hf.cpu.runtime import ReadOnlyMappings
+
+    save_file({"w": torch.randn(512, 512)}, str(tmp_path / "w.safetensors"))
+    mapped = load_file(str(tmp_path / "w.safetensors"))["w"]  # a view of the file's mapping
+    want = mapped.clone()
+    mappings = ReadOnlyMappings()
+    if not mappings.spans or mappings.madvise is None:
+        pytest.skip("no read-only file mapping or no madvise here")
+    assert mappings.release(want) == 0  # heap memory: never
+    assert mappings.release(mapped) >= 512 * 512 * 4 - 2 * 4096  # the whole pages of its 1 MiB
+    assert torch.equal(mapped, want)
+
+
 def test_quantizing_in_blocks_of_rows_changes_no_bit(monkeypatch):
     """quantize_by_rows bounds the float temporaries of a large LM head or embedding table; every row's int8 values
     and scale are what quantizing the whole matrix at once gives (int8_wo's bf16-rounded scales, W8A8's float32

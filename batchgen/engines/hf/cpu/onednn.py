@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen.engines.hf.cpu.runtime import ReadOnlyMappings
+
 log = logging.getLogger(__name__)
 BATCH_HINT = 32  # the M oneDNN tunes the blocked layout for; any M runs on it
 # Smaller weights stay nn.Linear: oneDNN's per-call overhead outweighs its faster kernel there (measured on the
@@ -66,10 +68,12 @@ def available(dtype: torch.dtype) -> bool:
 def replace_linears(model: nn.Module, convert: Callable[[nn.Linear], Optional[nn.Module]]) -> tuple[int, int]:
     """Swap each plain `nn.Linear` for `convert(linear)` in place (None keeps it); returns (replaced, kept).
 
-    Each original weight is dropped as soon as its replacement exists, so a conversion holds one extra
-    layer at a time, never a second copy of the model.
+    Each original weight is dropped as soon as its replacement exists, and its pages of a mapped checkpoint
+    given back (runtime.ReadOnlyMappings), so a conversion holds one extra layer at a time, never a second copy
+    of the model.
     """
     replaced = kept = 0
+    mapped = ReadOnlyMappings()  # the checkpoint's pages of each replaced weight are given back as it goes
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear:
@@ -79,6 +83,8 @@ def replace_linears(model: nn.Module, convert: Callable[[nn.Linear], Optional[nn
                 kept += 1
                 continue
             setattr(parent, name, new)
+            if not any(new_tensor is child.weight for new_tensor in (*new.parameters(), *new.buffers())):
+                mapped.release(child.weight)
             child.weight = None
             replaced += 1
     return replaced, kept

@@ -10,10 +10,11 @@ which quantizes while loading, is only load arguments); int8.py and int4.py hold
 conversions, common.py the thresholds and hints they share.
 
 What runs where (see docs/engines.md "Quantization" and docs/performance.md "Quantization"):
-- int8, CPU: W8A8, `w8a8.Int8DynamicLinear`: int8 weights per output channel reordered for oneDNN, activations
-  quantized per token on each call (batchgen's kernel), oneDNN's int8 GEMM with int32 sums, every linear the LM
-  head included. Where oneDNN's int8 GEMM is not exact here (no VNNI or AMX: its 16-bit pair sums saturate;
-  w8a8.probe checks), int8 runs as int8_wo, with a warning.
+- int8, CPU: W8A8, `w8a8.Int8DynamicLinear`: int8 weights per output channel reordered once for the GEMM that runs
+  them, activations quantized per token on each call (batchgen's kernel), int8 GEMMs with int32 sums (batchgen's on
+  AMX or AVX-512 VNNI, cpu/int8_gemm.py; oneDNN's elsewhere), every linear the LM head included. Where oneDNN's
+  int8 GEMM is not exact here (no VNNI or AMX: its 16-bit pair sums saturate; w8a8.probe checks), int8 runs as
+  int8_wo, with a warning.
 - int8_wo, CPU: weight-only, `Int8WeightOnlyLinear`: int8 weights with one symmetric bf16-rounded scale per output
   channel; activations stay unquantized. Inputs under NATIVE_ROWS rows (decode steps of small batches) run
   batchgen's own AVX2 kernel (`cpu_kernels`, float32 activations) where it is built; otherwise inputs under
@@ -23,6 +24,8 @@ What runs where (see docs/engines.md "Quantization" and docs/performance.md "Qua
   (older torch) the fallback, with a warning, is `torch.ao.quantization.quantize_dynamic` (activations quantized
   per tensor: lower fidelity).
 - int8 and int8_wo, CUDA: torchao `Int8WeightOnlyConfig` (W8A8 on CUDA is not built yet).
+- int4, CPU with AVX-512 VNNI: W4A8, `w4a8.Int4DynamicLinear`: the weight-only scheme's int4 weights, activations
+  quantized per token as W8A8's, batchgen's VNNI kernel; the LM head W8A8. Elsewhere:
 - int4, CPU: weight-only, `Int4WeightOnlyLinear`: group-wise asymmetric int4 (a bf16 scale and min per 64
   input weights), two weights to a byte in the layout of batchgen's AVX2 kernel (`cpu_kernels`), which runs
   inputs under INT4_NATIVE_ROWS rows in float32; larger inputs dequantize the layer's weights for a float GEMM.

@@ -447,23 +447,30 @@ def test_a_quantized_model_holds_no_view_of_its_checkpoint(small_model):
     assert quant.own_parameters(tied) == 2 and tied[0].weight is tied[1].weight
 
 
-def test_a_converted_weights_checkpoint_pages_are_given_back_and_read_the_same_after(tmp_path):
+def test_a_converted_weights_checkpoint_pages_are_given_back_and_read_the_same_after(tmp_path, monkeypatch):
     """A weight from_pretrained left as a view of the mapped checkpoint: its whole pages are given back once its
-    replacement exists (the file mapping is read-only, so a later read faults the file's bytes in again: the values
-    are unchanged); memory of the heap is never given back."""
+    replacement exists (a later read faults the file's bytes in again: the values are unchanged); memory of the heap
+    is never given back. Through a real conversion, a tied weight is not released."""
     from safetensors.torch import load_file, save_file
 
-    from batchgen.engines.hf.cpu.runtime import ReadOnlyMappings
+    from batchgen.engines.hf.cpu.runtime import CheckpointPages
 
     save_file({"w": torch.randn(512, 512)}, str(tmp_path / "w.safetensors"))
     mapped = load_file(str(tmp_path / "w.safetensors"))["w"]  # a view of the file's mapping
     want = mapped.clone()
-    mappings = ReadOnlyMappings()
+    mappings = CheckpointPages()
     if not mappings.spans or mappings.madvise is None:
-        pytest.skip("no read-only file mapping or no madvise here")
+        pytest.skip("no file mapping or no madvise here")
     assert mappings.release(want) == 0  # heap memory: never
     assert mappings.release(mapped) >= 512 * 512 * 4 - 2 * 4096  # the whole pages of its 1 MiB
     assert torch.equal(mapped, want)
+    released = []
+    monkeypatch.setattr(CheckpointPages, "release", lambda self, tensor: released.append(tensor) or 0)
+    tied, twin, alone = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+    twin.weight = tied.weight
+    weight = alone.weight
+    cpu_linear.replace_linears(nn.Sequential(tied, twin, alone), w8a8.Int8DynamicLinear)
+    assert len(released) == 1 and released[0] is weight
 
 
 def test_quantizing_in_blocks_of_rows_changes_no_bit(monkeypatch):

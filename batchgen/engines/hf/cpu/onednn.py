@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.engines.hf.cpu.runtime import ReadOnlyMappings
+from batchgen.engines.hf.cpu.runtime import CheckpointPages
 
 log = logging.getLogger(__name__)
 BATCH_HINT = 32  # the M oneDNN tunes the blocked layout for; any M runs on it
@@ -69,11 +69,14 @@ def replace_linears(model: nn.Module, convert: Callable[[nn.Linear], Optional[nn
     """Swap each plain `nn.Linear` for `convert(linear)` in place (None keeps it); returns (replaced, kept).
 
     Each original weight is dropped as soon as its replacement exists, and its pages of a mapped checkpoint
-    given back (runtime.ReadOnlyMappings), so a conversion holds one extra layer at a time, never a second copy
+    given back (runtime.CheckpointPages), so a conversion holds one extra layer at a time, never a second copy
     of the model.
     """
     replaced = kept = 0
-    mapped = ReadOnlyMappings()  # the checkpoint's pages of each replaced weight are given back as it goes
+    pages = CheckpointPages()  # the checkpoint's pages of each dropped weight are given back as it goes
+    held: dict[int, int] = {}  # how many modules hold each parameter (tied weights: more than one)
+    for _, param in model.named_parameters(remove_duplicate=False):
+        held[id(param)] = held.get(id(param), 0) + 1
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear:
@@ -83,8 +86,9 @@ def replace_linears(model: nn.Module, convert: Callable[[nn.Linear], Optional[nn
                 kept += 1
                 continue
             setattr(parent, name, new)
-            if not any(new_tensor is child.weight for new_tensor in (*new.parameters(), *new.buffers())):
-                mapped.release(child.weight)
+            kept_by_new = any(tensor is child.weight for tensor in (*new.parameters(), *new.buffers()))
+            if not kept_by_new and held.get(id(child.weight), 0) == 1:
+                pages.release(child.weight)
             child.weight = None
             replaced += 1
     return replaced, kept

@@ -58,13 +58,13 @@ def return_freed_memory() -> bool:
 MADV_DONTNEED = 4  # Linux
 
 
-class ReadOnlyMappings:
-    """The process's read-only file mappings (a checkpoint from_pretrained mapped: safetensors maps it `r--p`), read
-    once from /proc/self/maps, and the pages of a tensor inside one given back (`release`). Converting a model one
-    layer at a time reads every weight once; each page read counts in the resident size until the whole file is
-    unmapped at the end, so a 1 GB bf16 checkpoint quantized to 0.5 GB of int8 peaked at both. Giving the pages of a
-    converted weight back is safe: a page of a file mapping without write access cannot differ from the file, so
-    whatever reads it again (a tied weight) faults it in from the file as it was."""
+class CheckpointPages:
+    """The process's file mappings (from_pretrained maps a safetensors checkpoint copy-on-write and hands out views
+    of it), read once from /proc/self/maps, and the pages of a discarded weight inside one given back (`release`).
+    Converting a model one layer at a time reads every weight once; each page read counts in the resident size until
+    the whole file is unmapped at the end, so a 1 GB bf16 checkpoint quantized to 0.5 GB of int8 peaked at both.
+    Only a weight the conversion drops and no other module shares is released (onednn.replace_linears): a page of
+    a file mapping given back is read from the file again if anything touches it, and nothing will."""
 
     def __init__(self) -> None:
         self.spans: list[tuple[int, int]] = []
@@ -72,7 +72,7 @@ class ReadOnlyMappings:
             with open("/proc/self/maps") as maps:
                 for line in maps:
                     fields = line.split()
-                    if len(fields) >= 6 and fields[5].startswith("/") and "w" not in fields[1] and fields[4] != "0":
+                    if len(fields) >= 6 and fields[5].startswith("/") and fields[4] != "0":
                         lo, hi = (int(v, 16) for v in fields[0].split("-"))
                         self.spans.append((lo, hi))
         except OSError:

@@ -14,6 +14,7 @@ from torch import nn
 
 from batchgen.engines.hf.cpu import kernels as cpu_kernels
 from batchgen.engines.hf.cpu.onednn import replace_linears
+from batchgen.engines.hf.cpu.runtime import CheckpointPages
 from batchgen.engines.hf.quant import w8a8
 from batchgen.engines.hf.quant.common import (
     DEQUANT_ROWS,
@@ -46,9 +47,11 @@ class Int8Embedding(nn.Module):
 
 
 def quantize_embeddings_int8(model: nn.Module) -> None:
+    """The input embedding table as int8 rows (unless the LM head shares it); its checkpoint pages given back."""
     embed = model.get_input_embeddings()
     if isinstance(embed, nn.Embedding) and embed.weight is not getattr(model.get_output_embeddings(), "weight", None):
         model.set_input_embeddings(Int8Embedding(embed.weight.data))
+        CheckpointPages().release(embed.weight)
 
 
 class Int8WeightOnlyLinear(nn.Module):

@@ -233,6 +233,25 @@ def test_a_scheme_slow_at_the_working_batch_says_so_on_a_cpu_of_the_kind_it_was_
     assert not caplog.text  # no figure for this kind: nothing claimed
 
 
+def test_the_figure_is_that_of_what_the_scheme_built_here(monkeypatch, caplog):
+    """int8 that fell back to weight-only warns with int8_wo's figure; int4 built as W4A8 (batchgen's VNNI kernel)
+    has its own, and the int8 kernels' figures on their CPU kind warn nothing (measured faster)."""
+    monkeypatch.setattr(quant, "cpu_kind", lambda: "avx512_bf16")
+    weight_only = nn.Sequential(int8.Int8WeightOnlyLinear(nn.Linear(64, 16)))
+    assert quant.measured_as("int8", weight_only) == "int8_wo"
+    with caplog.at_level("WARNING", logger=quant.__name__):
+        quant.warn_if_slow_at_working_batch("int8", weight_only)
+    assert "int8_wo on this CPU decodes large batches slower" in caplog.text
+    caplog.clear()
+    if w4a8.runs_here(cpu_kernels.load()):
+        w4 = nn.Sequential(w4a8.Int4DynamicLinear(nn.Linear(64, 16)), w8a8.Int8DynamicLinear(nn.Linear(64, 16)))
+        assert quant.measured_as("int4", w4) == "int4-w4a8" and quant.measured_as("int8", w4) == "int8"
+        with caplog.at_level("WARNING", logger=quant.__name__):
+            quant.warn_if_slow_at_working_batch("int4", w4)
+            quant.warn_if_slow_at_working_batch("int8", w4)
+        assert not caplog.text
+
+
 @pytest.mark.slow
 def test_quick_benchmark_prints_the_table(tmp_path):
     out = tmp_path / "quick.json"

@@ -77,7 +77,9 @@ log = logging.getLogger(__name__)
 # not built.
 CPU_WORKING_BATCH_VS_UNQUANTIZED: dict[str, dict[str, float]] = {
     "avx2": {"int8_wo": 0.90, "int4": 0.81, "int4-torchao": 0.56},  # median of 3 repeats
-    "avx512_bf16": {"int8_wo": 0.70, "int4": 0.65},  # one repeat; torchao's int4 not measured there
+    # int8_wo and int4 (weight-only): one repeat; torchao's int4 not measured there. int8 (W8A8) and int4-w4a8 with
+    # batchgen's VNNI kernel: a Zen 5 EPYC, Qwen2.5-0.5B shape, 2 repeats
+    "avx512_bf16": {"int8_wo": 0.70, "int4": 0.65, "int8": 1.78, "int4-w4a8": 1.48},
     # a Xeon with AMX (bf16 GEMMs on AMX tiles), Qwen2.5-0.5B shape, 2 repeats; int8 (W8A8) measured 1.30x there
     "amx": {"int8_wo": 0.25, "int4": 0.23},
 }
@@ -274,28 +276,34 @@ def cpu_kind() -> str:
     return "avx2" if {"avx2", "fma"} <= flags else "other"
 
 
+def measured_as(scheme_name: str, model: Optional[nn.Module]) -> str:
+    """The name a scheme's working-batch figure is kept under for what it built in `model`: int8 that fell back to
+    weight-only is int8_wo, int4 in int8 is int4-w4a8, int4 without batchgen's kernels is int4-torchao; "" for the
+    dynamic-int8 fallback (no figure is its own)."""
+    if model is None:
+        return scheme_name
+    kinds = {type(m) for m in model.modules()}
+    if scheme_name == "int4":
+        return ("int4-w4a8" if Int4DynamicLinear in kinds else "int4" if Int4WeightOnlyLinear in kinds
+                else "int4-torchao")
+    if scheme_name == "int8" and Int8DynamicLinear not in kinds:
+        scheme_name = "int8_wo"  # W8A8 does not run here: int8 fell back to weight-only
+    if scheme_name == "int8_wo" and Int8WeightOnlyLinear not in kinds:
+        return ""  # the dynamic-int8 fallback
+    return scheme_name
+
+
 def warn_if_slow_at_working_batch(scheme_name: str, model: Optional[nn.Module] = None) -> None:
-    """Say so when the scheme decoded large batches slower than the unquantized model on a CPU of this kind."""
-    if scheme_name == "int4" and model is not None:
-        kinds = {type(m) for m in model.modules()}
-        if Int4DynamicLinear in kinds:
-            scheme_name = "int4-w4a8"  # batchgen's VNNI kernel runs it in int8
-        elif Int4WeightOnlyLinear not in kinds:
-            scheme_name = "int4-torchao"  # batchgen's kernels are not built here: torchao's int4 runs
-    kind = cpu_kind()
-    ratio = CPU_WORKING_BATCH_VS_UNQUANTIZED.get(kind, {}).get(scheme_name)
+    """Say so when what the scheme built here decoded large batches slower than the unquantized model on a CPU of
+    this kind."""
+    name, kind = measured_as(scheme_name, model), cpu_kind()
+    ratio = CPU_WORKING_BATCH_VS_UNQUANTIZED.get(kind, {}).get(name)
     if ratio is None or ratio >= 0.9:
         return
-    if scheme_name == "int8" and model is not None and not any(
-            isinstance(m, Int8DynamicLinear) for m in model.modules()):
-        scheme_name = "int8_wo"  # W8A8 does not run here: int8 fell back to weight-only
-    if scheme_name == "int8_wo" and model is not None and not any(
-            isinstance(m, Int8WeightOnlyLinear) for m in model.modules()):
-        return  # the dynamic-int8 fallback: the figure is not its own
     log.warning("%s on this CPU decodes large batches slower than the unquantized model: %.2fx its output tokens/s "
                 "at batch 64 with engine.dtype=auto, measured on a CPU of this kind (%s; docs/performance.md); "
                 "use it when the model does not fit in memory unquantized, or for batch-1 jobs, where it measured "
-                "faster", scheme_name, ratio, kind)
+                "faster", name, ratio, kind)
 
 
 def explain_load_failure(path: str, device: torch.device, exc: Exception) -> str:

@@ -83,22 +83,28 @@ TILE_FNS(1) TILE_FNS(2) TILE_FNS(3) TILE_FNS(4) TILE_FNS(5) TILE_FNS(6)
 #define TILE_ROW(R) {tile_##R##_1, tile_##R##_2, tile_##R##_3, tile_##R##_4}
 static const tile_fn TILES[MR][NB] = {TILE_ROW(1), TILE_ROW(2), TILE_ROW(3), TILE_ROW(4), TILE_ROW(5), TILE_ROW(6)};
 
+/* Runs CALL for every tile of 6 rows (rows: 1-6, from m0) by 4 blocks (blocks: 1-4, from channel n0): threads split
+ * the 64-channel tiles, a thread per tile group only where the work pays for waking it (a few microseconds). */
+#define FOR_EACH_TILE(CALL)                                                                                        \
+    {                                                                                                              \
+        const long tiles = (N / 16 + NB - 1) / NB;                                                                 \
+        const int team = (double)M * (double)K * (double)N < 65536.0 ? 1 : threads;                                \
+        _Pragma("omp parallel for num_threads(team) schedule(static) if (team > 1 && tiles > 1)")                  \
+        for (long t = 0; t < tiles; t++) {                                                                         \
+            const long n0 = t * NB * 16;                                                                           \
+            const int blocks = (int)((N - n0) / 16 < NB ? (N - n0) / 16 : NB);                                     \
+            for (long m0 = 0; m0 < M; m0 += MR) {                                                                  \
+                const int rows = (int)(M - m0 < MR ? M - m0 : MR);                                                 \
+                CALL;                                                                                              \
+            }                                                                                                      \
+        }                                                                                                          \
+    }
+
 /* Y [M, N] float32 = ((A - 128) W^T) * scale[n]: A [M, K] uint8 (row-major, no padding needed), W packed as above,
  * comp[n] = 128 * sum_k W[n, k]. K a multiple of 4, N of 16. */
 VNNI void batchgen_vnni_int8_gemm(const uint8_t *A, long M, long K, const int8_t *W, long N, const int32_t *comp,
                                   const float *scale, float *Y, int threads) {
-    const long tiles = (N / 16 + NB - 1) / NB;
-    /* a thread per tile group only where the work pays for waking it (a few microseconds) */
-    const int team = (double)M * (double)K * (double)N < 65536.0 ? 1 : threads;
-#pragma omp parallel for num_threads(team) schedule(static) if (team > 1 && tiles > 1)
-    for (long t = 0; t < tiles; t++) {
-        const long n0 = t * NB * 16;
-        const int blocks = (int)((N - n0) / 16 < NB ? (N - n0) / 16 : NB);
-        for (long m0 = 0; m0 < M; m0 += MR) {
-            const int rows = (int)(M - m0 < MR ? M - m0 : MR);
-            TILES[rows - 1][blocks - 1](A + m0 * K, K, W, N, comp, scale, Y + m0 * N, n0);
-        }
-    }
+    FOR_EACH_TILE(TILES[rows - 1][blocks - 1](A + m0 * K, K, W, N, comp, scale, Y + m0 * N, n0))
 }
 
 /* ---- W4A8: int4 weights (quant/w4a8.py), group-wise asymmetric, in the same dot products ----
@@ -132,7 +138,8 @@ VNNI void batchgen_vnni_int8_gemm(const uint8_t *A, long M, long K, const int8_t
         float *f = acc + (r * NB + b) * 16;                                                                        \
         const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c##r##b), _mm512_loadu_ps(sc + b * groups * 16),      \
                                          _mm512_load_ps(f));                                                       \
-        _mm512_store_ps(f, _mm512_fmadd_ps(_mm512_loadu_ps(mn + b * groups * 16), _mm512_set1_ps(S[r * groups]), t)); \
+        _mm512_store_ps(f, _mm512_fmadd_ps(_mm512_loadu_ps(mn + b * groups * 16), _mm512_set1_ps(S_g[r * groups]),   \
+                                           t));                                                                    \
         c##r##b = _mm512_setzero_si512();                                                                          \
     }
 #define FOLD_ROW(r) FOLD(r, 0) FOLD(r, 1) FOLD(r, 2) FOLD(r, 3)
@@ -161,11 +168,8 @@ static inline VNNI __attribute__((always_inline)) void tile4(const uint8_t *A, l
             DOT4_ROW(0, 1) DOT4_ROW(1, 1) DOT4_ROW(2, 1) DOT4_ROW(3, 1) DOT4_ROW(4, 1) DOT4_ROW(5, 1)
         }
         const float *sc = scales + ((n0 / 16) * groups + g) * 16, *mn = mins + ((n0 / 16) * groups + g) * 16;
-        const float *S_g = S + g;
-        {
-            const float *S = S_g; /* S[r * groups]: row r's sum over group g */
-            FOLD_ROW(0) FOLD_ROW(1) FOLD_ROW(2) FOLD_ROW(3) FOLD_ROW(4) FOLD_ROW(5)
-        }
+        const float *S_g = S + g; /* S_g[r * groups]: row r's sum over group g */
+        FOLD_ROW(0) FOLD_ROW(1) FOLD_ROW(2) FOLD_ROW(3) FOLD_ROW(4) FOLD_ROW(5)
     }
     STORE4_ROW(0) STORE4_ROW(1) STORE4_ROW(2) STORE4_ROW(3) STORE4_ROW(4) STORE4_ROW(5)
 }
@@ -191,25 +195,23 @@ static const tile4_fn TILES4[MR][NB] = {TILE4_ROW(1), TILE4_ROW(2), TILE4_ROW(3)
  * tiles. */
 VNNI void batchgen_vnni_int4_gemm(const uint8_t *A, long M, long K, const uint8_t *W, long N, const float *scales,
                                   const float *mins, long G, const float *comp, float *Y, int threads) {
-    const long groups = K / G, tiles = (N / 16 + NB - 1) / NB;
+    const long groups = K / G;
     float *S = malloc(sizeof(float) * (size_t)(M * groups));
+    if (S == NULL) { /* a few hundred KiB the heap refused: NaN out, as a failed product must not read as numbers */
+        for (long i = 0; i < M * N; i++)
+            Y[i] = NAN;
+        return;
+    }
     for (long m = 0; m < M; m++)
         for (long g = 0; g < groups; g++) {
             __m512i sum = _mm512_setzero_si512();
             for (long k = g * G; k < (g + 1) * G; k += 64)
-                sum = _mm512_add_epi64(sum, _mm512_sad_epu8(_mm512_loadu_si512(A + m * K + k), _mm512_setzero_si512()));
+                sum = _mm512_add_epi64(sum, _mm512_sad_epu8(_mm512_loadu_si512(A + m * K + k),
+                                                            _mm512_setzero_si512()));
             S[m * groups + g] = (float)(_mm512_reduce_add_epi64(sum) - 128 * G);
         }
-    const int team = (double)M * (double)K * (double)N < 65536.0 ? 1 : threads;
-#pragma omp parallel for num_threads(team) schedule(static) if (team > 1 && tiles > 1)
-    for (long t = 0; t < tiles; t++) {
-        const long n0 = t * NB * 16;
-        const int blocks = (int)((N - n0) / 16 < NB ? (N - n0) / 16 : NB);
-        for (long m0 = 0; m0 < M; m0 += MR) {
-            const int rows = (int)(M - m0 < MR ? M - m0 : MR);
-            TILES4[rows - 1][blocks - 1](A + m0 * K, K, W, N, scales, mins, G, S + m0 * groups, comp, Y + m0 * N, n0);
-        }
-    }
+    FOR_EACH_TILE(TILES4[rows - 1][blocks - 1](A + m0 * K, K, W, N, scales, mins, G, S + m0 * groups, comp,
+                                               Y + m0 * N, n0))
     free(S);
 }
 #endif /* BATCHGEN_AVX512 */

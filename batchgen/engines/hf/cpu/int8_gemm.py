@@ -17,13 +17,14 @@ from batchgen.engines.hf.cpu.runtime import cpu_flags
 
 log = logging.getLogger(__name__)
 Kernel = Literal["amx", "vnni"]
+MAX_K = 65536  # int32 sums of 255 x 127 products stay exact up to 66,311 of them
 
 
 def kernel(lib: Optional[ctypes.CDLL], n: int, k: int) -> Optional[Kernel]:
     """Which of batchgen's int8 GEMMs runs an [n, k] weight here: "amx" (the avx512_amx variant, the tile registers
     granted, k a multiple of 64 and n of 32), else "vnni" (a variant with the kernel, a CPU with avx512_vnni, k a
-    multiple of 4 and n of 16), else None (oneDNN's matmul runs)."""
-    if lib is None:
+    multiple of 4 and n of 16), else None (oneDNN's matmul runs; so too past MAX_K inputs)."""
+    if lib is None or k > MAX_K:
         return None
     if hasattr(lib, "batchgen_amx_int8_gemm") and k % 64 == 0 and n % 32 == 0 and _amx_granted(lib):
         return "amx"

@@ -112,10 +112,10 @@ VNNI void batchgen_vnni_int8_gemm(const uint8_t *A, long M, long K, const int8_t
  * w[n, k] = scale[n, g] * q[n, k] + min[n, g], q in [0, 15] (quant/int4.py quantize_int4, groups of G along K). With
  * a = u - 128 the row's int8 values: sum_k w a = sum_g scale[n, g] (sum_k q u - 128 Q[n, g]) + min[n, g] S[m, g],
  * Q the group's sum of q, S the row's sum of a over the group. q in [0, 15] is a valid s8 operand: the same
- * `vpdpbusd` as int8. Per group the int32 sums go to float (times the scale, plus min times S); the 128 Q terms are
- * one constant a channel, precomputed (comp[n] = sum_g scale 128 Q). Layout: [N/16][K/8][16][4] bytes, a byte's low
- * nibble q[c, 8 t + b] and its high nibble q[c, 8 t + 4 + b]: one 64-byte load, a mask and a shift give two steps'
- * weights. Scales and mins as float32 [N/16][K/G][16]. Output: Y[m, n] before the row's scale (as the int8 GEMM). */
+ * `vpdpbusd` as int8. Per group the int32 sum less 128 Q (exact, in int32: q128 = 128 Q precomputed) goes to float
+ * times the scale, plus min times S. Layout: [N/16][K/8][16][4] bytes, a byte's low nibble q[c, 8 t + b] and its
+ * high nibble q[c, 8 t + 4 + b]: one 64-byte load, a mask and a shift give two steps' weights. Scales and mins as
+ * float32, q128 as int32, each [N/16][K/G][16]. Output: Y[m, n] before the row's scale (as the int8 GEMM). */
 #define DOT4_ROW(r, half)                                                                                          \
     if (rows > r) {                                                                                                \
         const __m512i a = _mm512_set1_epi32(four_bytes(A + r * K + k + 4 * (half)));                               \
@@ -136,7 +136,8 @@ VNNI void batchgen_vnni_int8_gemm(const uint8_t *A, long M, long K, const int8_t
 #define FOLD(r, b)                                                                                                 \
     if (rows > r && blocks > b) {                                                                                  \
         float *f = acc + (r * NB + b) * 16;                                                                        \
-        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c##r##b), _mm512_loadu_ps(sc + b * groups * 16),      \
+        const __m512i exact = _mm512_sub_epi32(c##r##b, _mm512_loadu_si512(zq + b * groups * 16));              \
+        const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_loadu_ps(sc + b * groups * 16),         \
                                          _mm512_load_ps(f));                                                       \
         _mm512_store_ps(f, _mm512_fmadd_ps(_mm512_loadu_ps(mn + b * groups * 16), _mm512_set1_ps(S_g[r * groups]),   \
                                            t));                                                                    \
@@ -145,13 +146,12 @@ VNNI void batchgen_vnni_int8_gemm(const uint8_t *A, long M, long K, const int8_t
 #define FOLD_ROW(r) FOLD(r, 0) FOLD(r, 1) FOLD(r, 2) FOLD(r, 3)
 #define STORE4(r, b)                                                                                               \
     if (rows > r && blocks > b)                                                                                    \
-        _mm512_storeu_ps(Y + r * N + n0 + 16 * b, _mm512_sub_ps(_mm512_load_ps(acc + (r * NB + b) * 16),           \
-                                                                _mm512_loadu_ps(comp + n0 + 16 * b)));
+        _mm512_storeu_ps(Y + r * N + n0 + 16 * b, _mm512_load_ps(acc + (r * NB + b) * 16));
 #define STORE4_ROW(r) STORE4(r, 0) STORE4(r, 1) STORE4(r, 2) STORE4(r, 3)
 
 static inline VNNI __attribute__((always_inline)) void tile4(const uint8_t *A, long K, const uint8_t *W, long N,
                                                                const float *scales, const float *mins, long G,
-                                                               const float *S, const float *comp, float *Y, long n0,
+                                                               const float *S, const int32_t *q128, float *Y, long n0,
                                                                const int rows, const int blocks) {
     ACC_ROW(0) ACC_ROW(1) ACC_ROW(2) ACC_ROW(3) ACC_ROW(4) ACC_ROW(5)
     float acc[MR * NB * 16] __attribute__((aligned(64)));
@@ -168,6 +168,7 @@ static inline VNNI __attribute__((always_inline)) void tile4(const uint8_t *A, l
             DOT4_ROW(0, 1) DOT4_ROW(1, 1) DOT4_ROW(2, 1) DOT4_ROW(3, 1) DOT4_ROW(4, 1) DOT4_ROW(5, 1)
         }
         const float *sc = scales + ((n0 / 16) * groups + g) * 16, *mn = mins + ((n0 / 16) * groups + g) * 16;
+        const int32_t *zq = q128 + ((n0 / 16) * groups + g) * 16;
         const float *S_g = S + g; /* S_g[r * groups]: row r's sum over group g */
         FOLD_ROW(0) FOLD_ROW(1) FOLD_ROW(2) FOLD_ROW(3) FOLD_ROW(4) FOLD_ROW(5)
     }
@@ -175,13 +176,13 @@ static inline VNNI __attribute__((always_inline)) void tile4(const uint8_t *A, l
 }
 
 typedef void (*tile4_fn)(const uint8_t *, long, const uint8_t *, long, const float *, const float *, long,
-                         const float *, const float *, float *, long);
+                         const float *, const int32_t *, float *, long);
 #define TILE4_FN(R, B)                                                                                             \
     static VNNI __attribute__((noinline)) void tile4_##R##_##B(const uint8_t *A, long K, const uint8_t *W, long N,  \
                                                                const float *scales, const float *mins, long G,     \
-                                                               const float *S, const float *comp, float *Y,       \
+                                                               const float *S, const int32_t *q128, float *Y,     \
                                                                long n0) {                                          \
-        tile4(A, K, W, N, scales, mins, G, S, comp, Y, n0, R, B);                                                  \
+        tile4(A, K, W, N, scales, mins, G, S, q128, Y, n0, R, B);                                                  \
     }
 #define TILE4_FNS(R) TILE4_FN(R, 1) TILE4_FN(R, 2) TILE4_FN(R, 3) TILE4_FN(R, 4)
 TILE4_FNS(1) TILE4_FNS(2) TILE4_FNS(3) TILE4_FNS(4) TILE4_FNS(5) TILE4_FNS(6)
@@ -190,18 +191,15 @@ static const tile4_fn TILES4[MR][NB] = {TILE4_ROW(1), TILE4_ROW(2), TILE4_ROW(3)
                                         TILE4_ROW(6)};
 
 /* Y [M, N] float32 = the int4 weights times (A - 128), per row before its scale: A [M, K] uint8, W packed as above,
- * scales and mins [N/16][K/G][16] float32, comp [N] float32. G a multiple of 64 dividing K, N a multiple of 16.
- * S, the rows' group sums, is computed here first ([M, K/G] floats from the heap). Threads split the 64-channel
- * tiles. */
-VNNI void batchgen_vnni_int4_gemm(const uint8_t *A, long M, long K, const uint8_t *W, long N, const float *scales,
-                                  const float *mins, long G, const float *comp, float *Y, int threads) {
+ * scales, mins (float32) and q128 (int32) [N/16][K/G][16]. G a multiple of 64 dividing K, N a multiple of 16. S, the
+ * rows' group sums, is computed here first ([M, K/G] floats from the heap). Returns 0, or -1 where the heap refused
+ * them (nothing written). Threads split the 64-channel tiles. */
+VNNI int batchgen_vnni_int4_gemm(const uint8_t *A, long M, long K, const uint8_t *W, long N, const float *scales,
+                                 const float *mins, long G, const int32_t *q128, float *Y, int threads) {
     const long groups = K / G;
     float *S = malloc(sizeof(float) * (size_t)(M * groups));
-    if (S == NULL) { /* a few hundred KiB the heap refused: NaN out, as a failed product must not read as numbers */
-        for (long i = 0; i < M * N; i++)
-            Y[i] = NAN;
-        return;
-    }
+    if (S == NULL)
+        return -1;
     for (long m = 0; m < M; m++)
         for (long g = 0; g < groups; g++) {
             __m512i sum = _mm512_setzero_si512();
@@ -210,8 +208,9 @@ VNNI void batchgen_vnni_int4_gemm(const uint8_t *A, long M, long K, const uint8_
                                                             _mm512_setzero_si512()));
             S[m * groups + g] = (float)(_mm512_reduce_add_epi64(sum) - 128 * G);
         }
-    FOR_EACH_TILE(TILES4[rows - 1][blocks - 1](A + m0 * K, K, W, N, scales, mins, G, S + m0 * groups, comp,
+    FOR_EACH_TILE(TILES4[rows - 1][blocks - 1](A + m0 * K, K, W, N, scales, mins, G, S + m0 * groups, q128,
                                                Y + m0 * N, n0))
     free(S);
+    return 0;
 }
 #endif /* BATCHGEN_AVX512 */

@@ -55,16 +55,17 @@ def return_freed_memory() -> bool:
     return bool(trim(0)) if trim is not None else False
 
 
-MADV_DONTNEED = 4  # Linux
+MADV_PAGEOUT = 21  # Linux 5.4 and later: reclaim the pages now; a page written since it was mapped is kept
 
 
 class CheckpointPages:
-    """The process's file mappings (from_pretrained maps a safetensors checkpoint copy-on-write and hands out views
-    of it), read once from /proc/self/maps, and the pages of a discarded weight inside one given back (`release`).
-    Converting a model one layer at a time reads every weight once; each page read counts in the resident size until
-    the whole file is unmapped at the end, so a 1 GB bf16 checkpoint quantized to 0.5 GB of int8 peaked at both.
-    Only a weight the conversion drops and no other module shares is released (onednn.replace_linears): a page of
-    a file mapping given back is read from the file again if anything touches it, and nothing will."""
+    """The process's mappings of regular files (from_pretrained maps a safetensors checkpoint copy-on-write and hands
+    out views of it), read once from /proc/self/maps, and the pages of a dropped weight inside one reclaimed
+    (`release`). Converting a model one layer at a time reads every weight once; each page read counts in the
+    resident size until the whole file is unmapped at the end, so a 1 GB bf16 checkpoint quantized to 0.5 GB of int8
+    peaked at both. MADV_PAGEOUT drops a clean page (read again from the file if anything touches it) and keeps one
+    that was written, so no value can change whatever else views those bytes; on a kernel without it nothing is
+    released."""
 
     def __init__(self) -> None:
         self.spans: list[tuple[int, int]] = []
@@ -72,7 +73,8 @@ class CheckpointPages:
             with open("/proc/self/maps") as maps:
                 for line in maps:
                     fields = line.split()
-                    if len(fields) >= 6 and fields[5].startswith("/") and fields[4] != "0":
+                    if (len(fields) == 6 and fields[5].startswith("/") and not fields[5].startswith("/dev/")
+                            and fields[4] != "0"):
                         lo, hi = (int(v, 16) for v in fields[0].split("-"))
                         self.spans.append((lo, hi))
         except OSError:
@@ -81,7 +83,7 @@ class CheckpointPages:
 
     def release(self, tensor: Optional[torch.Tensor]) -> int:
         """Give back the whole pages of `tensor`'s bytes where they lie in one of the mappings; bytes released."""
-        if self.madvise is None or tensor is None or tensor.device.type != "cpu":
+        if self.madvise is None or tensor is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
             return 0
         start = tensor.data_ptr()
         end = start + tensor.numel() * tensor.element_size()
@@ -89,7 +91,7 @@ class CheckpointPages:
             return 0
         page = os.sysconf("SC_PAGE_SIZE")
         first, last = -(-start // page) * page, end // page * page
-        if last <= first or self.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED):
+        if last <= first or self.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_PAGEOUT):
             return 0
         return last - first
 

@@ -62,7 +62,7 @@ def _declare_w8a8(lib: ctypes.CDLL, ptr: type) -> None:
         lib.batchgen_vnni_int8_gemm.restype = None
         lib.batchgen_vnni_int8_gemm.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ctypes.c_long, ptr, ptr, ptr,
                                                 ctypes.c_int]
-        lib.batchgen_vnni_int4_gemm.restype = None
+        lib.batchgen_vnni_int4_gemm.restype = ctypes.c_int
         lib.batchgen_vnni_int4_gemm.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ctypes.c_long, ptr, ptr,
                                                 ctypes.c_long, ptr, ptr, ctypes.c_int]
     if hasattr(lib, "batchgen_amx_int8_gemm"):  # the avx512_amx variant only

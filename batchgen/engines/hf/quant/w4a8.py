@@ -33,72 +33,77 @@ def runs_here(lib) -> bool:
     return int8_gemm.has_vnni(lib) and hasattr(lib, "batchgen_vnni_int4_gemm")
 
 
-def pack_w4(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, group: int):
-    """q [N, K] uint8 in [0, 15], scale and mins [N, K / group] bfloat16 -> the kernel's operands: the weights
-    [N/16, K/8, 16, 4] bytes (low nibble q[c, 8 t + b], high nibble q[c, 8 t + 4 + b]), scales and mins [N/16,
-    K/group, 16] float32, and comp [N] float32 = sum_g scale 128 sum(q of the group)."""
+def pack_w4(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, group: int) -> tuple[torch.Tensor, ...]:
+    """q [N, K] uint8 in [0, 15], scale and mins [N, K / group] bfloat16 -> the kernel's operands, each [N/16, ...]
+    (so that fused projections concatenate them along dim 0): the weights [N/16, K/8, 16, 4] bytes (low nibble
+    q[c, 8 t + b], high nibble q[c, 8 t + 4 + b]); scales and mins [N/16, K/group, 16] float32; q128 [N/16, K/group,
+    16] int32, 128 times each group's sum of q (the activations' zero point, taken off in int32)."""
     n, k = q.shape
     nibbles = q.view(n // 16, 16, k // 8, 2, 4).permute(0, 2, 1, 4, 3)  # [block, t, channel, byte, low/high]
     packed = (nibbles[..., 0] | (nibbles[..., 1] << 4)).contiguous()
 
     def by_block(values: torch.Tensor) -> torch.Tensor:
-        return values.float().view(n // 16, 16, -1).permute(0, 2, 1).contiguous()
+        return values.view(n // 16, 16, -1).permute(0, 2, 1).contiguous()
 
-    sums = q.view(n, k // group, group).sum(dim=-1, dtype=torch.int32).float()
-    comp = (scale.float() * sums * 128).sum(dim=1)
-    return packed, by_block(scale), by_block(mins), comp
+    q128 = q.view(n, k // group, group).sum(dim=-1, dtype=torch.int32) * 128
+    return packed, by_block(scale.float()), by_block(mins.float()), by_block(q128)
+
+
+OPERANDS = ("packed", "wscales", "wmins", "q128")  # pack_w4's, in order: the module's buffers
 
 
 class Int4DynamicLinear(Int8DynamicLinear):
-    """`nn.Linear` as W4A8: int4 weights (quantize_int4), activations quantized per token on each call (as W8A8's),
-    int8 products with int32 sums per group. The step (step.py) feeds it quantized rows as it feeds the W8A8
-    linears; matmul() and finish() are theirs. The plain int4 copy is packed on the first call and dropped."""
+    """`nn.Linear` as W4A8: int4 weights (quantize_int4, packed at once for the kernel: half a byte a weight from
+    the start), activations quantized per token on each call (as W8A8's), int8 products with int32 sums per group.
+    The step (step.py) feeds it quantized rows as it feeds the W8A8 linears; finish() and forward() are theirs."""
 
     def __init__(self, linear: nn.Linear, group: int = INT4_CPU_GROUP):
         nn.Module.__init__(self)
+        n, k = linear.out_features, linear.in_features
+        if group % 64 or k % group or n % 16:
+            raise ValueError(f"W4A8 layout: the group ({group}) a multiple of 64 dividing the input size ({k}), the "
+                             f"output size ({n}) a multiple of 16")
         q, scale, mins = quantize_int4(linear.weight, group)
-        self._hold4(q, scale, mins, None if linear.bias is None else linear.bias.detach().float().clone(), group)
+        self._hold4(pack_w4(q, scale, mins, group), None if linear.bias is None else linear.bias.detach().float(),
+                    group, n, k)
 
-    def _hold4(self, q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, bias: Optional[torch.Tensor],
-               group: int) -> None:
-        self._hold(q, scale.contiguous(), bias)  # qweight: the int4 values one to a byte until pack()
-        self.register_buffer("mins", mins.contiguous())
-        self.group = group
-        self.kernel = None
-        self.packed_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    def _hold4(self, operands: tuple[torch.Tensor, ...], bias: Optional[torch.Tensor], group: int, n: int,
+               k: int) -> None:
+        self.out_features, self.in_features, self.group = n, k, group
+        for name, tensor in zip(OPERANDS, operands):
+            self.register_buffer(name, tensor)
+        self.register_buffer("bias", None if bias is None else bias.clone())
+        self.lib = cpu_kernels.load()
+        self.kernel, self.comp = "w4a8", None
 
     @classmethod
     def concatenate(cls, parts: list[nn.Module]) -> Optional[Int4DynamicLinear]:
-        """One module whose output is the parts' outputs side by side: groups run along the input, so exactly the
-        int4 version of the concatenated weights. None once a part has been packed."""
-        if not all(type(p) is cls and p.packed is None and p.group == parts[0].group for p in parts):
+        """One module whose output is the parts' outputs side by side: groups run along the input and every operand
+        is laid out by 16-channel blocks, so exactly the int4 version of the concatenated weights."""
+        if not all(type(p) is cls and p.group == parts[0].group and p.in_features == parts[0].in_features
+                   for p in parts):
             return None
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
         bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]
                          ) if any(p.bias is not None for p in parts) else None
-        fused._hold4(torch.cat([p.qweight for p in parts]), torch.cat([p.scale for p in parts]),
-                     torch.cat([p.mins for p in parts]), bias, parts[0].group)
+        operands = tuple(torch.cat([getattr(p, name) for p in parts]) for name in OPERANDS)
+        fused._hold4(operands, bias, parts[0].group, sum(p.out_features for p in parts), parts[0].in_features)
         return fused
 
     def pack(self) -> torch.Tensor:
-        if self.packed is None:
-            self.packed, scales, mins, self.comp = pack_w4(self.qweight, self.scale, self.mins, self.group)
-            self.packed_scales = (scales, mins)
-            self.qweight = torch.empty(0, dtype=torch.uint8)
-            self.scale = self.mins = torch.empty(0, dtype=torch.bfloat16)
-        return self.packed
+        return self.packed  # packed at construction
 
     def matmul(self, rows: QuantizedRows) -> torch.Tensor:
         """The W4A8 product of quantized rows before their own scales and the bias: [M, N] float32."""
-        packed = self.pack()
-        scales, mins = self.packed_scales
         q = rows.q
-        m = q.shape[0]
-        y = torch.empty((m, self.out_features), dtype=torch.float32)
-        self.lib.batchgen_vnni_int4_gemm(q.data_ptr(), m, self.in_features, packed.data_ptr(), self.out_features,
-                                         scales.data_ptr(), mins.data_ptr(), self.group, self.comp.data_ptr(),
-                                         y.data_ptr(), torch.get_num_threads())
+        cpu_kernels._require(q.dtype == torch.uint8 and q.dim() == 2 and q.is_contiguous()
+                             and q.shape[1] == self.in_features, "Int4DynamicLinear.matmul: q [M, K] uint8 contiguous")
+        y = torch.empty((q.shape[0], self.out_features), dtype=torch.float32)
+        if self.lib.batchgen_vnni_int4_gemm(q.data_ptr(), q.shape[0], self.in_features, self.packed.data_ptr(),
+                                            self.out_features, self.wscales.data_ptr(), self.wmins.data_ptr(),
+                                            self.group, self.q128.data_ptr(), y.data_ptr(), torch.get_num_threads()):
+            raise MemoryError(f"W4A8 GEMM: the heap refused {q.shape[0]} x {self.in_features // self.group} floats")
         return y
 
     def extra_repr(self) -> str:

@@ -10,7 +10,7 @@
  * weight byte once. A tile of up to 6 rows by 4 blocks (64 channels) holds 24 sums in registers; its weights (64 x K
  * bytes, 56 KiB at K = 896) stay in the core's cache while the next 6 rows read them. Threads split the 64-channel
  * tiles. Measured against oneDNN on a Zen 5 EPYC, 2 threads, Qwen2.5-0.5B shapes (benchmarks/int8_gemm.py): 3.5x
- * at one row on q/k/v, 1.3x on the LM head, 1.06-1.41x at 64 rows, level at 1024.
+ * at one row on q/k/v, 1.3x on the LM head, 0.96-1.41x at 64 rows, 0.95-1.69x at 1024.
  *
  * The result is exact integer arithmetic then one float multiply: (float)(sum (a - 128) w) * scale[n], the zero
  * point's share 128 * sum(w) precomputed (comp); the bits of the AMX kernel and of oneDNN's matmul (tested). */

@@ -262,12 +262,22 @@ def check_engine(output_dir: Path, identity: dict[str, Any]) -> None:
         lines = "\n".join(f"  {c}" for c in changes)
         hint = f"Set them explicitly to the recorded values (e.g. engine.dtype={recorded.get('dtype')}) to resume"
         if recorded.get("quantization_scheme") != resolved.get("quantization_scheme"):
-            hint = ("engine.quantization=int8 computes in int8 (W8A8, quantization_scheme w8a8) where the CPU's int8 "
-                    "GEMM is exact, else int8 weight-only (as batchgen did before W8A8); the recorded rows came from "
-                    "the other arithmetic: resume on a machine that resolves as recorded (weight-only was since "
-                    "renamed engine.quantization=int8_wo, a new output_dir), or write to a new output_dir")
+            hint = _scheme_hint(recorded.get("quantization"))
         raise ResumeMismatchError(
             f"{output_dir} was written by an engine whose settings resolved differently:\n{lines}\n{hint}.")
+
+
+def _scheme_hint(quantization: Optional[str]) -> str:
+    """What to do when the recorded rows came from other quantized arithmetic than this machine resolves to."""
+    if quantization == "int4":
+        return ("engine.quantization=int4 computes in int8 (W4A8, quantization_scheme w4a8) where batchgen's AVX-512 "
+                "VNNI kernel runs, else int4 weight-only (as batchgen did before W4A8); the recorded rows came from "
+                "the other arithmetic: resume on a machine that resolves as recorded (on a VNNI CPU, "
+                "BATCHGEN_CPU_ISA=avx2 runs int4 weight-only), or write to a new output_dir")
+    return ("engine.quantization=int8 computes in int8 (W8A8, quantization_scheme w8a8) where the CPU's int8 GEMM is "
+            "exact, else int8 weight-only (as batchgen did before W8A8); the recorded rows came from the other "
+            "arithmetic: resume on a machine that resolves as recorded (weight-only was since renamed "
+            "engine.quantization=int8_wo, a new output_dir), or write to a new output_dir")
 
 
 def diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

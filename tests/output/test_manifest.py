@@ -253,6 +253,20 @@ def test_int8_written_weight_only_does_not_resume_as_w8a8(tmp_path):
         check_engine(tmp_path, recorded | {"quantization_scheme": "w8a8"})
 
 
+def test_int4_written_weight_only_does_not_resume_as_w4a8_and_says_how_to(tmp_path):
+    """An int4 output written weight-only (an earlier batchgen, or a CPU without avx512_vnni) is not continued by
+    W4A8 int4; the message names the way back on a VNNI CPU (the AVX2 kernels run int4 weight-only)."""
+    cfg = job(model=str(fake_model(tmp_path / "model")))
+    check_or_write(tmp_path, manifest_for(cfg))
+    recorded = {"engine": "hf", "dtype": "float32", "activations": "float32", "quantization": "int4"}
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest | {"engine_resolved": recorded}))
+    check_engine(tmp_path, recorded | {"device": "cpu"})
+    with pytest.raises(ResumeMismatchError, match=r"(?s)engine\.quantization_scheme: was None, now 'w4a8'.*"
+                                                  r"W4A8.*BATCHGEN_CPU_ISA=avx2"):
+        check_engine(tmp_path, recorded | {"quantization_scheme": "w4a8"})
+
+
 def test_diff_lists_nested_differences_with_dotted_paths():
     old = {"output_config": {"sampling": {"temperature": 0.0, "stop": ["a"]}, "run": {"too_long": "skip"}},
            "input": [{"path": "a", "size": 1}, {"path": "b", "size": 2}], "model": {"model": "m"},

@@ -74,7 +74,7 @@ class Int4DynamicLinear(Int8DynamicLinear):
             self.register_buffer(name, tensor)
         self.register_buffer("bias", None if bias is None else bias.clone())
         self.lib = cpu_kernels.load()
-        self.kernel, self.comp = "w4a8", None
+        self.kernel, self.comp = None, None  # Int8DynamicLinear's GEMM choice: unused, matmul() is this class's own
 
     @classmethod
     def concatenate(cls, parts: list[nn.Module]) -> Optional[Int4DynamicLinear]:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from batchgen.redact import redact_text
+
 
 class BatchgenError(Exception):
-    """Base class: every batchgen error the CLI knows how to report."""
+    """Base class: every batchgen error the CLI knows how to report. Its text, wherever it is shown or written (the
+    console, the log, _status.json), has every URL's user, password and query values masked (redact.py)."""
 
     exit_code = 1
+
+    def __str__(self) -> str:
+        return redact_text(super().__str__())
 
 
 class ConfigError(BatchgenError):
@@ -15,7 +21,7 @@ class ConfigError(BatchgenError):
     exit_code = 2
 
     def __init__(self, problems: list[str]):
-        self.problems = list(problems)
+        self.problems = [redact_text(str(p)) for p in problems]
         super().__init__("invalid config:\n" + "\n".join(f"  - {p}" for p in self.problems))
 
 

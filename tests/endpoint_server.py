@@ -1,10 +1,14 @@
 """A small OpenAI-compatible server for the endpoint tests: a real model (transformers' generate on a local model
 directory, one request at a time) behind /v1/models, /v1/completions and /v1/chat/completions, with faults injected
 on purpose: 429 with Retry-After, 503, slow answers, connections dropped mid-request, and 400 for prompts holding
-the word REJECT. Faults are drawn from a seeded generator per request, so a run's faults repeat.
+the word REJECT. Faults are drawn from a seeded generator per request, so a run's faults repeat. A server that
+lies: the answer to a prompt holding `MANGLE:KIND` is changed as mangle() says for KIND (a usage that is null, a
+string, too large or negative; two choices, the wrong one first; a choice of another index; a token id outside the
+vocabulary), and /v1/models answers as --models says (a model list, or a web page, a list, a list of strings, a
+max_model_len that is not a number).
 
     python -m tests.endpoint_server --model DIR [--faults 429=0.1,503=0.05,slow=0.05,drop=0.05]
-        [--fault-requests N] [--log FILE] [--name SERVED_NAME]
+        [--fault-requests N] [--log FILE] [--name SERVED_NAME] [--models KIND]
 
 prints `port N` once listening on 127.0.0.1. The log gets one JSON line per request: what was asked (the body's
 digest, its prompt or messages) and what was answered (status, or the fault)."""
@@ -15,6 +19,7 @@ import argparse
 import hashlib
 import json
 import random
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -111,16 +116,42 @@ class Faults:
         return None
 
 
+def mangle(answer: dict[str, Any], kind: str) -> dict[str, Any]:
+    """`answer` as a lying server would send it."""
+    usage, choice = answer["usage"], answer["choices"][0]
+    if kind.startswith("usage_"):
+        usage["prompt_tokens"] = {"usage_null": None, "usage_str": str(usage["prompt_tokens"]),
+                                  "usage_negative": -5}.get(kind, usage["prompt_tokens"])
+        usage["completion_tokens"] = {"usage_null": None, "usage_huge": 2 ** 40}.get(kind, usage["completion_tokens"])
+    elif kind == "two_choices":
+        answer["choices"] = [{**choice, "index": 1, "text": "WRONG", "token_ids": [3, 3, 3]}, choice]
+    elif kind == "bad_index":
+        choice["index"] = 9
+    elif kind == "bad_ids":
+        choice["token_ids"] = [1000000000]
+    return answer
+
+
+MODEL_ANSWERS = {"html": "<html><body>Sign in to the gateway</body></html>", "not_list": [1, 2],
+                 "str_items": {"data": ["tiny"]}}
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     backend: Backend
     faults: Faults
     log_path: str | None = None
     reject: str = "REJECT"  # a prompt holding this word is answered 400
+    models: str = "list"  # what /v1/models answers
     log_lock = threading.Lock()
 
     def log_message(self, *args: Any) -> None:
         pass
+
+    @property
+    def route(self) -> str:
+        """The request's path without its query (a gateway's key may ride in it)."""
+        return self.path.split("?", 1)[0].rstrip("/")
 
     def _send(self, status: int, data: dict[str, Any], headers: dict[str, str] | None = None) -> None:
         raw = json.dumps(data).encode()
@@ -142,16 +173,27 @@ class Handler(BaseHTTPRequestHandler):
                 f.write(line + "\n")
 
     def do_GET(self) -> None:
-        if self.path.rstrip("/") != "/v1/models":
+        if self.route != "/v1/models":
             return self._send(404, {"error": {"message": f"no route {self.path}"}})
         b = self.backend
+        if self.models in MODEL_ANSWERS:
+            return self._send_raw(MODEL_ANSWERS[self.models])
+        length = "lots" if self.models == "bad_len" else b.max_model_len
         return self._send(200, {"object": "list", "data": [{"id": b.name, "object": "model", "root": b.model_dir,
-                                                            "owned_by": "tests", "max_model_len": b.max_model_len}]})
+                                                            "owned_by": "tests", "max_model_len": length}]})
+
+    def _send_raw(self, data: Any) -> None:
+        raw = (data if isinstance(data, str) else json.dumps(data)).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html" if isinstance(data, str) else "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-        chat = self.path.rstrip("/") == "/v1/chat/completions"
-        if not chat and self.path.rstrip("/") != "/v1/completions":
+        chat = self.route == "/v1/chat/completions"
+        if not chat and self.route != "/v1/completions":
             return self._send(404, {"error": {"message": f"no route {self.path}"}})
         if body.get("model") != self.backend.name:
             return self._send(404, {"error": {"message": f"The model `{body.get('model')}` does not exist."}})
@@ -182,6 +224,10 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError as exc:
             self._log(body, "400")
             return self._send(400, {"error": {"message": str(exc)}})
+        lie = re.search(r"MANGLE:(\w+)", text)
+        if lie:
+            self._log(body, f"200 {lie.group(1)}")
+            return self._send(200, mangle(answer, lie.group(1)))
         self._log(body, "200")
         return self._send(200, answer)
 
@@ -195,12 +241,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fault-requests", type=int, default=None, help="only the first N requests may fault")
     parser.add_argument("--reject", default="REJECT", help="prompts holding this word get HTTP 400 ('': none)")
+    parser.add_argument("--models", default="list", help="/v1/models answers: list, html, not_list, str_items, "
+                        "bad_len")
     args = parser.parse_args()
     torch.set_num_threads(1)
     Handler.backend = Backend(args.model, args.name)
     Handler.faults = Faults(args.faults, args.seed, args.fault_requests)
     Handler.log_path = args.log
     Handler.reject = args.reject
+    Handler.models = args.models
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
     print(f"port {server.server_address[1]}", flush=True)

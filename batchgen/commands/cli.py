@@ -37,6 +37,7 @@ from batchgen.commands.compose import (  # noqa: E402
 from batchgen.errors import BatchgenError, ConfigError  # noqa: E402
 from batchgen.job import JobConfig  # noqa: E402
 from batchgen.output.remote import RemoteOutput, is_remote  # noqa: E402
+from batchgen.redact import redact_logs, redact_text  # noqa: E402
 from batchgen.run.stopping import StopRequested  # noqa: E402
 
 log = logging.getLogger("batchgen")
@@ -47,12 +48,13 @@ _command = "batchgen"  # the command as typed (main() records it): the line that
 
 
 def resume_line() -> str:
-    return f"rerun the same command to resume: {_command}"
+    return f"rerun the same command to resume: {redact_text(_command)}"
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
     global _entered_job
     _entered_job = True
+    _keep_secrets_out(cfg)
     try:
         job = to_job_config(cfg)
         from batchgen.run.runner import run_job
@@ -61,19 +63,37 @@ def _hydra_main(cfg: DictConfig) -> None:
         summary = run_job(job, resolved)  # type: ignore[arg-type]
     except BatchgenError as exc:
         _to_log_file(logging.ERROR, f"{exc}")  # the console gets it once, from the line below
-        print(f"batchgen: error: {exc}", file=sys.stderr)
+        print(f"batchgen: error: {redact_text(str(exc))}", file=sys.stderr)
         if exc.exit_code == 2:
             _forget_refused_run()
         else:  # a runtime failure: what is committed and journaled stays, and the same command resumes
             print(f"batchgen: committed parts and journaled results are kept; {resume_line()}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except StopRequested as exc:
-        print(f"batchgen: {exc}; committed parts and journaled results are kept, {resume_line()}", file=sys.stderr)
+        print(f"batchgen: {redact_text(str(exc))}; committed parts and journaled results are kept, {resume_line()}",
+              file=sys.stderr)
         _exit_now(exc.exit_code)
     except KeyboardInterrupt:
         print(f"batchgen: interrupted; committed parts are kept, {resume_line()}", file=sys.stderr)
         sys.exit(130)
     print(summary.render())
+
+
+def _keep_secrets_out(cfg: DictConfig) -> None:
+    """No URL's user, password or query value goes into the run's log or its saved config: every handler of the
+    root logger redacts, and the run folder's `.hydra/` (config.yaml, overrides.yaml, hydra.yaml, as Hydra saves
+    them where hydra.output_subdir is set) is written here, redacted (conf/config.yaml sets output_subdir null so
+    that Hydra writes no copy with them)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    redact_logs(logging.getLogger())
+    hydra_cfg = HydraConfig.get()
+    saved = Path(hydra_cfg.runtime.output_dir) / ".hydra"
+    saved.mkdir(parents=True, exist_ok=True)
+    files = {"config.yaml": cfg, "hydra.yaml": OmegaConf.create({"hydra": hydra_cfg}),
+             "overrides.yaml": OmegaConf.create(list(hydra_cfg.overrides.task))}
+    for name, node in files.items():
+        (saved / name).write_text(redact_text(OmegaConf.to_yaml(node)))
 
 
 def _to_log_file(level: int, message: str) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Optional
 from batchgen.fsutil import write_json_atomic
 from batchgen.output.committer import writing
 from batchgen.output.lock import is_held, lock_name
+from batchgen.redact import redact
 
 
 @dataclass
@@ -54,11 +55,12 @@ def history_name(shard: int, num_shards: int) -> str:
 
 
 def write_heartbeat(output_dir: Path, beat: Heartbeat) -> None:
-    """Atomically replace the shard's status file (a failed write raises OutputWriteError naming it)."""
+    """Atomically replace the shard's status file (a failed write raises OutputWriteError naming it), URLs in it
+    redacted."""
     path = output_dir / status_name(beat.shard, beat.num_shards)
     beat.updated_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     with writing(path):
-        write_json_atomic(path, dataclasses.asdict(beat))
+        write_json_atomic(path, redact(dataclasses.asdict(beat)))  # an error's text may quote a URL
 
 
 def read_heartbeat(path: Path) -> Optional[Heartbeat]:

@@ -18,6 +18,7 @@ from batchgen.engines.base import WEIGHT_FILES
 from batchgen.errors import ConfigError, ResumeMismatchError
 from batchgen.fsutil import content_digest, write_json_atomic
 from batchgen.job import JobConfig
+from batchgen.redact import redact
 from batchgen.version import __version__
 
 log = logging.getLogger(__name__)
@@ -149,7 +150,8 @@ ENDPOINT_KEYS = ("served_model",)  # recorded only where the engine reports them
 
 
 def config_hash(cfg: JobConfig) -> str:
-    return hashlib.sha256(json.dumps(output_config(cfg), sort_keys=True, default=str).encode()).hexdigest()[:16]
+    compared = redact(output_config(cfg))  # a rotated key in a URL is the same run
+    return hashlib.sha256(json.dumps(compared, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def model_identity(model: str) -> dict[str, Any]:
@@ -192,7 +194,7 @@ def build_manifest(cfg: JobConfig, resolved: dict[str, Any], fingerprint: list[d
     """`input_rows` (after dataset.limit) with `rows_per_part` fix how many parts the output has: what `batchgen
     finalize` checks every shard's parts against."""
     parts = None if input_rows is None else max(-(-input_rows // cfg.rows_per_part), 1)  # an empty input: 1 part
-    return {
+    return redact({  # a URL's user, password and query values (a gateway's key, a catalog's password) never kept
         "batchgen_version": __version__,
         "config_hash": config_hash(cfg),
         "output_config": json.loads(json.dumps(output_config(cfg), default=str)),
@@ -201,7 +203,7 @@ def build_manifest(cfg: JobConfig, resolved: dict[str, Any], fingerprint: list[d
         "config": resolved,
         "input_rows": input_rows,
         "parts": parts,
-    }
+    })
 
 
 def check_or_write(output_dir: Path, manifest: dict[str, Any]) -> None:
@@ -281,9 +283,11 @@ def _scheme_hint(quantization: Optional[str]) -> str:
 
 
 def diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What changed between two manifests, compared redacted (a manifest written before redaction may hold a
+    secret: it is neither compared nor shown)."""
     out = []
     for key in ("output_config", "input", "model"):
-        out += _diff(old.get(key), new.get(key), key)
+        out += _diff(redact(old.get(key)), redact(new.get(key)), key)
     return out
 
 

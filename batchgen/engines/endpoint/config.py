@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
+from urllib.parse import urlsplit
 
 from batchgen.engines.base import EngineConfig, model_dir_problems
+from batchgen.redact import redact_text
 
 ENDPOINTS = ("completions", "chat")
 EXTENSIONS = ("vllm", "none")
@@ -21,7 +23,8 @@ class OpenAIConfig(EngineConfig):
     MODEL_HAS_WEIGHTS: ClassVar[bool] = False
 
     name: str = "openai"
-    base_url: str = "???"  # the endpoint up to /v1, e.g. http://127.0.0.1:8000/v1
+    base_url: str = "???"  # the endpoint up to /v1, e.g. http://127.0.0.1:8000/v1 (a query is sent with every
+    # request, a user:password as Basic auth; neither is ever written)
     endpoint: str = "completions"  # completions: the prompt's token ids as batchgen rendered them; chat: messages
     api_key_env: Optional[str] = None  # the environment variable holding the API key (the key is never written)
     max_concurrency: int = 32  # requests in flight at most (fewer while the server pushes back)
@@ -38,7 +41,11 @@ class OpenAIConfig(EngineConfig):
                        "/v1/models lists it")
         if not str(self.base_url).startswith(("http://", "https://")):
             out.append(f"engine.base_url must be the endpoint's http(s) URL up to /v1, e.g. "
-                       f"http://127.0.0.1:8000/v1 (got {self.base_url!r})")
+                       f"http://127.0.0.1:8000/v1 (got {redact_text(str(self.base_url))!r})")
+        elif "@" in urlsplit(str(self.base_url)).netloc and self.api_key_env:
+            out.append(f"engine.base_url={redact_text(self.base_url)} holds a user and password (sent as Basic auth) "
+                       f"and engine.api_key_env={self.api_key_env} a Bearer key: an endpoint takes one "
+                       f"Authorization; drop one of them")
         tokenizer = self.tokenizer_dir()
         if tokenizer is None:
             out.append("engine.tokenizer is required with engine=openai: a local tokenizer directory of the served "

@@ -26,6 +26,7 @@ from batchgen.engines.endpoint.config import OpenAIConfig
 from batchgen.engines.endpoint.dispatch import Dispatcher, EndpointDown, Outcome
 from batchgen.errors import BatchgenError, ConfigError
 from batchgen.records import Request, Result
+from batchgen.redact import redact_text
 
 log = logging.getLogger(__name__)
 TRANSIENT = (408, 409, 425, 500, 502, 504)  # retried; 429 and 503 also halve the concurrency
@@ -84,7 +85,7 @@ class OpenAIEngine:
         except httpx.TimeoutException:
             return Outcome(transient=f"no answer within engine.timeout_s={self.cfg.timeout_s:g} s", overload=True)
         except httpx.TransportError as exc:  # refused, reset, dropped mid-answer
-            return Outcome(transient=f"{type(exc).__name__}: {exc}")
+            return Outcome(transient=redact_text(f"{type(exc).__name__}: {exc}"))
         status = response.status_code
         if status == 200:
             try:
@@ -111,7 +112,7 @@ def served_model(cfg: OpenAIConfig, client: Any, httpx: Any) -> dict[str, Any]:
             response = client.get("models")
             why = f"HTTP {response.status_code}"
         except httpx.TransportError as exc:
-            response, why = None, f"no answer ({type(exc).__name__}: {exc}); is the server up?"
+            response, why = None, redact_text(f"no answer ({type(exc).__name__}: {exc}); is the server up?")
         if response is not None and (response.status_code < 500 and response.status_code != 429):
             break
         if attempt == cfg.max_retries:
@@ -125,13 +126,47 @@ def served_model(cfg: OpenAIConfig, client: Any, httpx: Any) -> dict[str, Any]:
         return {"id": cfg.model}
     if response.status_code != 200:
         raise EndpointError(f"{url}/models: HTTP {response.status_code}: {_message(response)}")
-    models = response.json().get("data") or []
+    models = model_list(response, url)
     for m in models:
         if m.get("id") == cfg.model:
-            return {k: m[k] for k in ("id", "root", "max_model_len") if m.get(k) is not None}
+            return _identity(m, url, cfg.max_model_len)
     served = ", ".join(repr(m.get("id")) for m in models) or "none"
     raise ConfigError([f"engine.model={cfg.model!r}: {url} serves {served}; set "
                        f"engine.model to one of them"])
+
+
+def model_list(response: Any, url: str) -> list[dict[str, Any]]:
+    """/models' answer as OpenAI's model list ({"data": [{"id": ...}, ...]}); anything else (a web UI's page, a
+    gateway's error, another API) is an EndpointError naming engine.base_url and what came back."""
+    try:
+        data = response.json()
+    except ValueError:
+        data = None
+    models = data.get("data") if isinstance(data, dict) else None
+    if isinstance(models, list) and all(isinstance(m, dict) for m in models):
+        return models
+    what = response.headers.get("content-type") or "no content type"
+    excerpt = " ".join(response.text[:200].split())
+    raise EndpointError(f"engine.base_url={url}: {url}/models answered HTTP 200 with something that is not an "
+                        f"OpenAI model list ({what}: {excerpt!r}); set engine.base_url to the OpenAI-compatible "
+                        f"API's root, up to /v1")
+
+
+def _identity(model: dict[str, Any], url: str, configured: Optional[int]) -> dict[str, Any]:
+    """What /models says of the served model, checked: root a string, max_model_len a positive int (where it is not,
+    engine.max_model_len, when set, stands in for it, logged)."""
+    out = {k: model[k] for k in ("id", "root", "max_model_len") if model.get(k) is not None}
+    if not isinstance(out.get("root", ""), str):
+        out["root"] = str(out["root"])
+    length = out.get("max_model_len")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
+        said = f"/models says max_model_len={wire.short(length)} for {model['id']!r}"
+        if not configured:
+            raise EndpointError(f"engine.base_url={url}: {said}, not a positive number of tokens; set "
+                                f"engine.max_model_len to the served model's")
+        log.warning("%s: %s, not a number of tokens; engine.max_model_len=%d is used", url, said, configured)
+        del out["max_model_len"]
+    return out
 
 
 def served_max_len(cfg: OpenAIConfig) -> int:
@@ -145,25 +180,38 @@ def served_max_len(cfg: OpenAIConfig) -> int:
 
 
 def _client(cfg: OpenAIConfig) -> tuple[Any, Any]:
-    """An httpx client for the endpoint (the API key, if any, in its header), and the httpx module."""
+    """An httpx client for the endpoint, and the httpx module. The API key, if any, goes in the Authorization header
+    (a Bearer token); a user and password in engine.base_url become Basic auth (config.py refuses both at once); a
+    query in engine.base_url (a gateway's key) is sent with every request. httpx's own request lines stay out of
+    the job's log (one a request, each with the URL)."""
     import httpx
 
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    base, query, auth = split_url(cfg.base_url)
     key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    return httpx.Client(base_url=cfg.base_url.rstrip("/") + "/", headers=headers,
+    return httpx.Client(base_url=base.rstrip("/") + "/", headers=headers, params=query, auth=auth,
                         timeout=httpx.Timeout(cfg.timeout_s, connect=min(30.0, cfg.timeout_s)),
                         limits=httpx.Limits(max_connections=cfg.max_concurrency,
                                             max_keepalive_connections=cfg.max_concurrency)), httpx
 
 
+def split_url(url: str) -> tuple[str, list[tuple[str, str]], Optional[tuple[str, str]]]:
+    """engine.base_url as the URL requests are made under (no user, password or query), its query parameters, and
+    its user and password (None where it has none)."""
+    from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    auth = (unquote(parts.username or ""), unquote(parts.password or "")) if "@" in parts.netloc else None
+    base = urlunsplit((parts.scheme, parts.netloc.rsplit("@", 1)[-1], parts.path, "", ""))
+    return base, parse_qsl(parts.query, keep_blank_values=True), auth
+
+
 def shown_url(url: str) -> str:
     """engine.base_url as written to the manifest, part metadata and logs: no user:password and no query (where
     some gateways take a key)."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    return urlunsplit((parts.scheme, parts.hostname + (f":{parts.port}" if parts.port else "") if parts.hostname
-                       else parts.netloc, parts.path, "", ""))
+    return split_url(url)[0]
 
 
 def retry_after(value: Optional[str]) -> Optional[float]:

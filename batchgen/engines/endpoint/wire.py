@@ -10,6 +10,7 @@ before anything is sent (unsupported()). Knows JSON bodies, not HTTP.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 from batchgen.constraints import Constraint
@@ -77,39 +78,104 @@ def _constraint(c: Constraint, vllm: bool) -> dict[str, Any]:
                                 "json_schema": {"name": "output", "schema": c.schema, "strict": True}}}
 
 
-def result(req: Request, data: dict[str, Any], chat: bool, tokenizer: Any) -> Result:
+INT32_MAX = (1 << 31) - 1  # the output's count columns are int32
+
+
+class Unreadable(ValueError):
+    """An answer that does not say what the sample needs, or says it wrong (asked again, then the sample's error
+    row names why): a server's answer is data to validate, like an input row."""
+
+
+def result(req: Request, data: Any, chat: bool, tokenizer: Any) -> Result:
     """One response as the sample's Result. Where the server returned the generated token ids (vLLM's
     return_token_ids) the text is decoded from them in one piece and cut before the first stop string, exactly as
-    engine=vllm does in-process; else the server's text is taken as it is."""
-    choice = data["choices"][0]
+    engine=vllm does in-process; else the server's text is taken as it is. Raises Unreadable where the answer is
+    not one choice of index 0, a count is not a count or a token id is not the tokenizer's."""
+    choice = _only_choice(data)
     reason = choice.get("finish_reason")
     usage = data.get("usage") or {}
-    ids = choice.get("token_ids")
+    if not isinstance(usage, dict):
+        raise Unreadable(f"usage is {type(usage).__name__}, not an object")
+    ids = _token_ids(choice.get("token_ids"), len(tokenizer))
     reasoning, answer = None, []
     if ids is not None:
-        answer, reasoning = split_answer(tokenizer, list(ids), req.params)
+        answer, reasoning = split_answer(tokenizer, ids, req.params)
         text = tokenizer.decode(answer, skip_special_tokens=True)
         cut = find_stop(text, req.params.stop) if req.params.stop else -1
         text = text if cut < 0 else text[:cut]
     else:
         text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
-    prompt_tokens = usage.get("prompt_tokens", len(req.prompt_ids))
-    generated = usage.get("completion_tokens", len(ids) if ids is not None else 0)
+    prompt_tokens = count(usage, "prompt_tokens", len(req.prompt_ids))  # null or absent: batchgen's own count
+    generated = count(usage, "completion_tokens", len(ids) if ids is not None else 0)
     if reason not in ("stop", "length") or not isinstance(text, str):
         return Result(key=req.key, text="", finish_reason="error", num_prompt_tokens=prompt_tokens,
                       num_generated_tokens=generated,
                       error=f"endpoint_finish: the endpoint ended the sample with finish_reason={reason!r}")
-    details = usage.get("completion_tokens_details") or {}
-    thought = details.get("reasoning_tokens")
+    details = _object(usage, "completion_tokens_details")
+    thought = count(details, "reasoning_tokens", None)
     if thought is None and ids is not None:
-        thought = reasoning_tokens(list(ids), answer, req.params)
+        thought = reasoning_tokens(ids, answer, req.params)
     out = Result(key=req.key, text=text, finish_reason=reason, num_prompt_tokens=prompt_tokens,
                  num_generated_tokens=generated, reasoning=reasoning, reasoning_tokens=thought,
-                 cached_prompt_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
+                 cached_prompt_tokens=count(_object(usage, "prompt_tokens_details"), "cached_tokens", None))
     if req.params.logprobs is not None:
         out.token_logprobs, out.top_logprobs = _logprobs(choice.get("logprobs") or {}, chat, req.params.logprobs,
                                                          tokenizer)
     return out
+
+
+def _only_choice(data: Any) -> dict[str, Any]:
+    """The answer's one choice (batchgen asks n=1): exactly one, of index 0 (or none said)."""
+    if not isinstance(data, dict):
+        raise Unreadable(f"the body is {type(data).__name__}, not an object")
+    choices = data.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1:
+        said = f"{len(choices)} choices" if isinstance(choices, list) else f"choices={short(choices)}"
+        raise Unreadable(f"{said} for a request of n=1")
+    choice = choices[0]
+    if not isinstance(choice, dict):
+        raise Unreadable(f"the choice is {short(choice)}, not an object")
+    if choice.get("index", 0) != 0 or isinstance(choice.get("index"), bool):
+        raise Unreadable(f"a choice of index {short(choice.get('index'))} for a request of n=1 (index 0)")
+    return choice
+
+
+def _token_ids(ids: Any, vocab: int) -> Optional[list[int]]:
+    """The choice's generated token ids, each one of the tokenizer's `vocab` ids; None where it sent none."""
+    if ids is None:
+        return None
+    if not isinstance(ids, list):
+        raise Unreadable(f"token_ids={short(ids)} is not a list")
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+            raise Unreadable(f"token id {short(token)} is not one of the tokenizer's {vocab} ids (engine.tokenizer "
+                             f"must be the served model's)")
+    return ids
+
+
+def count(usage: dict[str, Any], key: str, default: Optional[int]) -> Optional[int]:
+    """usage[key] as a token count: `default` where it is absent or null (several gateways send null usage), else
+    a non-negative int that fits the output's int32 column."""
+    value = usage.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= INT32_MAX:
+        raise Unreadable(f"usage {key}={short(value)} is not a token count (an integer from 0 to {INT32_MAX})")
+    return value
+
+
+def _object(usage: dict[str, Any], key: str) -> dict[str, Any]:
+    value = usage.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise Unreadable(f"usage {key}={short(value)} is not an object")
+    return value
+
+
+def short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _logprobs(lp: dict[str, Any], chat: bool, k: int, tokenizer: Any) -> tuple[list[float], list[list[list]]]:
@@ -123,15 +189,26 @@ def _logprobs(lp: dict[str, Any], chat: bool, k: int, tokenizer: Any) -> tuple[l
         positions = list(zip(lp.get("token_logprobs") or [], lp.get("top_logprobs") or []))
     picked, top = [], []
     for chosen, alternatives in positions:
-        picked.append(float(chosen))
-        ranked = sorted((alternatives or {}).items(), key=lambda item: -item[1])[:k]
-        top.append([[*_token(name, tokenizer), float(value)] for name, value in ranked])
+        picked.append(_logprob(chosen))
+        ranked = sorted((alternatives or {}).items(), key=lambda item: -_logprob(item[1]))[:k]
+        top.append([[*_token(name, tokenizer), _logprob(value)] for name, value in ranked])
     return picked, top
 
 
-def _token(name: str, tokenizer: Any) -> tuple[int, str]:
+def _logprob(value: Any) -> float:
+    """A log-probability as the server said it: a number, at most 0 (a rounding's hair above passes), or -inf."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value > 1e-3:
+        raise Unreadable(f"logprob {short(value)} is not a log-probability")
+    return float(value)
+
+
+def _token(name: Any, tokenizer: Any) -> tuple[int, str]:
+    if not isinstance(name, str):
+        raise Unreadable(f"a top_logprobs token {short(name)} is not a string")
     if name.startswith("token_id:") and name[9:].isdigit():
         token_id = int(name[9:])
+        if token_id >= len(tokenizer):
+            raise Unreadable(f"token id {token_id} in logprobs is not one of the tokenizer's {len(tokenizer)} ids")
         return token_id, tokenizer.decode([token_id])
     return -1, name
 

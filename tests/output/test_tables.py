@@ -94,7 +94,7 @@ def test_each_part_is_one_transaction_and_the_table_equals_the_parts(tiny_model,
         from deltalake import DeltaTable
 
         dt = DeltaTable(str(tmp_path / "delta-table"))
-        assert dt.version() == 3  # 4 parts, 4 commits (versions 0..3)
+        assert dt.version() == 4  # the empty table created (version 0), then 4 parts, 4 commits (versions 1..4)
         job_id = __import__("json").loads((tmp_path / "out" / "_manifest.json").read_text())["job_id"]
         assert all(dt.transaction_version(f"batchgen-{job_id}-part-{k:05d}") == 1 for k in range(4))
     else:

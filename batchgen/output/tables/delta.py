@@ -2,8 +2,9 @@
 storage (output.storage_options: delta-rs's, e.g. the S3 endpoint). A part's commit carries an application
 transaction (app id `batchgen-<job_id>-part-KKKKK`, version 1), which Delta keeps in the table's state, checkpoints
 included: `transaction_version(app id)` answers whether the part is in the table. Its counts go in the commit's
-custom metadata. Appends retry version conflicts inside delta-rs; a merge (output.mode=upsert) that conflicts with
-another writer's commit is retried here (TableSink.commit)."""
+custom metadata. The table is created empty first (TableSink._created: one creator wins, the other writes to its
+table), then every part is appended or merged into it. Appends retry version conflicts inside delta-rs; a merge
+(output.mode=upsert) that conflicts with another writer's commit is retried here (TableSink.commit)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,15 @@ class DeltaSink(TableSink):
         except TableNotFoundError:
             return None
 
+    def _create(self, schema: pa.Schema) -> Any:
+        """Version 0 with no retry: delta-rs retries a commit that lost its version, and a creation retried lands as
+        version 1 over the winner's (both creators "succeed"); refused here, the loser's error sends it to the
+        table."""
+        from deltalake import CommitProperties, DeltaTable
+
+        return DeltaTable.create(self.uri, schema, mode="error", storage_options=self.options,
+                                 commit_properties=CommitProperties(max_commit_retries=0))
+
     def _batches(self, table: Any, columns: Optional[list[str]]) -> Any:
         return table.to_pyarrow_dataset().to_batches(columns=columns)
 
@@ -49,10 +59,9 @@ class DeltaSink(TableSink):
         from deltalake import CommitProperties, Transaction, write_deltalake
 
         commit = CommitProperties(custom_metadata=meta, app_transactions=[Transaction(meta[TXN_KEY], 1)])
-        if table is None or not self.upsert:
-            write_deltalake(table if table is not None else self.uri, rows, mode="append",
-                            schema_mode="merge" if added else None, storage_options=self.options,
-                            commit_properties=commit)
+        if not self.upsert:
+            write_deltalake(table, rows, mode="append", schema_mode="merge" if added else None,
+                            storage_options=self.options, commit_properties=commit)
             return
         (table.merge(rows, predicate=MERGE_ON, source_alias="s", target_alias="t", merge_schema=bool(added),
                      commit_properties=commit)

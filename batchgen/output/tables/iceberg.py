@@ -10,6 +10,8 @@ pyiceberg 0.12 writes a null list of structs as an empty list (apache/iceberg-py
 
 from __future__ import annotations
 
+import logging
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -17,6 +19,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from batchgen.output.tables.sink import KEYS, STATS_KEY, TXN_KEY, TableSink, aligned
+
+log = logging.getLogger(__name__)
 
 
 class IcebergSink(TableSink):
@@ -30,15 +34,26 @@ class IcebergSink(TableSink):
     @property
     def catalog(self) -> Any:
         if self._catalog is None:
-            from pyiceberg.catalog import load_catalog
-
             props = {k: str(v) for k, v in self.output.catalog.items()}
             if props.get("uri", "").startswith("sqlite:///"):  # a local SQLite catalog: its directory made here
                 Path(props["uri"][len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
             if props.get("warehouse") and "://" not in props["warehouse"]:  # a local directory, as pyiceberg's URI
                 props["warehouse"] = Path(props["warehouse"]).resolve().as_uri()
-            self._catalog = load_catalog(props.pop("name", "default"), **props)
+            self._catalog = self._load_catalog(props.pop("name", "default"), props)
         return self._catalog
+
+    @staticmethod
+    def _load_catalog(name: str, props: dict[str, str]) -> Any:
+        """The catalog, loaded once more where the first load failed: the SQL catalog's first use creates its own
+        tables, checking first, and two writers' first uses at once can both pass the check; the second's CREATE
+        TABLE fails, and the tables exist then. A second failure is raised."""
+        from pyiceberg.catalog import load_catalog
+
+        try:
+            return load_catalog(name, **props)
+        except Exception as exc:  # noqa: BLE001 - the catalog's own error class for the lost race (sqlalchemy's)
+            log.info("loading the Iceberg catalog failed (%s); loading it again", exc)
+            return load_catalog(name, **props)
 
     def _load(self) -> Any:
         from pyiceberg.exceptions import NoSuchTableError
@@ -63,21 +78,34 @@ class IcebergSink(TableSink):
     def _stats_of(self, table: Any, txn: str) -> Optional[str]:
         return next((s.get(STATS_KEY) for s in self._summaries(table) if s.get(TXN_KEY) == txn), None)
 
+    def _create(self, schema: pa.Schema) -> Any:
+        """create_table, not create_table_if_not_exists: the catalog refuses a second creation (the SQL catalog on
+        its unique key), and the loser writes to the winner's table (TableSink._created)."""
+        self._create_namespace()
+        return self.catalog.create_table(self.identifier, schema=schema)
+
     def _write(self, table: Any, rows: pa.Table, meta: dict[str, str], added: list[str]) -> None:
-        if table is None:
-            self._create_namespace()
-            table = self.catalog.create_table_if_not_exists(self.identifier, schema=rows.schema)
-        replaced, kept = self._matches(table, rows) if self.upsert else ([], None)
+        kept = self._kept(table, rows) if self.upsert else None
         with table.transaction() as tx:
             if added:
                 with tx.update_schema() as update:
                     update.union_by_name(rows.schema)
-            if replaced:
-                from pyiceberg.expressions import In
-
-                tx.delete(In(KEYS[0], replaced), snapshot_properties=meta)
+            if self.upsert:
+                self._delete_ids(tx, rows, meta)
             tx.append(rows if kept is None else pa.concat_tables([kept.select(rows.column_names), rows]),
                       snapshot_properties=meta)
+
+    @staticmethod
+    def _delete_ids(tx: Any, rows: pa.Table, meta: dict[str, str]) -> None:
+        """The upsert's delete by the part's ids, issued even where the table holds none of them: pyiceberg retries a
+        commit that lost the catalog's race on the table as it then is, and a plain append would be retried as it is
+        (the other writer's rows of these ids kept beside ours); a delete's filter is checked against the files the
+        other writer added (ValidationException, retried here: TableSink.commit)."""
+        from pyiceberg.expressions import In
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Delete operation did not match any records")
+            tx.delete(In(KEYS[0], pc.unique(rows.column(KEYS[0])).to_pylist()), snapshot_properties=meta)
 
     def _create_namespace(self) -> None:
         """The table's namespace, unless it exists. The SQL catalog checks, then inserts: two shards' first commits
@@ -90,23 +118,21 @@ class IcebergSink(TableSink):
             if not self.catalog.namespace_exists(namespace):
                 raise
 
-    def _matches(self, table: Any, rows: pa.Table) -> tuple[list[str], Optional[pa.Table]]:
-        """output.mode=upsert as a delete by id and an append, in one transaction: the ids of the part that the table
-        holds a row of, and the table's rows of those ids that the part does not replace (another sample of the id),
-        appended again. pyiceberg's own upsert matches (id, sample_index) pairs with one predicate per row, which
-        costs about 0.25 s a part of 256 rows; a single `In` on the id column costs a fraction of that."""
+    def _kept(self, table: Any, rows: pa.Table) -> Optional[pa.Table]:
+        """output.mode=upsert as a delete by id and an append, in one transaction: the table's rows of the part's ids
+        that the part does not replace (another sample of the id), appended again; None where it holds none.
+        pyiceberg's own upsert matches (id, sample_index) pairs with one predicate per row, which costs about 0.25 s a
+        part of 256 rows; a single `In` on the id column costs a fraction of that."""
         from pyiceberg.expressions import In
 
         ids = pc.unique(rows.column(KEYS[0])).to_pylist()
-        held = table.scan(row_filter=In(KEYS[0], ids), selected_fields=KEYS).to_arrow()
+        held = table.scan(row_filter=In(KEYS[0], ids)).to_arrow()
         if held.num_rows == 0:
-            return [], None
-        replaced = pc.unique(held.column(KEYS[0])).to_pylist()
-        others = aligned(table.scan(row_filter=In(KEYS[0], replaced)).to_arrow(), rows.schema)  # large types to plain
-        kept = others.join(rows.select(list(KEYS)), keys=list(KEYS), join_type="left anti")
-        return replaced, kept
+            return None
+        others = aligned(held, rows.schema)  # large types to plain
+        return others.join(rows.select(list(KEYS)), keys=list(KEYS), join_type="left anti")
 
     def _conflict(self, exc: Exception) -> bool:
-        from pyiceberg.exceptions import CommitFailedException
+        from pyiceberg.exceptions import CommitFailedException, ValidationException
 
-        return isinstance(exc, CommitFailedException)
+        return isinstance(exc, (CommitFailedException, ValidationException))

@@ -22,7 +22,7 @@ COMMIT_TRIES = 8
 
 
 class TableSink:
-    """One table, written by one output (its job id). Subclasses know their format: `_load`, `_schema`,
+    """One table, written by one output (its job id). Subclasses know their format: `_load`, `_create`, `_schema`,
     `_holds`, `_stats_of`, `_write`, `_conflict`."""
 
     format = ""
@@ -74,11 +74,13 @@ class TableSink:
         meta = {TXN_KEY: self.txn(index), STATS_KEY: stats}
         for tries in range(1, COMMIT_TRIES + 1):
             table = self._load()
-            if table is not None and self._holds(table, [meta[TXN_KEY]]):
+            if table is None:
+                table = self._created(rows.schema)
+            if self._holds(table, [meta[TXN_KEY]]):
                 log.info("part %d is in the %s already (%s)", index, self.describe(), meta[TXN_KEY])
                 break
-            have = self._schema(table) if table is not None else None
-            added = check_schema(have, rows.schema, self.evolve, self.describe()) if have is not None else []
+            have = self._schema(table)
+            added = check_schema(have, rows.schema, self.evolve, self.describe())
             try:
                 self._write(table, aligned(rows, have), meta, added)
                 self.commits += 1
@@ -90,6 +92,19 @@ class TableSink:
                 time.sleep(min(0.05 * 2 ** tries, 2.0))
         self.known.add(index)
         self.commit_s += time.perf_counter() - started
+
+    def _created(self, schema: pa.Schema) -> Any:
+        """The table, created empty with these columns as a create-only step: where another writer's creation landed
+        first, this one fails and the table it made is loaded instead (its columns are then checked as any table's).
+        Every part, the first included, is then written by the same path (`_write`)."""
+        try:
+            return self._create(schema)
+        except Exception as exc:  # noqa: BLE001 - each format's "exists already" is its own class; the table decides
+            table = self._load()
+            if table is None:
+                raise
+            log.info("the %s was created by another writer first (%s); writing to it", self.describe(), exc)
+            return table
 
     def batches(self, columns: Optional[list[str]] = None) -> Iterable[pa.RecordBatch]:
         """The table's rows as they are now (`batchgen view --table`), batch by batch."""
@@ -105,6 +120,10 @@ class TableSink:
         raise NotImplementedError
 
     def _load(self) -> Any:
+        raise NotImplementedError
+
+    def _create(self, schema: pa.Schema) -> Any:
+        """The table created empty with these columns, raising where it exists (never writing over another's)."""
         raise NotImplementedError
 
     def _holds(self, table: Any, names: list[str]) -> set[str]:

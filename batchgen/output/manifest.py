@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from batchgen.engines.base import WEIGHT_FILES
 from batchgen.errors import ConfigError, ResumeMismatchError
-from batchgen.fsutil import content_digest, write_json_atomic
+from batchgen.fsutil import content_digest, file_sha256, write_json_atomic
 from batchgen.job import JobConfig
 from batchgen.redact import redact
 from batchgen.version import __version__
@@ -156,9 +156,10 @@ def config_hash(cfg: JobConfig) -> str:
 
 def model_identity(model: str) -> dict[str, Any]:
     """A local model by content: its directory (symlinks and relative paths resolved), config.json's digest, and
-    per weight file its size, its safetensors header's digest and a content digest (fsutil.content_digest, a few
-    MiB read per file). Retrained weights copied over the same files are a different model; the same bytes under
-    another path spelling are the same. A hub id stands for itself."""
+    per weight file its size, its safetensors header's digest, a sampled content digest (fsutil.content_digest) and
+    the whole file's sha256 (fsutil.file_sha256, read once per version of the file). Retrained weights copied over
+    the same files are a different model, a few tensors rewritten in place included; the same bytes under another
+    path spelling are the same. A hub id stands for itself."""
     path = Path(model)
     if not path.is_dir():
         return {"model": model}
@@ -170,7 +171,7 @@ def model_identity(model: str) -> dict[str, Any]:
             header = _safetensors_header(f) if file.suffix == ".safetensors" else None
             f.seek(0)
             weights.append({"file": file.name, "size": size, "header_sha256": header,
-                            "digest": content_digest(f, size)})
+                            "digest": content_digest(f, size), "sha256": file_sha256(file)})
     return {
         "model": os.path.realpath(model),
         "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest()[:16] if config.exists() else None,
@@ -284,16 +285,22 @@ def _scheme_hint(quantization: Optional[str]) -> str:
 
 def diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """What changed between two manifests, compared redacted (a manifest written before redaction may hold a
-    secret: it is neither compared nor shown)."""
+    secret: it is neither compared nor shown). A digest a weight file's entry gained since the old manifest was
+    written (`sha256`) is compared where both hold it: an output made before it resumes on the digests it
+    recorded."""
     out = []
     for key in ("output_config", "input", "model"):
         out += _diff(redact(old.get(key)), redact(new.get(key)), key)
     return out
 
 
+ADDED_DIGESTS = ("sha256",)
+
+
 def _diff(a: Any, b: Any, where: str) -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
-        return [line for k in sorted(set(a) | set(b), key=str) for line in _diff(a.get(k), b.get(k), f"{where}.{k}")]
+        keys = sorted((set(a) | set(b)) - {k for k in ADDED_DIGESTS if k not in a}, key=str)
+        return [line for k in keys for line in _diff(a.get(k), b.get(k), f"{where}.{k}")]
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
         return [line for i, (x, y) in enumerate(zip(a, b)) for line in _diff(x, y, f"{where}[{i}]")]
     return [] if a == b else [f"{where}: was {a!r}, now {b!r}"]

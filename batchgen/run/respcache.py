@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import uuid
 from collections.abc import Callable
@@ -69,7 +70,7 @@ class ResponseStore:
             body = entry["result"]
             if entry["key"] != key or entry["digest"] != _digest(body):
                 raise ValueError("its key or digest does not match its body")
-            return {k: body[k] for k in STORED}
+            return checked({k: body[k] for k in STORED})
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError) as exc:  # torn, edited, foreign: a miss
@@ -93,6 +94,48 @@ class ResponseStore:
                 self.fs.pipe_file(path, data)
         except OSError as exc:  # a full disk or a lost bucket costs the cache, never the job
             log.warning("run.cache_dir: could not write %s (%s); the answer is not cached", path, exc)
+
+
+INT32_MAX = 2**31 - 1
+
+
+def _count(v: Any) -> bool:
+    return type(v) is int and 0 <= v <= INT32_MAX
+
+
+def _number(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v) or v == -math.inf  # a logprob may be -inf, never NaN
+
+
+def _numbers(v: Any) -> bool:
+    return isinstance(v, list) and all(_number(x) for x in v)
+
+
+def _top(v: Any) -> bool:  # per token: [[token_id, token, logprob], ...]
+    return isinstance(v, list) and all(isinstance(t, list) and all(
+        isinstance(c, list) and len(c) == 3 and _count(c[0]) and isinstance(c[1], str) and _number(c[2])
+        for c in t) for t in v)
+
+
+FIELDS: dict[str, Callable[[Any], bool]] = {
+    "text": lambda v: isinstance(v, str), "finish_reason": lambda v: v in ("stop", "length", "scored"),
+    "num_prompt_tokens": _count, "num_generated_tokens": _count,
+    "choice_scores": _numbers, "token_logprobs": _numbers, "top_logprobs": _top,
+    "reasoning": lambda v: isinstance(v, str), "cached_prompt_tokens": _count, "reasoning_tokens": _count,
+    "loglik": lambda v: _numbers(v) and len(v) == 2, "embedding": _numbers,
+}
+OPTIONAL = frozenset(STORED) - {"text", "finish_reason", "num_prompt_tokens", "num_generated_tokens"}
+
+
+def checked(body: dict[str, Any]) -> dict[str, Any]:
+    """A stored answer's fields, each of its type and range (a count a non-negative int32, a score a finite number,
+    a finish reason stop, length or scored), or ValueError naming the first that is not: a foreign writer of a shared
+    run.cache_dir (its digest is a checksum, not a signature) costs a miss, never the job."""
+    for name, ok in FIELDS.items():
+        value = body[name]
+        if not (value is None and name in OPTIONAL) and not ok(value):
+            raise ValueError(f"its {name} is {str(value)[:80]!r}, not what an answer holds")
+    return body
 
 
 def _digest(body: dict[str, Any]) -> str:

@@ -48,6 +48,7 @@ import torch
 
 from batchgen.engines.hf.cpu.runtime import cpu_flags, cpu_model
 from batchgen.engines.hf.cpu.signatures import declare  # noqa: F401 (the tests declare older builds through here)
+from batchgen.fsutil import cache_home
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
@@ -77,7 +78,7 @@ ISA_ENV = "BATCHGEN_CPU_ISA"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("BATCHGEN_CACHE_DIR") or Path.home() / ".cache" / "batchgen")
+    return cache_home()
 
 
 def supported_isas() -> list[str]:

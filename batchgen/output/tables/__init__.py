@@ -42,10 +42,21 @@ def open_sink(output: Any, job_id: str) -> Optional[TableSink]:
 
 
 def recorded_sink(manifest: dict[str, Any]) -> Optional[TableSink]:
-    """The table output an output's manifest records (its resolved config's output.*), or None."""
+    """The table output an output's manifest records (its resolved config's output.*), or None. A manifest is data
+    (`view --table`, `status` and `report` read output dirs that others wrote): a catalog property that names code
+    for pyiceberg to import (`py-catalog-impl`, `py-io-impl`, any `*-impl`) is refused with ValueError, never
+    loaded; a job's own config may name one."""
     from batchgen.job import OutputConfig
 
     recorded = (manifest.get("config") or {}).get("output") or {}
+    catalog = recorded.get("catalog") or {}
+    if not isinstance(catalog, dict):
+        raise ValueError(f"the manifest's output.catalog is {str(catalog)[:80]!r}, not a catalog's properties")
+    named = sorted(k for k in catalog if str(k).endswith("impl"))
+    if named:
+        raise ValueError(f"the manifest's output.catalog.{named[0]} names code to import "
+                         f"({str(catalog[named[0]])[:80]!r}); batchgen never imports what an output's manifest "
+                         "names: read the table with your own catalog config (pyiceberg's load_catalog)")
     keys = {f.name for f in dataclasses.fields(OutputConfig)} - {"prices"}
     output = OutputConfig(**{k: v for k, v in recorded.items() if k in keys})
     return open_sink(output, manifest.get("job_id", "")) if output.sink != "parquet" else None
@@ -54,7 +65,10 @@ def recorded_sink(manifest: dict[str, Any]) -> Optional[TableSink]:
 def table_line(manifest: dict[str, Any]) -> Optional[str]:
     """`batchgen status`'s and `report`'s line on a table output: how many of the output's parts the table holds,
     read from the table (a table that cannot be read is said, not raised: both commands only read)."""
-    sink = recorded_sink(manifest)
+    try:
+        sink = recorded_sink(manifest)
+    except ValueError as exc:
+        return f"cannot open it ({exc})"
     if sink is None:
         return None
     parts = manifest.get("parts") or 0

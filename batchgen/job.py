@@ -238,14 +238,37 @@ def _question_problems(questions: list[Question]) -> list[str]:
         seen.add(q.name)
         if q.kind not in KINDS:
             out.append(f"{where}.kind must be one of {', '.join(KINDS)} (got {q.kind!r})")
-        if q.kind == "choice" and (len(q.options) < 2 or len(set(q.options)) != len(q.options)):
-            out.append(f"{where}.options: a choice needs at least two distinct options")
-        if q.kind == "predicate" and q.options and len(q.options) != 2:
-            out.append(f"{where}.options: a predicate's options are its yes and no answers, two (or none: yes, no)")
+        if q.kind in ("choice", "predicate"):
+            out += option_problems(where, q)
         if q.kind == "score" and not 2 <= q.levels <= 100:
             out.append(f"{where}.levels must be in 2..100 (got {q.levels})")
         if q.abstain_below is not None and not 0 < q.abstain_below <= 1:
             out.append(f"{where}.abstain_below must be in (0, 1] (got {q.abstain_below})")
+    return out
+
+
+def option_problems(where: str, q: Question) -> list[str]:
+    """A predicate's and a choice's options, checked alike: the answers are scored against each other, so two the
+    same split every row's probability between them (0.5/0.5 for a predicate), and an empty or blank one is scored
+    as EOS alone, which wins every row; either way the column says nothing, so the job is refused at start."""
+    opts = q.options
+    if q.kind == "choice" and len(opts) < 2:
+        return [f"{where}.options: a choice needs at least two distinct options (question {q.name!r})"]
+    if q.kind == "predicate" and opts and len(opts) != 2:
+        return [f"{where}.options: a predicate's options are its yes and no answers, two (or none: yes, no; "
+                f"question {q.name!r})"]
+    out, first = [], {}
+    for j, option in enumerate(opts):
+        text = option if isinstance(option, str) else None
+        if text is None or not text.strip():
+            out.append(f"{where}.options[{j}] of question {q.name!r} is {option!r}: an answer must be non-blank "
+                       f"text (a blank one is scored as EOS alone and wins every row); write the answer's words")
+        elif text.strip() in first:
+            out.append(f"{where}.options[{j}] of question {q.name!r} is {option!r}, the same answer as "
+                       f"options[{first[text.strip()]}]: a choice needs at least two distinct options (two the "
+                       f"same split every row between them); remove or rename one")
+        else:
+            first[text.strip()] = j
     return out
 
 

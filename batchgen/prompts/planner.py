@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, Optional
 import pyarrow as pa
 
 from batchgen.engines import ENGINES
-from batchgen.errors import TooLongError
+from batchgen.errors import ConfigError, TooLongError
 from batchgen.job import JobConfig
 from batchgen.prompts.render import Renderer, config_text
 from batchgen.prompts.rowparams import RowParams, RowSettings
@@ -264,6 +264,25 @@ class Planner:
             out.append((prompt, [self.tokenizer(" " + o, add_special_tokens=False)["input_ids"] + eos for o in opts]))
             answers.append(tuple(opts))
         return out, tuple(answers)
+
+    def check_answers(self, max_model_len: int) -> None:
+        """task=decide, once the engine says its max_model_len: an answer whose tokens (" answer" then EOS) with its
+        question's prompt leave no room for even a one-token row prompt would make every row a too_long error, so
+        the job stops here, one ConfigError naming the option (or the question's prompt where it has no options)."""
+        problems = []
+        for i, (q, (q_ids, opts)) in enumerate(zip(self.cfg.decide.questions, self.questions()[0])):
+            for j, ids in enumerate(opts):
+                if len(q_ids) + len(ids) < max_model_len:
+                    continue
+                named = bool(q.options) and q.kind != "score"  # else yes/no or a score's levels: its prompt is long
+                key, text = ((f"decide.questions[{i}].options[{j}]", q.options[j]) if named else
+                             (f"decide.questions[{i}].prompt", q.prompt))
+                problems.append(f"{key} (question {q.name!r}, {text[:40]!r}{'...' if len(text) > 40 else ''}): "
+                                f"{len(ids)} answer tokens + {len(q_ids)} of the question's prompt leave no room "
+                                f"for a row's prompt under engine.max_model_len={max_model_len}; shorten it, or "
+                                f"raise engine.max_model_len")
+        if problems:
+            raise ConfigError(problems)
 
     def _tokenize(self, texts: list[Optional[str]], add_special_tokens: bool) -> list[list[int]]:
         todo = [i for i, t in enumerate(texts) if t is not None]

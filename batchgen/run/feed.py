@@ -95,6 +95,8 @@ class Feed:
         self.progress = progress
         self.summary = summary
         self.max_model_len = max_model_len
+        if cfg.task == "decide":
+            planner.check_answers(max_model_len)  # an answer too long for any row: exit 2 now, not every row too_long
         self.lookahead = lookahead
         self.on_committed = on_committed  # (part stats, tokens this run generated for it): totals, error rate
         self.config_hash = config_hash(cfg)

@@ -60,3 +60,10 @@ class ModelLoadError(BatchgenError):
     unsupported architecture, a scheme the device lacks): an input problem, before any generation."""
 
     exit_code = 2
+
+
+class BadPartError(BatchgenError):
+    """A part-*.parquet in an output directory that batchgen cannot read as its own (truncated, not Parquet, or
+    without the columns the committer writes): reading on would crash or silently drop rows."""
+
+    exit_code = 2

@@ -32,6 +32,7 @@ from batchgen.fsutil import replace_durably, write_json_atomic
 from batchgen.job import JobConfig
 from batchgen.output.committer import ATTEMPT_FIELD, OPTIONAL_FIELDS, OUTPUT_COLUMNS, SUCCESS, error_kind
 from batchgen.output.manifest import MANIFEST, diff, read_manifest
+from batchgen.output.parts import part_schema
 from batchgen.output.view import OCCURRENCE, attempt_dir, attempts, keyed_batches, latest_batches, part_files
 
 log = logging.getLogger(__name__)
@@ -226,7 +227,7 @@ def passthrough_of(output_dir: Path) -> list[str]:
     """The passthrough columns the job wrote (its first part's columns past the output's own)."""
     own = {*OUTPUT_COLUMNS, *OPTIONAL_FIELDS, ATTEMPT_FIELD.name}
     parts = part_files(output_dir)
-    return [name for name in pq.read_schema(parts[0]).names if name not in own] if parts else []
+    return [name for name in part_schema(parts[0]).names if name not in own] if parts else []
 
 
 def main(argv: list[str], config_from: Callable[[dict[str, Any], list[str]], JobConfig]) -> int:

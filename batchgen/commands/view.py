@@ -19,6 +19,7 @@ from typing import Any, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchgen.errors import BatchgenError
 from batchgen.output.manifest import MANIFEST, read_manifest
 from batchgen.output.tables import recorded_sink
 from batchgen.output.view import latest_batches
@@ -119,9 +120,12 @@ def main(argv: list[str]) -> int:
     columns = [c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None
     try:
         rows = export(args.output_dir, args.to, columns, args.limit, args.table)
-    except (KeyError, ValueError, FileNotFoundError, pa.ArrowInvalid) as exc:  # an unknown column, an unreadable part
+    except (KeyError, ValueError, FileNotFoundError, pa.ArrowInvalid) as exc:  # an unknown column, an unreadable row
         print(f"batchgen view: error: {exc}", file=sys.stderr)
         return 2
+    except BatchgenError as exc:  # a part that is not batchgen's (BadPartError), a torn manifest: named, exit 2
+        print(f"batchgen view: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     if args.to is not None:
         print(f"{rows} rows written to {args.to}", file=sys.stderr)
     return 0

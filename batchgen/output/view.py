@@ -28,9 +28,9 @@ from typing import Optional
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from batchgen.output.committer import PART_RE
+from batchgen.output.parts import open_part, part_schema
 
 ATTEMPT_RE = re.compile(r"^attempt-(\d{3,})$")
 
@@ -64,7 +64,7 @@ def part_files(directory: Path) -> list[Path]:
 
 def _schema(output_dir: Path, columns: Optional[list[str]]) -> pa.Schema:
     """Every part's columns, unified (a retry may write an optional column the job did not), plus `attempt`."""
-    schemas = [pq.read_schema(p).remove_metadata() for a in attempts(output_dir)
+    schemas = [part_schema(p).remove_metadata() for a in attempts(output_dir)
                for p in part_files(attempt_dir(output_dir, a))]
     if not schemas:
         raise FileNotFoundError(f"{output_dir} holds no committed part (part-*.parquet)")
@@ -113,9 +113,10 @@ def _winners(output_dir: Path, schema: pa.Schema) -> dict[Key, Winner]:
     best: dict[Key, Winner] = {}
     for a in attempts(output_dir)[1:]:
         for path in part_files(attempt_dir(output_dir, a)):
-            names = pq.read_schema(path).names
-            hidden = [OCCURRENCE] if OCCURRENCE in names else []
-            table = pq.read_table(path, columns=[c for c in schema.names if c in names] + hidden)
+            with open_part(path) as pf:
+                names = pf.schema_arrow.names
+                hidden = [OCCURRENCE] if OCCURRENCE in names else []
+                table = pf.read(columns=[c for c in schema.names if c in names] + hidden)
             occurrences = table.column(OCCURRENCE).to_pylist() if hidden else [None] * table.num_rows
             for row, occurrence in zip(_conform(table, schema, a).to_pylist(), occurrences):
                 key, ok = (row["id"], occurrence, row["sample_index"]), row["error"] is None
@@ -135,7 +136,7 @@ def _view(output_dir: Path, columns: Optional[list[str]], track: Collection[str]
     value_set = pa.array(sorted(keyed), pa.string())
     seen: dict[str, int] = {}
     for path in part_files(output_dir):
-        pf = pq.ParquetFile(path)
+        pf = open_part(path)
         for g in range(pf.num_row_groups):
             table = _read(lambda cols, g=g, pf=pf: pf.read_row_group(g, columns=cols), pf.schema_arrow.names, wide, 0)
             occurrences = None
@@ -212,7 +213,7 @@ def duckdb_sql(output_dir: str | Path) -> str:
     listed = ", ".join(_quoted(str(p)) for _, _, p in files)
     if not any(a for a, _, _ in files):  # never retried: the job's own rows
         return f"SELECT *, 0::INTEGER AS attempt FROM read_parquet([{listed}], union_by_name = true)"
-    recorded = any(OCCURRENCE in pq.read_schema(p).names for a, _, p in files if a)
+    recorded = any(OCCURRENCE in part_schema(p).names for a, _, p in files if a)
     table = ", ".join(f"({_quoted(str(p))}, {a}, {i})" for a, i, p in files)
     matched = f"(r.{OCCURRENCE} IS NULL OR r.{OCCURRENCE} = o.batchgen_occurrence)" if recorded else "true"
     internal = "batchgen_rank, batchgen_occurrence, batchgen_file, batchgen_attempt, batchgen_order, file_row_number"

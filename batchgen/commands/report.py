@@ -24,7 +24,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Optional
 
-from batchgen.errors import ConfigError
+from batchgen.errors import BadPartError, ConfigError
 from batchgen.output.heartbeat import read_heartbeats
 from batchgen.output.manifest import MANIFEST, read_manifest
 from batchgen.output.remote import RemoteOutput, is_remote
@@ -321,18 +321,25 @@ def write_remote_report(url: str, out: Optional[Path]) -> Path:
 
 
 def _copy_row_columns(remote: RemoteOutput, into: Path) -> None:
-    """Each committed part's ROW_COLUMNS (never the generations) under its own name in `into`."""
+    """Each committed part under its own name in `into`, checked as every reader checks a part (parts.open_part), with
+    its ROW_COLUMNS read and the committer's other columns (the generations) left null: the page counts rows and
+    errors, and a night's generations are not downloaded for that."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from batchgen.output.committer import PART_RE
+    from batchgen.output.committer import OUTPUT_COLUMNS, PART_RE
+    from batchgen.output.parts import open_part
 
     for key in remote.fs.ls(remote.root, detail=False, refresh=True):
         name = key.rsplit("/", 1)[-1]
         if PART_RE.match(name):
             with remote.fs.open(key, "rb") as f:
-                part = pq.ParquetFile(f)
-                columns = [c for c in ROW_COLUMNS if c in part.schema_arrow.names]
-                pq.write_table(part.read(columns=columns), into / name)
+                part = open_part(f"{remote.url.rstrip('/')}/{name}", source=f)
+                read = part.read(columns=list(ROW_COLUMNS))
+                schema = part.schema_arrow
+                arrays = [read.column(c) if c in ROW_COLUMNS else pa.nulls(read.num_rows, schema.field(c).type)
+                          for c in OUTPUT_COLUMNS]
+                pq.write_table(pa.Table.from_arrays(arrays, names=list(OUTPUT_COLUMNS)), into / name)
 
 
 def main(argv: list[str]) -> int:
@@ -348,7 +355,7 @@ def main(argv: list[str]) -> int:
         for problem in exc.problems:
             print(f"batchgen report: error: {problem}", file=sys.stderr)
         return 2
-    except FileNotFoundError as exc:
+    except (BadPartError, FileNotFoundError) as exc:  # a part that is not batchgen's: named, exit 2
         print(f"batchgen report: error: {exc}", file=sys.stderr)
         return 2
     print(f"batchgen report: {path}")

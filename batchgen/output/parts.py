@@ -6,6 +6,7 @@ its path and why (the CLI's exit 2), never a pyarrow traceback nor a silent read
 from __future__ import annotations
 
 from pathlib import Path
+from typing import BinaryIO, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -16,12 +17,13 @@ from batchgen.output.committer import OUTPUT_COLUMNS
 FIX = "move it out of the output directory (or delete it and rerun the job to write that part again)"
 
 
-def open_part(path: Path) -> pq.ParquetFile:
-    """`path` opened as a Parquet file whose schema holds every column the committer writes (committer.OUTPUT_FIELDS:
-    id, sample_index, ... error). Checked here because pyarrow reads a foreign file happily and the view then keys
-    rows by a missing `id`; and a truncated file fails deep inside a read with no path in its message."""
+def open_part(path: Path | str, source: Optional[BinaryIO] = None) -> pq.ParquetFile:
+    """`path` (or `source`, an open file of the part that `path` names, as on object storage) opened as a Parquet file
+    whose schema holds every column the committer writes (committer.OUTPUT_FIELDS: id, sample_index, ... error).
+    Checked here because pyarrow reads a foreign file happily and the view then keys rows by a missing `id`; and a
+    truncated file fails deep inside a read with no path in its message."""
     try:
-        part = pq.ParquetFile(path)
+        part = pq.ParquetFile(path if source is None else source)
         names = part.schema_arrow.names
     except (pa.ArrowException, OSError) as exc:
         said = " ".join(str(exc).split())

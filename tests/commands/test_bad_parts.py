@@ -40,6 +40,7 @@ def test_a_foreign_parquet_under_a_parts_name_is_refused_not_read_silently(tiny_
     pq.write_table(pa.table({"x": [1, 2, 3]}), foreign)
     assert_refused(["view", str(out)], foreign, "no column id, sample_index")
     assert_refused(["retry", str(out), "--kinds", "too_long"], foreign, "no column id, sample_index")
+    assert_refused(["report", str(out), "--out", str(tmp_path / "page.html")], foreign, "no column id, sample_index")
 
 
 def test_run_skip_existing_refuses_a_bad_part_of_the_night_it_skips(tiny_model, tmp_path):

@@ -34,14 +34,19 @@ def honest_rows(n: int) -> list[dict]:
     return [{"id": f"r{i:03d}", "prompt": p} for i, p in enumerate(corpus(n, seed=5))]
 
 
-def test_an_answer_that_lies_costs_its_row_and_names_why_and_a_null_usage_is_counted_here(tiny_model, tmp_path):
+CHAT = ("dataset.system_prompt=Answer briefly.", "engine.endpoint=chat")
+
+
+@pytest.mark.parametrize("chat", [(), CHAT], ids=["completions", "chat"])
+def test_an_answer_that_lies_costs_its_row_and_names_why_and_a_null_usage_is_counted_here(tiny_model, tmp_path,
+                                                                                          chat):
     data = write_jsonl(tmp_path / "in.jsonl", lying_rows())
     reference = tmp_path / "ref"
-    run_job(compose_job(overrides(tiny_model, data, reference, None)))
+    run_job(compose_job(overrides(tiny_model, data, reference, None, *chat[:1])))
     with endpoint(tiny_model, log=tmp_path / "server.jsonl") as url:
         out = tmp_path / "out"
         summary = run_job(compose_job(overrides(tiny_model, data, out, url, "engine.max_retries=2",
-                                                "engine.max_concurrency=2")))
+                                                "engine.max_concurrency=2", *chat)))
     assert summary.state == "done"
     want, got = by_id(reference), by_id(out)
     assert set(got) == set(want)

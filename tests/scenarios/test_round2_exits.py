@@ -12,6 +12,8 @@ import time
 import uuid
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import REPO, job_overrides, keyed_rows, run_cli, write_parquet
@@ -256,6 +258,10 @@ def test_case13c_status_and_report_read_an_s3_output(s3, tiny_model, tmp_path):
         proc = run_cli(command, timeout=120, env=env)
         assert_named_exit_2(proc, "s3://round2/none: no batchgen")
         assert "s3:/round2" not in proc.stdout + proc.stderr
+    with fs.open("round2/done/part-00009.parquet", "wb") as f:  # a foreign file under a part's name
+        pq.write_table(pa.table({"x": [1, 2]}), f)
+    proc = run_cli(["report", "s3://round2/done", "--out", str(page)], timeout=120, env=env)
+    assert_named_exit_2(proc, "s3://round2/done/part-00009.parquet: not a batchgen part: no column id")
 
 
 def test_case13d_refused_skip_existing_creates_nothing(tiny_model, tmp_path):

@@ -66,7 +66,7 @@ def prepare(output_dir: Path, kinds: Optional[list[str]], overrides: list[str],
     if not original:
         raise ConfigError([f"{output_dir}/{MANIFEST} records no config (a job run from Python without `resolved`); "
                            f"retry needs the job's config"])
-    refused = _refused(overrides)
+    refused = _refused(overrides) + _code_named(original, overrides, output_dir)
     if refused:
         raise ConfigError(refused)
     unknown = [k for k in kinds or () if k not in RETRYABLE]
@@ -119,6 +119,21 @@ def _refused(overrides: list[str]) -> list[str]:
             if hit:
                 break
     return problems
+
+
+def _code_named(original: dict[str, Any], overrides: list[str], output_dir: Path) -> list[str]:
+    """The recorded settings that would make the retry run code a file names (a model directory's own Python with
+    engine.trust_remote_code, a class pyiceberg imports for output.catalog.*-impl), unless the retry's command line
+    says them again: an output directory is data (one copied from a colleague or a bucket may carry any manifest), so
+    its manifest alone never turns code on."""
+    said = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    engine, output = original.get("engine") or {}, original.get("output") or {}
+    catalog = output.get("catalog") if isinstance(output.get("catalog"), dict) else {}
+    named = [("engine.trust_remote_code", "true")] if engine.get("trust_remote_code") is True else []
+    named += [(f"output.catalog.{k}", str(v)) for k, v in sorted(catalog.items()) if str(k).endswith("impl")]
+    return [f"{output_dir}/{MANIFEST} records {key}={value}: batchgen retry runs no code because an output's manifest "
+            f"names it; if you trust it, say it again: batchgen retry {output_dir} {key}={value}"
+            for key, value in named if key not in said]
 
 
 def _under(key: str, keys: tuple[str, ...]) -> list[str]:

@@ -175,3 +175,21 @@ def test_a_retry_killed_with_sigkill_resumes_to_the_same_rows_exactly_once(tiny_
     assert sorted(retried) == long_ids  # no duplicate in the attempt's parts
     print(f"retry: {kills} SIGKILLs, then resumed: {len(long_ids)} rows exactly once, identical to an "
           f"uninterrupted retry; attempt recorded as {json.loads((attempt / '_retry.json').read_text())}")
+
+
+def test_a_manifest_alone_never_turns_on_a_models_own_code_for_a_retry(tiny_model, tmp_path):
+    """An output directory is data: a manifest that records engine.trust_remote_code=true (planted, or from a job
+    whose model you do not have) is refused by `batchgen retry` until its command line says it again."""
+    out, _ = finished_job(tiny_model, tmp_path)
+    path = out / "_manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["config"]["engine"]["trust_remote_code"] = True
+    path.write_text(json.dumps(manifest))
+    refused = run_cli(["retry", str(out), "--kinds", "too_long", "run.too_long=truncate_left"])
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert (f"records engine.trust_remote_code=true: batchgen retry runs no code because an output's manifest names "
+            f"it; if you trust it, say it again: batchgen retry {out} engine.trust_remote_code=true") in refused.stderr
+    assert not (out / "_attempts").exists()
+    done = run_cli(["retry", str(out), "--kinds", "too_long", "run.too_long=truncate_left",
+                    "engine.trust_remote_code=true"])
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -1,6 +1,7 @@
 """An output's manifest is data: `view --table`, `status` and `report` read output dirs that another user or job
-wrote, and open the table output the manifest records. A catalog property that names code for pyiceberg to import
-(`py-catalog-impl`, `py-io-impl`) is refused, never imported; the job's own config may name one."""
+wrote, and open the table output the manifest records; `retry` runs its recorded config again. A catalog property
+that names code for pyiceberg to import (`py-catalog-impl`, `py-io-impl`) is refused, never imported; the job's own
+config (or the retry's command line, saying it again) may name one."""
 
 from __future__ import annotations
 
@@ -46,4 +47,7 @@ def test_reading_commands_never_import_the_code_a_manifest_names(tiny_model, tmp
     status = run_cli(["status", str(tmp_path / "out")], env=env)
     assert status.returncode == 0 and f"output.catalog.{key}" in status.stdout, status.stdout + status.stderr
     assert run_cli(["report", str(tmp_path / "out")], env=env).returncode == 0
+    retry = run_cli(["retry", str(tmp_path / "out")], env=env)  # the job run again from the manifest's config
+    assert retry.returncode == 2, retry.stderr[-3000:]
+    assert f"records output.catalog.{key}=planted_catalog.Catalog: batchgen retry runs no code" in retry.stderr
     assert not marker.exists(), marker.read_text()

@@ -114,7 +114,7 @@ def main() -> None:
     from batchgen.constraints import Constraint
     from batchgen.engines import build_engine
     from batchgen.engines.base import EngineConfig
-    from batchgen.engines.hf.cpu.kernels import describe_cpu
+    from batchgen.engines.hf.backends.cpu.kernels import describe_cpu
     from batchgen.engines.toymodel import cached_model
 
     args.workdir.mkdir(parents=True, exist_ok=True)

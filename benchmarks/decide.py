@@ -63,8 +63,8 @@ def main() -> None:
     parser.add_argument("--shape", default="bench")
     args = parser.parse_args()
 
-    from batchgen.engines.hf.cpu import runtime
-    from batchgen.engines.hf.cpu.kernels import describe_cpu
+    from batchgen.engines.hf.backends.cpu import runtime
+    from batchgen.engines.hf.backends.cpu.kernels import describe_cpu
     from batchgen.engines.toymodel import cached_model
 
     runtime.keep_freed_memory()

@@ -46,7 +46,7 @@ def timed(parts: dict, key, fn):
 
 def instrument(parts: dict) -> None:
     """Timers around each GEMM (by its shape) and each of batchgen's kernels between them."""
-    from batchgen.engines.hf.cpu import kernels, onednn
+    from batchgen.engines.hf.backends.cpu import kernels, onednn
     from batchgen.engines.hf.quant import w8a8
 
     for name in KERNELS:
@@ -63,7 +63,7 @@ def child(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     from batchgen.engines.hf.config import HFConfig
-    from batchgen.engines.hf.cpu import kernels
+    from batchgen.engines.hf.backends.cpu import kernels
     from batchgen.engines.hf.engine import HFEngine
     from batchgen.engines.hf.step import LlamaStepper
 
@@ -114,7 +114,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         return child(args)
-    from batchgen.engines.hf.cpu.kernels import describe_cpu
+    from batchgen.engines.hf.backends.cpu.kernels import describe_cpu
 
     configs = args.configs.split(",")
     runs: dict[str, list[dict]] = {c: [] for c in configs}

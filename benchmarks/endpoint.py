@@ -123,7 +123,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from batchgen.engines.hf.cpu.kernels import describe_cpu
+    from batchgen.engines.hf.backends.cpu.kernels import describe_cpu
     from batchgen.engines.toymodel import build_model
 
     proc = None

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from batchgen.engines.hf.cpu.kernels import describe_cpu  # noqa: E402
+from batchgen.engines.hf.backends.cpu.kernels import describe_cpu  # noqa: E402
 from batchgen.output.manifest import model_identity  # noqa: E402
 from batchgen.reader import DatasetConfig, open_reader  # noqa: E402
 

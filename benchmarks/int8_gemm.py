@@ -41,8 +41,8 @@ def timed(fn, arg, target: float = 0.05) -> float:
 def variants(k: int, n: int, gen):
     import torch
 
-    from batchgen.engines.hf.cpu import int8_gemm
-    from batchgen.engines.hf.cpu import kernels as cpu_kernels
+    from batchgen.engines.hf.backends.cpu import int8_gemm
+    from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
     from batchgen.engines.hf.quant import w4a8, w8a8
 
     lib = cpu_kernels.load()
@@ -67,7 +67,7 @@ def variants(k: int, n: int, gen):
 def main() -> None:
     import torch
 
-    from batchgen.engines.hf.cpu.kernels import describe_cpu
+    from batchgen.engines.hf.backends.cpu.kernels import describe_cpu
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,4,16,64,256,1024")

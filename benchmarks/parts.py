@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=ROOT / "data" / "bench")
     parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
     args = parser.parse_args()
-    from batchgen.engines.hf.cpu.kernels import describe_cpu
+    from batchgen.engines.hf.backends.cpu.kernels import describe_cpu
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     model, data = build(args.workdir, args.rows, args.seed)

@@ -30,7 +30,7 @@ def main() -> None:
     import pyarrow.parquet as pq
 
     sys.path.insert(0, str(ROOT))
-    from batchgen.engines.hf.cpu.kernels import describe_cpu
+    from batchgen.engines.hf.backends.cpu.kernels import describe_cpu
     from batchgen.engines.toymodel import BENCH_WORDS, cached_model
 
     args.workdir.mkdir(parents=True, exist_ok=True)

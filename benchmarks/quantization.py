@@ -261,7 +261,7 @@ def main() -> None:
     table = summarize(args.workdir, samples, params)
     print_table(table, plan, params, len(samples["none"]))
     if args.json:
-        from batchgen.engines.hf.cpu.kernels import describe_cpu
+        from batchgen.engines.hf.backends.cpu.kernels import describe_cpu
 
         args.json.write_text(json.dumps({"rows": table, "samples": samples, "cpu": describe_cpu()}, indent=1))
 
@@ -309,7 +309,7 @@ def print_table(rows: list[dict], plan: dict, params: int, repeats: int) -> None
     def x(v: Optional[float]) -> str:
         return "-" if v is None else f"{v:.2f}x"
 
-    from batchgen.engines.hf.cpu.kernels import describe_cpu
+    from batchgen.engines.hf.backends.cpu.kernels import describe_cpu
 
     base = rows[0]["dtype"]
     batch = rows[0]["working_batch"]

@@ -59,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     import ray
 
-    from batchgen.engines.hf.cpu.kernels import describe_cpu
+    from batchgen.engines.hf.backends.cpu.kernels import describe_cpu
     from batchgen.run.runner import run_job
 
     args.workdir.mkdir(parents=True, exist_ok=True)

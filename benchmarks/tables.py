@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=ROOT / "data" / "bench")
     args = parser.parse_args()
-    from batchgen.engines.hf.cpu.kernels import describe_cpu
+    from batchgen.engines.hf.backends.cpu.kernels import describe_cpu
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     model, data = parts_module().build(args.workdir, args.rows, args.seed)

@@ -2,7 +2,7 @@
 machine and beside other busy processes, under three OpenMP settings (interleaved, medians):
 
 - passive: OMP_WAIT_POLICY=PASSIVE (batchgen's CLI default before the governor): threads sleep at once;
-- default: the CLI's defaults now (a short spin, GOMP_SPINCOUNT=10000, and the governor, engines/hf/cpu/threads.py);
+- default: the CLI's defaults now (a short spin, GOMP_SPINCOUNT=10000, and the governor, engines/hf/backends/cpu/threads.py);
 - spin, fixed: the same spin with the governor off (BATCHGEN_ADAPT_THREADS=0): what the governor saves.
 
     python benchmarks/threads.py                 # 64 rows, 2 repeats, one busy process beside the job when busy
@@ -51,7 +51,7 @@ def main() -> None:
     import pyarrow.parquet as pq
     from throughput import build  # the throughput benchmark's model and workload
 
-    from batchgen.engines.hf.cpu.kernels import describe_cpu
+    from batchgen.engines.hf.backends.cpu.kernels import describe_cpu
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     model, data = build(args.workdir, size="bench", rows=args.rows, seed=0)

@@ -388,7 +388,7 @@ def auto_dtype(model: Path) -> str:
 
 
 def report(args: argparse.Namespace, model: Path, data: Path, size: str) -> None:
-    from batchgen.engines.hf.cpu.kernels import describe_cpu
+    from batchgen.engines.hf.backends.cpu.kernels import describe_cpu
 
     runners = [r for r in args.runners.split(",") if r]
     calib = calibrate(args.dtype)  # E's dtype: the roofline line is E's
@@ -423,7 +423,7 @@ def report(args: argparse.Namespace, model: Path, data: Path, size: str) -> None
 def print_table(args: argparse.Namespace, med: dict, calib: dict, model: Path, size: str) -> None:
     import json as _json
 
-    from batchgen.engines.hf.cpu.kernels import describe_cpu
+    from batchgen.engines.hf.backends.cpu.kernels import describe_cpu
 
     cfg = _json.loads((model / "config.json").read_text())
     params = _count_params(cfg)

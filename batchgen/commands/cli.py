@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from batchgen.engines import prepare_process
 
-prepare_process()  # before torch loads: OpenMP's threads spin briefly, then sleep (engines/hf/cpu/runtime.py)
+prepare_process()  # before torch loads: OpenMP's threads spin briefly, then sleep (engines/hf/backends/cpu/runtime.py)
 
 import contextlib  # noqa: E402
 import logging  # noqa: E402

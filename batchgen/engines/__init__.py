@@ -208,6 +208,6 @@ def structured_output_problems(cfg: EngineConfig, kind: Optional[str], choice_sc
 def prepare_process() -> None:
     """Process-wide settings the engines want before torch loads (OpenMP's waiting: hf/cpu/runtime.py). The CLI
     calls it first thing; it imports nothing heavy."""
-    from batchgen.engines.hf.cpu.runtime import set_openmp_defaults
+    from batchgen.engines.hf.backends.cpu.runtime import set_openmp_defaults
 
     set_openmp_defaults()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from batchgen.engines.hf.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
 
 ISAS = cpu_kernels.supported_isas()
 every_isa = pytest.mark.parametrize("isa", ISAS or ["none"])
@@ -263,7 +263,7 @@ def pre_split_source() -> str:
     git = shutil.which("git")
     if git is None:
         pytest.skip("no git here: the pre-split kernels.c comes from git history")
-    root = Path(cpu_kernels.__file__).resolve().parents[4]
+    root = Path(cpu_kernels.__file__).resolve().parents[5]
 
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([git, "-C", str(root), *args], capture_output=True, text=True, timeout=60)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from batchgen.engines.hf.config import HFConfig
-from batchgen.engines.hf.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
 from batchgen.engines.hf.device import resolve_dtype
 from batchgen.engines.hf.engine import HFEngine
 from batchgen.engines.hf.sampler import sample_token
@@ -150,7 +150,7 @@ def test_auto_dtype_follows_the_measured_gemm_speed_and_an_explicit_dtype_wins(m
     bf16 is ~200x slower, a native one ~2.7x faster); the figures are cached per CPU kind and logged."""
     import logging
 
-    from batchgen.engines.hf.cpu import calibration as cpu_dtype
+    from batchgen.engines.hf.backends.cpu import calibration as cpu_dtype
 
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path / "emulated"))
     emulated = {"cpu": "x", "float32_s": 1e-3, "bfloat16_s": 0.2, "speedup": 0.005}
@@ -171,7 +171,7 @@ def test_auto_dtype_follows_the_measured_gemm_speed_and_an_explicit_dtype_wins(m
 def test_dtype_calibration_times_the_models_shape_capped():
     from types import SimpleNamespace
 
-    from batchgen.engines.hf.cpu import calibration as cpu_dtype
+    from batchgen.engines.hf.backends.cpu import calibration as cpu_dtype
 
     assert cpu_dtype.model_features(SimpleNamespace(hidden_size=768, intermediate_size=2048)) == (768, 2048)
     assert cpu_dtype.model_features(SimpleNamespace(hidden_size=8192, intermediate_size=28672)) == (4096, 4096)
@@ -181,7 +181,7 @@ def test_dtype_calibration_times_the_models_shape_capped():
 
 def test_dtype_calibration_measures_both_dtypes_here(monkeypatch, tmp_path):
     """The real measurement on this CPU: both dtypes timed, the ratio consistent with the times, cached on disk."""
-    from batchgen.engines.hf.cpu import calibration as cpu_dtype
+    from batchgen.engines.hf.backends.cpu import calibration as cpu_dtype
 
     monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
     figures = cpu_dtype.calibration()
@@ -290,7 +290,7 @@ def test_prepacked_linears_compute_what_nn_linear_computes():
     """Weights with both sides >= MIN_FEATURES are reordered for oneDNN; the forward is nn.Linear's."""
     from torch import nn
 
-    from batchgen.engines.hf.cpu import onednn as cpu_linear
+    from batchgen.engines.hf.backends.cpu import onednn as cpu_linear
 
     if not cpu_linear.available(torch.float32):
         pytest.skip("this torch build has no oneDNN linear reorder")
@@ -307,7 +307,7 @@ def test_prepacked_linears_compute_what_nn_linear_computes():
 def test_greedy_output_is_the_same_with_prepacked_and_fused_linears(tiny_model, tokenizer, engine, monkeypatch):
     """The tiny model's weights are under MIN_FEATURES; pack (and fuse) them anyway and compare whole generations,
     through the stepper (fused GEMMs) and through the model's own forward (the generic path, on FusedSlices)."""
-    from batchgen.engines.hf.cpu import onednn as cpu_linear
+    from batchgen.engines.hf.backends.cpu import onednn as cpu_linear
     from batchgen.engines.hf.fusion import FusedSlice
 
     if not cpu_linear.available(torch.float32):
@@ -393,7 +393,7 @@ def test_native_decode_step_equals_the_torch_step(tiny_model, tokenizer, monkeyp
     """With fused projections, a decode step runs batchgen's kernels between the GEMMs (RMSNorm, rotary embedding,
     cache write and attention, SiLU-and-multiply); its logits and cache equal those of the torch step."""
     from batchgen.engines.hf import step as llama_step
-    from batchgen.engines.hf.cpu import onednn as cpu_linear
+    from batchgen.engines.hf.backends.cpu import onednn as cpu_linear
 
     monkeypatch.setattr(cpu_linear, "MIN_FEATURES", 1)  # the tiny model's projections fused, as a large model's are
     engine = HFEngine(HFConfig(model=tiny_model, dtype="float32", max_batch_size=16), tokenizer)
@@ -442,7 +442,7 @@ def test_native_step_greedy_equals_one_row_generate_under_each_variant(isa, tiny
                                                                       monkeypatch):
     """float32 with batchgen's kernels between the GEMMs, forced to each variant this CPU runs: every row of a
     continuous batch equals HF generate on it alone."""
-    from batchgen.engines.hf.cpu import onednn as cpu_linear
+    from batchgen.engines.hf.backends.cpu import onednn as cpu_linear
 
     monkeypatch.setattr(cpu_linear, "MIN_FEATURES", 1)  # the tiny model's projections fused, as a large model's are
     engine = HFEngine(HFConfig(model=tiny_model, dtype="float32", max_batch_size=8), tokenizer)
@@ -465,7 +465,7 @@ def test_bf16_gemms_with_float32_kernels_between_track_the_float32_model(isa, ti
     round each weight to 8 bits of mantissa), the model's own weights are the only copy, and a job writes every
     row."""
     from batchgen.engines.hf import engine as hf
-    from batchgen.engines.hf.cpu import onednn as cpu_linear
+    from batchgen.engines.hf.backends.cpu import onednn as cpu_linear
 
     if not hf.cpu_has_fast_bf16() or not cpu_linear.available(torch.bfloat16):
         pytest.skip("this CPU has no native bf16 (AVX-512 BF16 or AMX): bf16 stays torch's bf16 model")
@@ -505,7 +505,7 @@ def test_mixed_bf16_keeps_small_and_tied_linears_in_bf16(tiny_model):
     the float32 model's."""
     from transformers import AutoModelForCausalLM
 
-    from batchgen.engines.hf.cpu import onednn as cpu_linear
+    from batchgen.engines.hf.backends.cpu import onednn as cpu_linear
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16).eval()
     model.lm_head.weight = model.model.embed_tokens.weight

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.engines.hf import quant
-from batchgen.engines.hf.cpu import kernels as cpu_kernels
-from batchgen.engines.hf.cpu import onednn as cpu_linear
+from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.backends.cpu import onednn as cpu_linear
 from batchgen.engines.hf.quant import int4, int8, w4a8, w8a8
 from batchgen.errors import ConfigError
 from batchgen.job import validate
@@ -480,7 +480,7 @@ def test_a_converted_weights_checkpoint_pages_are_given_back_and_read_the_same_a
     is never given back. Through a real conversion, a tied weight is not released."""
     from safetensors.torch import load_file, save_file
 
-    from batchgen.engines.hf.cpu.runtime import CheckpointPages
+    from batchgen.engines.hf.backends.cpu.runtime import CheckpointPages
 
     save_file({"w": torch.randn(512, 512)}, str(tmp_path / "w.safetensors"))
     mapped = load_file(str(tmp_path / "w.safetensors"))["w"]  # a view of the file's mapping

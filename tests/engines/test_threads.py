@@ -1,4 +1,4 @@
-"""OpenMP defaults and the thread governor (engines/hf/cpu/threads.py): its policy on scripted clocks, and a real job
+"""OpenMP defaults and the thread governor (engines/hf/backends/cpu/threads.py): its policy on scripted clocks, and a real job
 beside busy processes on the same cores."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.engines.hf.cpu import runtime, threads
-from batchgen.engines.hf.cpu.threads import MAX_PROBE_S, PROBE_S, SHARE, WINDOW_S, ThreadGovernor
+from batchgen.engines.hf.backends.cpu import runtime, threads
+from batchgen.engines.hf.backends.cpu.threads import MAX_PROBE_S, PROBE_S, SHARE, WINDOW_S, ThreadGovernor
 
 ROOT = Path(__file__).resolve().parents[2]
 

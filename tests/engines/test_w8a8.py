@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from batchgen.engines.hf.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
 from batchgen.engines.hf.quant import w8a8
 from tests.conftest import REPO
 
@@ -341,7 +341,7 @@ def test_batchgens_int8_gemms_give_onednns_bits(which):
     the channel scales: row counts around the AMX 16-row tiles and the VNNI 6-row tiles (1 to 7, 12, 15, 16, 17, 33,
     64, 130: both AMX loop orders), channel counts not a multiple of the 64-channel tile, rows with and without
     padded storage, extreme bytes."""
-    from batchgen.engines.hf.cpu import int8_gemm
+    from batchgen.engines.hf.backends.cpu import int8_gemm
 
     isa = "avx512_amx" if which == "amx" else "avx512"
     lib = cpu_kernels.load(isa) if isa in ISAS else None

@@ -211,7 +211,7 @@ def test_the_same_model_and_input_under_other_spellings_resume(own_model, tmp_pa
 def test_auto_resolving_to_another_dtype_on_resume_is_refused(own_model, tmp_path, monkeypatch):
     import torch
 
-    from batchgen.engines.hf.cpu import calibration
+    from batchgen.engines.hf.backends.cpu import calibration
     from batchgen.errors import ResumeMismatchError
 
     data = write_jsonl(tmp_path / "in.jsonl", [{"prompt": f"the river {i}"} for i in range(8)])

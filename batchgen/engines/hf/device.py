@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from batchgen.engines.base import EngineConfig, model_max_len  # noqa: F401 - device.model_max_len for engine.py
-from batchgen.engines.hf.cpu import calibration
+from batchgen.engines.hf.backends.cpu import calibration
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULTS = {  # (max_batch_tokens, max_batch_size) per device type; rows per part: engines.ENGINES

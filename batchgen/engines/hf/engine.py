@@ -22,7 +22,7 @@ from batchgen.engines.base import Source, generate_by_stream, stream_windows
 from batchgen.engines.hf import device, loglik, prefix, quant
 from batchgen.engines.hf.beam import BeamSearcher, with_beams
 from batchgen.engines.hf.config import HFConfig
-from batchgen.engines.hf.cpu import kernels, onednn, runtime, threads
+from batchgen.engines.hf.backends.cpu import kernels, onednn, runtime, threads
 from batchgen.engines.hf.fusion import fuse_projections
 from batchgen.engines.hf.generic import GenericGenerator
 from batchgen.engines.hf.sampler import Sampler, eos_ids

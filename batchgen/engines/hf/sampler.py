@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from batchgen.engines.base import reasoning_tokens, split_answer, with_tokens
-from batchgen.engines.hf.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
 from batchgen.records import Request, Result
 from batchgen.sampling import SampleParams, find_stop
 

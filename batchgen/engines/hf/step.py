@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from batchgen.engines.hf.cpu import kernels as cpu_kernels
-from batchgen.engines.hf.cpu import onednn
+from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.backends.cpu import onednn
 from batchgen.engines.hf.kvcache import AttentionPlan, SlotKVCache
 from batchgen.engines.hf.quant.w8a8 import Int8DynamicLinear, QuantizedRows
 

@@ -51,7 +51,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from batchgen.engines.hf.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
 from batchgen.engines.hf.quant.common import (
     BNB_HINT,
     DEQUANT_ROWS,
@@ -264,7 +264,7 @@ def own_parameters(model: nn.Module) -> int:
 def cpu_kind() -> str:
     """The CPU kind the working-batch figures are kept for: amx (bf16 and int8 matrix tiles), avx512_bf16 (native
     bf16 dot products), avx512, avx2, or other."""
-    from batchgen.engines.hf.cpu.runtime import cpu_flags, has_native_bf16
+    from batchgen.engines.hf.backends.cpu.runtime import cpu_flags, has_native_bf16
 
     flags = cpu_flags()
     if "amx_bf16" in flags and has_native_bf16():

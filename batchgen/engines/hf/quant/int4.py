@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.engines.hf.cpu import kernels as cpu_kernels
-from batchgen.engines.hf.cpu.onednn import CastLinear, replace_linears
+from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.backends.cpu.onednn import CastLinear, replace_linears
 from batchgen.engines.hf.quant.common import INT4_CPU_GROUP, INT4_GROUP, INT4_NATIVE_ROWS, TORCHAO_HINT, import_or_hint
 from batchgen.engines.hf.quant.int8 import Int8WeightOnlyLinear, quantize_embeddings_int8
 

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.engines.hf.cpu import kernels as cpu_kernels
-from batchgen.engines.hf.cpu.onednn import replace_linears
-from batchgen.engines.hf.cpu.runtime import CheckpointPages
+from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.backends.cpu.onednn import replace_linears
+from batchgen.engines.hf.backends.cpu.runtime import CheckpointPages
 from batchgen.engines.hf.quant import w8a8
 from batchgen.engines.hf.quant.common import (
     DEQUANT_ROWS,

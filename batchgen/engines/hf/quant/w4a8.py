@@ -17,9 +17,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from batchgen.engines.hf.cpu import int8_gemm
-from batchgen.engines.hf.cpu import kernels as cpu_kernels
-from batchgen.engines.hf.cpu.onednn import replace_linears
+from batchgen.engines.hf.backends.cpu import int8_gemm
+from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.backends.cpu.onednn import replace_linears
 from batchgen.engines.hf.quant import int4, int8, w8a8
 from batchgen.engines.hf.quant.common import INT4_CPU_GROUP
 from batchgen.engines.hf.quant.int4 import quantize_int4

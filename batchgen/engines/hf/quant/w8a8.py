@@ -24,9 +24,9 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
-from batchgen.engines.hf.cpu import int8_gemm
-from batchgen.engines.hf.cpu import kernels as cpu_kernels
-from batchgen.engines.hf.cpu.onednn import replace_linears
+from batchgen.engines.hf.backends.cpu import int8_gemm
+from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.backends.cpu.onednn import replace_linears
 from batchgen.engines.hf.quant.common import quantize_by_rows
 
 log = logging.getLogger(__name__)

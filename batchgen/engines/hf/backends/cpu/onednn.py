@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.engines.hf.cpu.runtime import CheckpointPages
+from batchgen.engines.hf.backends.cpu.runtime import CheckpointPages
 
 log = logging.getLogger(__name__)
 BATCH_HINT = 32  # the M oneDNN tunes the blocked layout for; any M runs on it

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchgen.engines.hf.cpu import kernels as cpu_kernels
-from batchgen.engines.hf.cpu import onednn
-from batchgen.engines.hf.cpu.runtime import cpu_flags, cpu_model
+from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.backends.cpu import onednn
+from batchgen.engines.hf.backends.cpu.runtime import cpu_flags, cpu_model
 
 log = logging.getLogger(__name__)
 ROWS = 64  # rows of the timed linear: the CPU working batch

@@ -46,8 +46,8 @@ from typing import Optional
 
 import torch
 
-from batchgen.engines.hf.cpu.runtime import cpu_flags, cpu_model
-from batchgen.engines.hf.cpu.signatures import declare  # noqa: F401 (the tests declare older builds through here)
+from batchgen.engines.hf.backends.cpu.runtime import cpu_flags, cpu_model
+from batchgen.engines.hf.backends.cpu.signatures import declare  # noqa: F401 (the tests declare older builds through here)
 from batchgen.fsutil import cache_home
 
 log = logging.getLogger(__name__)

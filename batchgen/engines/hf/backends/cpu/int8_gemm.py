@@ -12,8 +12,8 @@ from typing import Literal, Optional
 
 import torch
 
-from batchgen.engines.hf.cpu import kernels
-from batchgen.engines.hf.cpu.runtime import cpu_flags
+from batchgen.engines.hf.backends.cpu import kernels
+from batchgen.engines.hf.backends.cpu.runtime import cpu_flags
 
 log = logging.getLogger(__name__)
 Kernel = Literal["amx", "vnni"]

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Optional
 
-from batchgen.engines.hf.cpu.runtime import openmp_spins
+from batchgen.engines.hf.backends.cpu.runtime import openmp_spins
 
 log = logging.getLogger(__name__)
 WINDOW_S = 0.25  # timed step wall time per decision

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from batchgen.engines.hf.config import HFConfig
 from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.config import HFConfig
 from batchgen.engines.hf.device import resolve_dtype
 from batchgen.engines.hf.engine import HFEngine
 from batchgen.engines.hf.sampler import sample_token
@@ -345,8 +345,7 @@ def test_decode_with_long_rows_split_off_equals_one_padded_batch(engine, monkeyp
     (torch's attention; batchgen's native kernel reads each row over its own length anyway)."""
     from batchgen.engines.hf import step as llama_step
 
-    stepper = llama_step.LlamaStepper(engine.model)
-    stepper.native = None
+    stepper = llama_step.LlamaStepper(engine.model)  # the reference: torch's attention
     torch.manual_seed(0)
     prompts = [torch.randint(3, 200, (n,)).tolist() for n in (250, 6, 9, 12, 180, 7)]
     assert llama_step.AttentionPlan.for_lengths([len(p) + 1 for p in prompts]).long_rows
@@ -369,12 +368,12 @@ def test_native_decode_attention_equals_torch_attention(engine):
     """batchgen's CPU kernel (each row over its own length) against torch's masked batched attention, on a
     decode step of rows of very different lengths."""
     from batchgen.engines.hf import step as llama_step
+    from batchgen.engines.hf.backends.cpu.step import CpuStepper
 
-    native = llama_step.LlamaStepper(engine.model)
+    native = CpuStepper(engine.model)
     if native.native is None:
         pytest.skip("batchgen's CPU kernels are not built here (they need x86-64 with AVX2 and FMA, and a C compiler)")
     reference = llama_step.LlamaStepper(engine.model)
-    reference.native = None
     torch.manual_seed(0)
     prompts = [torch.randint(3, 200, (n,)).tolist() for n in (250, 6, 9, 1, 180, 7, 33)]
 
@@ -394,16 +393,16 @@ def test_native_decode_step_equals_the_torch_step(tiny_model, tokenizer, monkeyp
     cache write and attention, SiLU-and-multiply); its logits and cache equal those of the torch step."""
     from batchgen.engines.hf import step as llama_step
     from batchgen.engines.hf.backends.cpu import onednn as cpu_linear
+    from batchgen.engines.hf.backends.cpu.step import CpuStepper
 
     monkeypatch.setattr(cpu_linear, "MIN_FEATURES", 1)  # the tiny model's projections fused, as a large model's are
     engine = HFEngine(HFConfig(model=tiny_model, dtype="float32", max_batch_size=16), tokenizer)
-    native = llama_step.LlamaStepper(engine.model)
+    native = CpuStepper(engine.model)
     if native.native is None:
         pytest.skip("batchgen's CPU kernels are not built here (they need x86-64 with AVX2 and FMA, and a C compiler)")
     if not native.native_step:
         pytest.skip("the projections were not fused (no oneDNN linear reorder in this torch build)")
-    reference = llama_step.LlamaStepper(engine.model)
-    reference.native_step, reference.native = False, None  # torch's step, torch's attention
+    reference = llama_step.LlamaStepper(engine.model)  # torch's step, torch's attention
     torch.manual_seed(0)
     prompts = [torch.randint(3, 200, (n,)).tolist() for n in (250, 6, 9, 1, 180, 7, 33)]
 
@@ -464,10 +463,10 @@ def test_bf16_gemms_with_float32_kernels_between_track_the_float32_model(isa, ti
     through batchgen's kernels, a bf16 KV cache. The first tokens' logits track the float32 model's (bf16 weights
     round each weight to 8 bits of mantissa), the model's own weights are the only copy, and a job writes every
     row."""
-    from batchgen.engines.hf import engine as hf
     from batchgen.engines.hf.backends.cpu import onednn as cpu_linear
+    from batchgen.engines.hf.backends.cpu.backend import cpu_has_fast_bf16
 
-    if not hf.cpu_has_fast_bf16() or not cpu_linear.available(torch.bfloat16):
+    if not cpu_has_fast_bf16() or not cpu_linear.available(torch.bfloat16):
         pytest.skip("this CPU has no native bf16 (AVX-512 BF16 or AMX): bf16 stays torch's bf16 model")
     monkeypatch.setattr(cpu_linear, "MIN_FEATURES", 1)
     engine = HFEngine(HFConfig(model=tiny_model, dtype="bfloat16", max_batch_size=8), tokenizer)

@@ -1,5 +1,5 @@
-"""OpenMP defaults and the thread governor (engines/hf/backends/cpu/threads.py): its policy on scripted clocks, and a real job
-beside busy processes on the same cores."""
+"""OpenMP defaults and the thread governor (engines/hf/backends/cpu/threads.py): its policy on scripted clocks, and a
+real job beside busy processes on the same cores."""
 
 from __future__ import annotations
 
@@ -153,13 +153,12 @@ def test_outputs_do_not_depend_on_the_thread_count(tmp_path: Path, dtype: str) -
 
     from batchgen.engines.hf.config import HFConfig
     from batchgen.engines.hf.engine import HFEngine
-    from batchgen.engines.hf.step import LlamaStepper
     from batchgen.engines.toymodel import build_model
 
     model = tmp_path / "small"
     build_model(model, [f"row {i} " + "word " * (i % 17) for i in range(200)], size="small")
     engine = HFEngine(HFConfig(model=str(model), dtype=dtype, device="cpu"), AutoTokenizer.from_pretrained(model))
-    stepper = LlamaStepper(engine.model, engine.activation_dtype, engine.dtype)
+    stepper = engine.stepper
     before = torch.get_num_threads()
     outs = {}
     try:

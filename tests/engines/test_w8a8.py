@@ -227,7 +227,7 @@ def test_the_native_step_with_fused_quantization_equals_the_unfused_one(bias, sc
     """The decode step (and the prefill) with the quantization and row scales folded into batchgen's kernels gives the
     logits of the same step calling each W8A8 (W4A8) linear whole (quantize, GEMM, scale rows), bit for bit: prompts
     of different lengths, several decode steps."""
-    from batchgen.engines.hf.step import LlamaStepper
+    from batchgen.engines.hf.backends.cpu.step import CpuStepper as LlamaStepper
 
     needs_scheme(scheme)
     model = w8a8_llama(bias, scheme)
@@ -265,7 +265,7 @@ def test_with_w8a8_a_rows_logits_do_not_depend_on_the_rows_beside_it(scheme):
     attention: a row prefilled and decoded alone, or beside longer and shorter rows (padded prefill batches of other
     widths), gets the same logits at every step, bit for bit. (Before prefill attention ran per row, a row beside a
     longer one differed by an ulp at one step.)"""
-    from batchgen.engines.hf.step import LlamaStepper
+    from batchgen.engines.hf.backends.cpu.step import CpuStepper as LlamaStepper
 
     needs_scheme(scheme)
     stepper = LlamaStepper(w8a8_llama(False, scheme), torch.float32)

@@ -19,11 +19,9 @@ from typing import Any, Optional
 import torch
 
 from batchgen.engines.base import Source, generate_by_stream, stream_windows
-from batchgen.engines.hf import device, loglik, prefix, quant
+from batchgen.engines.hf import backends, device, loglik, prefix, quant
 from batchgen.engines.hf.beam import BeamSearcher, with_beams
 from batchgen.engines.hf.config import HFConfig
-from batchgen.engines.hf.backends.cpu import kernels, onednn, runtime, threads
-from batchgen.engines.hf.fusion import fuse_projections
 from batchgen.engines.hf.generic import GenericGenerator
 from batchgen.engines.hf.sampler import Sampler, eos_ids
 from batchgen.engines.hf.scheduler import Scheduler, SchedulerStats
@@ -33,7 +31,6 @@ from batchgen.errors import ModelLoadError
 from batchgen.records import Request, Result
 
 log = logging.getLogger(__name__)
-cpu_has_fast_bf16 = runtime.has_native_bf16  # the flag; engine.dtype=auto measures instead (cpu/calibration.py)
 
 
 class HFEngine:
@@ -42,35 +39,19 @@ class HFEngine:
             torch.set_num_threads(cfg.threads)
         self.cfg = cfg
         self.device = device.resolve_device(cfg.device)
+        self.backend = backends.for_device(self.device)  # the device's plan and stepper (backends/)
         self.dtype = quant.compute_dtype(cfg.quantization, self.device,
                                          device.resolve_dtype(cfg.dtype, self.device, device.model_config(cfg)))
-        self.activation_dtype = self.dtype  # what flows between the GEMMs and sits in the KV cache
-        quantized_bf16 = self.quantized_bf16_gemms(cfg)
-        if quantized_bf16:  # int8/int4 weights, float32 between them: batchgen's kernels take float32
-            self.activation_dtype = torch.float32
+        loaded = self.backend.load_dtype(cfg, self.dtype)
         self.tokenizer = tokenizer
-        self.model = _load_model(cfg, self.device, self.activation_dtype)  # from_pretrained, then quantized
+        self.model = _load_model(cfg, self.device, loaded)  # from_pretrained, then quantized
         self.max_model_len = cfg.max_model_len or device.model_max_len(self.model.config)
-        self.prepacked = self.fused = 0
-        serves_all = supports(self.model, self.max_model_len)  # the stepper serves every window: fused GEMMs pay
-        if self.mixed_bf16_pays(cfg):
-            self.prepacked, self.fused = onednn.mixed_bf16(self.model, fuse_projections if serves_all else None)
-            self.activation_dtype = torch.float32
-        elif self.device.type == "cpu" and cfg.prepack and not cfg.quantization and onednn.available(self.dtype):
-            if serves_all:
-                self.fused = fuse_projections(self.model, onednn.pack_concatenated)
-            self.prepacked = self.fused + onednn.pack_linears(self.model)
-        elif self.device.type == "cpu" and cfg.quantization in quant.CPU_KERNEL_SCHEMES and serves_all:
-            self.fused = fuse_projections(self.model, quant.concatenate)
-        self.prepacked += quant.pack_w8a8(self.model)  # after fusing: W8A8 weights reordered for oneDNN
-        if quantized_bf16:  # after fusing: the fused modules are new
-            quant.set_gemm_dtype(self.model, torch.bfloat16)
-        if self.device.type == "cpu":  # after loading: memory freed while loading or quantizing goes back to the OS
-            runtime.return_freed_memory()
-            runtime.keep_freed_memory()
-        # fewer threads while other work holds the cores (cpu/threads.py); kept across windows
-        self.governor = (threads.for_engine(torch.get_num_threads(), torch.set_num_threads)
-                         if self.device.type == "cpu" else None)
+        # the stepper serves every window where the model allows: fused GEMMs pay
+        self.prepared = self.backend.prepare(self.model, cfg, self.dtype, loaded,
+                                             serves_all=supports(self.model, self.max_model_len))
+        self.activation_dtype = self.prepared.activation_dtype  # between the GEMMs and in the KV cache
+        self.prepacked, self.fused = self.prepared.prepacked, self.prepared.fused
+        self.governor = self.prepared.governor
         self.max_batch_tokens, self.max_batch_size = device.batch_defaults(self.device, cfg.max_batch_tokens,
                                                                            cfg.max_batch_size)
         self.eos_ids = eos_ids(self.model, tokenizer)
@@ -84,22 +65,9 @@ class HFEngine:
         # built on first use: choice scores, beam search, task=loglik and task=embed
         self._scorer, self._beams, self._loglik = None, None, None
         between = "" if self.activation_dtype == self.dtype else f" (activations in {self.activation_dtype})"
-        log.info("hf engine: %s on %s in %s%s, max_batch_tokens=%d, max_batch_size=%d, %d linears prepacked for "
-                 "oneDNN, %d fused q/k/v or gate/up projections", cfg.model, self.device, self.dtype, between,
-                 self.max_batch_tokens, self.max_batch_size, self.prepacked, self.fused)
-
-    def mixed_bf16_pays(self, cfg: HFConfig) -> bool:
-        """bf16 GEMMs with batchgen's float32 kernels between them (onednn.mixed_bf16): a bf16 model on a CPU
-        with native bf16 (the flag: on an emulating CPU the pure bf16 path stays as it was measured), where the
-        kernels are built and oneDNN can prepack bf16 weights."""
-        return (self.device.type == "cpu" and self.dtype == torch.bfloat16 and cfg.prepack and not cfg.quantization
-                and cpu_has_fast_bf16() and kernels.load() is not None and onednn.available(torch.bfloat16))
-
-    def quantized_bf16_gemms(self, cfg: HFConfig) -> bool:
-        """int8/int4 in bf16 on CPU through batchgen's kernels: the model computes in float32 (the kernels for few
-        rows take float32), and each quantized linear runs its dequantized GEMM (prefill) in bf16."""
-        return (self.device.type == "cpu" and cfg.quantization in quant.CPU_KERNEL_SCHEMES
-                and self.dtype == torch.bfloat16 and kernels.load() is not None)
+        log.info("hf engine: %s on %s in %s%s (%s backend), max_batch_tokens=%d, max_batch_size=%d, %d linears "
+                 "prepacked, %d fused q/k/v or gate/up projections", cfg.model, self.device, self.dtype, between,
+                 self.backend.name, self.max_batch_tokens, self.max_batch_size, self.prepacked, self.fused)
 
     @functools.cached_property
     def quantization_scheme(self) -> Optional[str]:
@@ -174,8 +142,7 @@ class HFEngine:
     @property
     def stepper(self) -> LlamaStepper:
         if self._stepper is None:
-            # built once per engine; around bf16 GEMMs the cache is bf16, as a bf16 model's would be
-            self._stepper = LlamaStepper(self.model, self.activation_dtype, self.dtype)
+            self._stepper = self.backend.stepper(self.model, self.prepared, self.dtype, self.cfg)  # once per engine
             log.info("hf engine decode step: %s", self._stepper.describe())
         return self._stepper
 

@@ -40,6 +40,21 @@ def fuse_projections(model: Any, fuse: Callable[[list[nn.Module]], Optional[nn.M
     return made
 
 
+def concatenate_linears(parts: list[nn.Module]) -> Optional[nn.Linear]:
+    """`fuse` for plain linears on any device: one nn.Linear whose output is the parts' outputs side by side (same
+    input size); None where a part is not a plain nn.Linear."""
+    if not all(type(p) is nn.Linear for p in parts):
+        return None
+    weight = torch.cat([p.weight.detach() for p in parts])
+    biased = any(p.bias is not None for p in parts)
+    linear = nn.Linear(parts[0].in_features, weight.shape[0], bias=biased, device="meta", dtype=weight.dtype)
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if biased:
+        linear.bias = nn.Parameter(torch.cat([p.bias.detach() if p.bias is not None else
+                                              weight.new_zeros(p.out_features) for p in parts]), requires_grad=False)
+    return linear
+
+
 class FusedSlice(nn.Module):
     """Output features [start, stop) of a fused projection, standing where the model's own projection was.
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.engines.hf.backends.cpu.runtime import CheckpointPages
+from batchgen.engines.hf.fusion import concatenate_linears
 
 log = logging.getLogger(__name__)
 BATCH_HINT = 32  # the M oneDNN tunes the blocked layout for; any M runs on it
@@ -173,21 +174,7 @@ def mixed_bf16(model: Any, fuse: Optional[Callable[[Any, Callable], int]] = None
     return sum(isinstance(m, PackedLinear) for m in model.modules()), fused
 
 
-def concatenate(parts: list[nn.Module]) -> Optional[nn.Linear]:
-    """One nn.Linear whose output is the plain linears' outputs side by side (same input size); else None."""
-    if not all(type(p) is nn.Linear for p in parts):
-        return None
-    weight = torch.cat([p.weight.detach() for p in parts])
-    biased = any(p.bias is not None for p in parts)
-    linear = nn.Linear(parts[0].in_features, weight.shape[0], bias=biased, device="meta", dtype=weight.dtype)
-    linear.weight = nn.Parameter(weight, requires_grad=False)
-    if biased:
-        linear.bias = nn.Parameter(torch.cat([p.bias.detach() if p.bias is not None else
-                                              weight.new_zeros(p.out_features) for p in parts]), requires_grad=False)
-    return linear
-
-
 def pack_concatenated(parts: list[nn.Module]) -> Optional[PackedLinear]:
     """`fuse` for fusion.fuse_projections: the parts' concatenated weights, prepacked; None where not."""
-    linear = concatenate(parts)
+    linear = concatenate_linears(parts)
     return None if linear is None else pack(linear)

@@ -11,6 +11,7 @@ from batchgen.engines.base import EngineConfig, at_least_one
 
 DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 PREFIX_CACHE = ("auto", "on", "off")
+CUDA_GRAPHS = ("auto", "on", "off")
 
 
 @dataclass
@@ -21,6 +22,7 @@ class HFConfig(EngineConfig):
     prepack: bool = True  # on CPU: reorder linear weights once into oneDNN's layout (faster small-batch GEMMs)
     prefix_cache: str = "auto"  # shared prompt prefixes computed once: auto | on (from 32 shared tokens) | off
     prefix_cache_mb: int = 1024  # the prefix cache's keys and values are kept within this many MiB
+    cuda_graphs: str = "auto"  # on CUDA: the decode step captured per batch bucket: auto | on | off
 
     def problems(self) -> list[str]:
         out = super().problems() + at_least_one(self, "threads")
@@ -28,6 +30,8 @@ class HFConfig(EngineConfig):
             out.append(f"engine.device must be auto, cpu, cuda or cuda:N (got {self.device!r})")
         if self.prefix_cache not in PREFIX_CACHE:
             out.append(f"engine.prefix_cache must be one of {', '.join(PREFIX_CACHE)} (got {self.prefix_cache!r})")
+        if self.cuda_graphs not in CUDA_GRAPHS:
+            out.append(f"engine.cuda_graphs must be one of {', '.join(CUDA_GRAPHS)} (got {self.cuda_graphs!r})")
         if self.prefix_cache_mb < 1:
             out.append(f"engine.prefix_cache_mb must be >= 1 (got {self.prefix_cache_mb})")
         return out

@@ -1,0 +1,134 @@
+"""The CUDA backend's decode step (backends/cuda/step.py), checked on CPU tensors: its static-shape body equals the
+reference stepper (float32 logits within 1e-4, greedy picks the logits' argmax) with live rows fewer than the bucket,
+runs without a host sync or a value-dependent shape (tests/engines/syncguard.py), gives the same twice from the same
+buffers, and generates through the scheduler what the reference generates. On CUDA (the `gpu` tests) the captured
+graphs give what the eager body gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from batchgen.engines.hf.backends.cuda.step import CudaStepper, masked_attention
+from batchgen.engines.hf.fusion import concatenate_linears, fuse_projections
+from batchgen.engines.hf.step import LlamaStepper
+from tests.engines.syncguard import no_host_sync
+
+PROMPT_LENGTHS = (40, 3, 17, 1, 29)  # 5 live rows: bucket 8 of a 6-slot cache is 6 rows, one padding row
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["separate", "fused"])
+def model(request, tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    if request.param:
+        assert fuse_projections(model, concatenate_linears) == 2 * model.config.num_hidden_layers
+    return model
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 200, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+def decode_steps(stepper: LlamaStepper, steps: int = 4) -> tuple[list[torch.Tensor], list]:
+    """Prefill the prompts one per slot of a 6-slot cache, then `steps` decode steps: the logits and picks."""
+    cache = stepper.new_cache(6, 64)
+    logits, picks = [], []
+    with torch.inference_mode():
+        for slot, p in enumerate(prompts()):
+            stepper.prefill(cache, slot, [p])
+        for t in range(steps):
+            got, pick = stepper.decode_picks(cache, torch.tensor([7 + t + r for r in range(len(PROMPT_LENGTHS))]))
+            logits.append(got.clone())
+            picks.append(None if pick is None else pick.clone())
+    assert cache.host_lengths[:5] == [n + steps for n in PROMPT_LENGTHS] and cache.lengths[:5].tolist() == \
+        cache.host_lengths[:5]
+    return logits, picks
+
+
+def test_the_static_decode_step_equals_the_reference_steps(model):
+    want, _ = decode_steps(LlamaStepper(model))
+    stepper = CudaStepper(model)
+    got, picks = decode_steps(stepper)
+    assert stepper.graphs == "off" and sorted(stepper.buckets) == [6]  # 5 rows: bucket 8, capped at the 6 slots
+    for g, w, p in zip(got, want, picks):
+        assert g.shape == w.shape and torch.allclose(g, w.float(), atol=1e-4, rtol=1e-4)
+        assert torch.equal(p, g.argmax(dim=-1))
+
+
+def test_the_step_body_makes_no_host_sync_and_repeats_from_the_same_buffers(model):
+    stepper = CudaStepper(model)
+    cache = stepper.new_cache(6, 64)
+    with torch.no_grad():  # not inference_mode: the guard's dispatch mode sees no op on inference tensors
+        for slot, p in enumerate(prompts()):
+            stepper.prefill(cache, slot, [p])
+        bucket = stepper._bucket(cache, 5)
+        bucket.tokens.copy_(torch.tensor([5, 6, 7, 8, 9, 10]))
+        with no_host_sync():
+            stepper.step(cache, bucket)
+        first = bucket.logits.clone()
+        stepper.step(cache, bucket)  # the same inputs, the same cache positions written again
+    assert torch.equal(first, bucket.logits)
+
+
+def test_the_guard_sees_the_reference_steps_host_work(model):
+    """The guard is not blind: the reference step plans attention from host lengths and tensors built from lists."""
+    stepper = LlamaStepper(model)
+    cache = stepper.new_cache(2, 32)
+    with torch.no_grad():
+        stepper.prefill(cache, 0, [[5, 6, 7], [8, 9]])
+        with pytest.raises(AssertionError, match="from a Python list"):
+            with no_host_sync():
+                stepper.decode_picks(cache, torch.tensor([4, 4]))
+
+
+def test_masked_attention_reads_each_row_over_its_own_length():
+    from batchgen.engines.hf.backends.cuda.attention import decode_attention_reference
+
+    torch.manual_seed(0)
+    q = torch.randn(3, 4, 16)
+    k, v = torch.randn(5, 2, 40, 16), torch.randn(5, 2, 40, 16)
+    lengths = torch.tensor([1, 40, 17])
+    want = decode_attention_reference(q, k, v, lengths, 0.25)
+    assert torch.allclose(masked_attention(q, k, v, lengths, 0.25), want, atol=1e-5)
+
+
+def test_generation_through_the_scheduler_equals_the_reference(model, tiny_model):
+    """Rows joining and leaving a 4-slot cache (buckets of 2 and 4 rows in turn): the same greedy tokens."""
+    from transformers import AutoTokenizer
+
+    from batchgen.engines.hf.sampler import Sampler, eos_ids
+    from batchgen.engines.hf.scheduler import Scheduler
+    from batchgen.records import Request
+    from batchgen.sampling import SampleParams
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    params = [SampleParams(max_new_tokens=cap, temperature=0.0, top_p=1.0, top_k=0, stop=(), ignore_eos=True)
+              for cap in (9, 3, 14, 6, 11, 2, 8)]
+    reqs = [Request(key=i, prompt_ids=p, params=params[i], seed=None) for i, p in enumerate(prompts() + prompts()[:2])]
+    sampler = Sampler(tokenizer, eos_ids(model, tokenizer), torch.device("cpu"))
+
+    def run(stepper: LlamaStepper) -> list[str]:
+        with torch.inference_mode():
+            results = Scheduler(sampler, stepper, max_batch_tokens=4096, max_batch_size=4).run(reqs, None)
+        return [r.text for r in results]
+
+    stepper = CudaStepper(model)
+    assert run(stepper) == run(LlamaStepper(model))
+    assert {2, 4} <= set(stepper.buckets)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_graphs_give_what_the_eager_step_gives(tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).to("cuda").eval()
+    fuse_projections(model, concatenate_linears)
+    graphed, eager = CudaStepper(model, graphs="on"), CudaStepper(model, graphs="off")
+    (got, got_picks), (want, want_picks) = decode_steps(graphed), decode_steps(eager)
+    assert all(b.graph is not None for b in graphed.buckets.values())
+    for g, w, gp, wp in zip(got, want, got_picks, want_picks):
+        assert torch.equal(g, w) and torch.equal(gp, wp)
+    memory = torch.cuda.memory_allocated()
+    decode_steps(graphed)  # replays allocate nothing new beyond the new cache
+    assert torch.cuda.memory_allocated() <= memory + 2 * graphed.cache.k.numel() * graphed.cache.k.element_size()

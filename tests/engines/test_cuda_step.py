@@ -132,3 +132,38 @@ def test_captured_graphs_give_what_the_eager_step_gives(tiny_model):
     memory = torch.cuda.memory_allocated()
     decode_steps(graphed)  # replays allocate nothing new beyond the new cache
     assert torch.cuda.memory_allocated() <= memory + 2 * graphed.cache.k.numel() * graphed.cache.k.element_size()
+
+
+def test_device_sampled_rows_draw_the_same_alone_in_any_batch_and_after_a_resume(tiny_model):
+    """Sampling as on CUDA (Sampler(device_sampling=True): each row's noise from its seed and step): a seeded row's
+    tokens are the same generated alone, beside other rows in another slot, and again from a fresh scheduler."""
+    from transformers import AutoTokenizer
+
+    from batchgen.engines.hf.sampler import Sampler, eos_ids
+    from batchgen.engines.hf.scheduler import Scheduler
+    from batchgen.records import Request
+    from batchgen.sampling import SampleParams
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    sampled = SampleParams(max_new_tokens=12, temperature=0.9, top_p=0.9, top_k=40, stop=(), ignore_eos=True)
+    greedy = SampleParams(max_new_tokens=7, temperature=0.0, top_p=1.0, top_k=0, stop=(), ignore_eos=True)
+    rows = prompts()
+    target = Request(key="t", prompt_ids=rows[2], params=sampled, seed=1234)
+    others = [Request(key=i, prompt_ids=p, params=sampled if i % 2 else greedy, seed=77 + i)
+              for i, p in enumerate(rows)]
+
+    def run(reqs: list[Request], slots: int) -> dict:
+        sampler = Sampler(tokenizer, eos_ids(model, tokenizer), torch.device("cpu"), device_sampling=True)
+        assert sampler.start(target).generator is None  # no generator state: drawn on the device
+        with torch.no_grad():
+            results = Scheduler(sampler, CudaStepper(model), max_batch_tokens=4096, max_batch_size=slots).run(reqs,
+                                                                                                              None)
+        return {r.key: r.text for r in results}
+
+    alone = run([target], 1)["t"]
+    assert run([*others[:3], target, *others[3:]], 4)["t"] == alone  # another slot, rows leaving around it
+    assert run([*others, target], 2)["t"] == alone  # admitted last, into a recycled slot
+    assert run([target], 1)["t"] == alone  # a resume: a fresh sampler and scheduler
+    twins = run([Request(f"u{s}", rows[2], sampled, seed=s) for s in (1, 2)], 2)  # the seed is what draws
+    assert twins["u1"] != twins["u2"]

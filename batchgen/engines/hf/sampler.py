@@ -32,21 +32,32 @@ class Draw:
     thought: int = 0  # tokens generated while thinking
     tail: tuple[int, ...] = ()  # the last tokens, to see the end marker complete
     forced: Optional[list[int]] = None  # tokens still to feed in: a scored choice's, or the reasoning end marker
+    seed: Optional[int] = None  # a sample drawn on the device (device_sampling): its seed, with `drawn` its noise
+    drawn: int = 0  # tokens picked so far: the step of the next draw
 
 
 class Sampler:
-    def __init__(self, tokenizer: Any, eos_ids: set[int], device: torch.device, vocab_size: Optional[int] = None):
+    def __init__(self, tokenizer: Any, eos_ids: set[int], device: torch.device, vocab_size: Optional[int] = None,
+                 device_sampling: Optional[bool] = None):
+        """device_sampling: sampled rows drawn together on the device, each from a counter-based hash of (its seed,
+        its step) (backends/cuda/sampling.py: one sync a step instead of one a row, and a draw independent of the
+        batch); default on CUDA. Elsewhere each sampled row draws from its own torch.Generator (the CPU's measured
+        sampler)."""
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.device = device
         self.vocab_size = vocab_size  # the model's logits width (None: the tokenizer's length)
+        self.device_sampling = device.type == "cuda" if device_sampling is None else device_sampling
         self._grammars: Any = None  # grammar.Grammars, made at the first constrained request
 
     def start(self, req: Request) -> Draw:
-        """A new sample's Draw: its RNG (None for greedy), its grammar matcher where it is constrained."""
-        gen = None if req.params.greedy else torch.Generator(device=self.device).manual_seed(req.seed)
+        """A new sample's Draw: its RNG (None for greedy, or where it draws on the device), its grammar matcher where
+        it is constrained."""
+        on_device = self.device_sampling and not req.params.greedy
+        gen = None if req.params.greedy or on_device else torch.Generator(device=self.device).manual_seed(req.seed)
         constraint = req.params.constraint
-        draw = Draw(gen, self.grammars().matcher(constraint) if constraint is not None else None)
+        draw = Draw(gen, self.grammars().matcher(constraint) if constraint is not None else None,
+                    seed=req.seed if on_device else None)
         if req.params.logprobs is not None:
             draw.token_logprobs, draw.top_logprobs = [], []
         draw.thinking = req.params.reasoning is not None
@@ -72,8 +83,16 @@ class Sampler:
         constrained = self._grammars is not None and any(m is not None for m in matchers)
         if constrained:
             logits, picks = self._grammars.mask(logits, matchers), None
-        tokens = pick_tokens(logits, [r.params for r in reqs], [d.generator for d in draws], picks)
+        tokens = pick_tokens(logits, [r.params for r in reqs], [d.generator for d in draws], picks,
+                             skip={j for j, d in enumerate(draws) if d.seed is not None})
+        drawn = [j for j, d in enumerate(draws) if d.seed is not None]
+        if drawn:
+            rows = logits if len(drawn) == len(draws) else logits[torch.tensor(drawn, device=logits.device)]
+            chosen = device_tokens(rows, [reqs[j].params for j in drawn], [draws[j] for j in drawn])
+            for j, token in zip(drawn, chosen):
+                tokens[j] = token
         for j, d in enumerate(draws):
+            d.drawn += 1
             if d.forced:
                 tokens[j] = d.forced.pop(0)
         if logp is not None:
@@ -143,10 +162,20 @@ def record_logprobs(logp: torch.Tensor, draws: list[Draw], tokens: list[int], ks
         draw.top_logprobs.append(pairs)  # type: ignore[union-attr]
 
 
+def device_tokens(logits: torch.Tensor, params: list[SampleParams], draws: list[Draw]) -> list[int]:
+    """The next token of rows that draw on the device, all at once (backends/cuda/sampling.py pick, each row's noise
+    from its seed and its step): one host read for all of them."""
+    from batchgen.engines.hf.backends.cuda import sampling
+
+    rows = sampling.SlotParams.of_rows(params, [d.seed for d in draws], logits.device)
+    steps = torch.tensor([d.drawn for d in draws], dtype=torch.int64).to(logits.device, non_blocking=True)
+    return sampling.pick(logits, rows, len(draws), steps).tolist()
+
+
 def pick_tokens(logits: torch.Tensor, params: list[SampleParams], generators: list[Optional[torch.Generator]],
-                picks: Optional[torch.Tensor] = None) -> list[int]:
+                picks: Optional[torch.Tensor] = None, skip: frozenset[int] | set[int] = frozenset()) -> list[int]:
     """Next token per row: argmax for greedy rows (`picks` where given: the step's own), a draw from the row's own
-    generator otherwise."""
+    generator otherwise; rows in `skip` are left to the caller (device draws)."""
     # logits: [B, V]. The first index of the largest value (NaN counts as largest): batchgen's kernel on CPU float32
     # (one read on every thread), else max's indices, not argmax: the same answer, 4.2x faster on [64, 151936]
     # float32 logits at 2 threads (2.4 against 10.0 ms a step, Sapphire Rapids)
@@ -159,7 +188,7 @@ def pick_tokens(logits: torch.Tensor, params: list[SampleParams], generators: li
         else:
             tokens = logits.max(dim=-1).indices.tolist()
     for j, (p, gen) in enumerate(zip(params, generators)):
-        if not p.greedy:
+        if not p.greedy and j not in skip:
             tokens[j] = sample_token(logits[j], p, gen)
     return tokens
 

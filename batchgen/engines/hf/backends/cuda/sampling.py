@@ -46,6 +46,29 @@ class SlotParams:
         self.host_filtered = [False] * slots  # the row uses top-k, top-p or min-p
         self.slots = slots
 
+    @classmethod
+    def of_rows(cls, params: list[SampleParams], seeds: list[Optional[int]], device: torch.device) -> SlotParams:
+        """The rows' parameters in slots [0, len(params)), each tensor built from a list at once (one host-to-device
+        copy a parameter, not one a row): for a caller that samples a different set of rows each call."""
+        rows = cls.__new__(cls)
+        greedy = [p.greedy for p in params]
+        min_p = [float(getattr(p, "min_p", 0.0)) for p in params]
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        rows.temperature = tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32)
+        rows.top_k = tensor([p.top_k for p in params], torch.int64)
+        rows.top_p = tensor([p.top_p for p in params], torch.float32)
+        rows.min_p = tensor(min_p, torch.float32)
+        rows.seed = tensor([as_int64(s or 0) for s in seeds], torch.int64)
+        rows.greedy = tensor(greedy, torch.bool)
+        rows.host_sampled = [not g for g in greedy]
+        rows.host_filtered = [not g and (p.top_k > 0 or p.top_p < 1.0 or m > 0.0)
+                              for p, g, m in zip(params, greedy, min_p)]
+        rows.slots = len(params)
+        return rows
+
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.greedy
 

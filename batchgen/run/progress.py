@@ -39,6 +39,7 @@ class Summary:
     lookahead_parts: int = 0  # parts in flight beyond the oldest, at most (run.lookahead_parts, resolved)
     max_parts_in_flight: int = 0  # the most parts this run held at once
     prefix_tokens_reused: int = 0  # prompt tokens the engine took from its prefix cache instead of prefilling
+    kv_cache: str = ""  # the hf engine's KV cache as last sized ("" where the engine keeps none)
     rows_read: int = 0  # input rows this run decoded (a shard of a seekable input: its own parts' only)
     rows_typed: int = 0  # lines a JSONL input's typing pass parsed (once per input: saved for shards and resumes)
     cache: Any = None  # respcache.CacheStats: answers from run.cache_dir, duplicates generated once (None: off)
@@ -89,6 +90,8 @@ class Summary:
                          f"answered once, {c.stored} answers stored")
         if self.prefix_tokens_reused:
             lines.append(f"  prefix cache: {self.prefix_tokens_reused} prompt tokens reused instead of prefilled")
+        if self.kv_cache:
+            lines.append(f"  KV cache: {self.kv_cache}")
         if self.max_parts_in_flight > 1:
             lines.append(f"  streamed: up to {self.max_parts_in_flight} parts in flight (run.lookahead_parts="
                          f"{self.lookahead_parts})")

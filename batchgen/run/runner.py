@@ -129,6 +129,7 @@ def _generate_parts(cfg: JobConfig, planner: Planner, engine: Any, committer: Co
         feed.close()
         summary.lookahead_parts, summary.max_parts_in_flight = lookahead, feed.max_in_flight
         summary.prefix_tokens_reused = getattr(getattr(engine, "stats", None), "prefix_tokens_reused", 0)
+        summary.kv_cache = kv_cache_said(getattr(engine, "stats", None))
         summary.cache = getattr(engine, "cache_stats", None)
         if committer.sink is not None:
             summary.table, summary.table_commits = committer.sink.describe(), committer.sink.commits
@@ -157,3 +158,11 @@ def write_derived(cfg: JobConfig, output_dir: Path) -> None:
     if cfg.run.attempt:
         log.info("OpenAI batch results rewritten from the latest attempts: %s",
                  write_if_wanted(output_dir.parent.parent))  # _attempts/attempt-NNN/ -> the job's output_dir
+
+
+def kv_cache_said(stats: Any) -> str:
+    """The hf engine's KV cache as the summary says it: slots, positions, bytes ("" where there is none)."""
+    slots = getattr(stats, "kv_slots", 0)
+    if not slots:
+        return ""
+    return f"{slots} slots x {stats.kv_positions} positions, {stats.kv_cache_bytes / 1e9:.2f} GB (keys and values)"

@@ -167,3 +167,26 @@ def test_device_sampled_rows_draw_the_same_alone_in_any_batch_and_after_a_resume
     assert run([target], 1)["t"] == alone  # a resume: a fresh sampler and scheduler
     twins = run([Request(f"u{s}", rows[2], sampled, seed=s) for s in (1, 2)], 2)  # the seed is what draws
     assert twins["u1"] != twins["u2"]
+
+
+def test_the_kv_budget_is_the_jobs_share_less_what_is_held_and_the_activation_reserve():
+    from types import SimpleNamespace
+
+    from batchgen.engines.hf.backends.cuda.backend import activation_reserve, kv_budget
+
+    gb = 10 ** 9
+    assert kv_budget(total=80 * gb, free=77 * gb, utilization=0.9, reserve=5 * gb) == 64 * gb  # 72 - 3 held - 5
+    assert kv_budget(total=80 * gb, free=10 * gb, utilization=0.9, reserve=5 * gb) == 0  # another process holds it
+    llama_1b = SimpleNamespace(hidden_size=2048, intermediate_size=8192, vocab_size=128256)
+    reserve = activation_reserve(llama_1b, max_batch_tokens=65536, max_slots=1024, element=2)
+    assert reserve == 65536 * (6 * 2048 + 3 * 8192) * 2 + 3 * 1024 * 128256 * 4  # 4.8 GB + 1.6 GB
+
+
+def test_the_summary_says_the_kv_cache_the_hf_engine_sized(tiny_model, tmp_path):
+    from batchgen.run.runner import run_job
+    from tests.conftest import compose_job, job_overrides, write_jsonl
+
+    data = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": "the river " * (i + 1)} for i in range(6)])
+    summary = run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "out", "dataset.id_column=id",
+                                                "engine.max_batch_size=4", "sampling.max_new_tokens=4")))
+    assert summary.kv_cache.startswith("4 slots x 64 positions") and "KV cache: 4 slots" in summary.render()

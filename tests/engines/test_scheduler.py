@@ -42,7 +42,9 @@ class FakeStepper:
     device = CPU
 
     def __init__(self, eos_at: Optional[dict[int, int]] = None, cache_oom_above: Optional[int] = None,
-                 prefill_oom_above: Optional[int] = None, cache_error: Optional[Exception] = None):
+                 prefill_oom_above: Optional[int] = None, cache_error: Optional[Exception] = None,
+                 kv_budget_bytes: Optional[int] = None):
+        self.kv_budget_bytes = kv_budget_bytes  # the KV cache's bound; None: unbounded
         self.eos_at = eos_at or {}  # row ident -> the g at which it emits EOS instead of its planned token
         self.cache_oom_above, self.prefill_oom_above = cache_oom_above, prefill_oom_above
         self.cache_error = cache_error
@@ -62,6 +64,9 @@ class FakeStepper:
         out = torch.full((len(ids), VOCAB), float("-inf"))
         out[torch.arange(len(ids)), torch.tensor(ids)] = 0.0
         return out
+
+    def cache_bytes(self, slots: int, max_len: int) -> int:
+        return 2 * slots * max_len * 4  # one layer, one head of width 1, float32 keys and values
 
     def new_cache(self, slots: int, max_len: int) -> SlotKVCache:
         self.cache_requests.append(slots)
@@ -251,6 +256,19 @@ def test_a_cache_out_of_memory_halves_max_batch_size_and_every_result_still_come
     assert stepper.cache_requests == asked
     assert scheduler.max_batch_size == asked[-1] and scheduler.stats.oom_backoffs == len(asked) - 1
     assert max(stepper.decode_rows) <= asked[-1]
+    assert results == [expected(r, [token(r.prompt_ids[0], g) for g in range(r.params.max_new_tokens)], "length")
+                       for r in requests]
+
+
+def test_the_kv_budget_bounds_the_slots_and_every_result_still_comes():
+    """A stepper whose KV cache may hold 3 slots of 64 positions (engine.gpu_memory_utilization on CUDA): the
+    scheduler asks 8 slots of no cache, decodes at most 3 rows a step, and says what it took in its stats."""
+    requests = mixed_requests(9, seed=4)
+    stepper = FakeStepper(kv_budget_bytes=3 * 2 * 64 * 4 + 100)
+    scheduler, results = run(requests, stepper, max_batch_size=8)
+    assert stepper.cache_requests == [3] and max(stepper.decode_rows) == 3
+    assert (scheduler.stats.kv_slots, scheduler.stats.kv_positions) == (3, 64)
+    assert scheduler.stats.kv_cache_bytes == stepper.cache_bytes(3, 64) <= stepper.kv_budget_bytes
     assert results == [expected(r, [token(r.prompt_ids[0], g) for g in range(r.params.max_new_tokens)], "length")
                        for r in requests]
 

@@ -18,7 +18,7 @@ from batchgen.engines.hf.backends.cpu import calibration
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULTS = {  # (max_batch_tokens, max_batch_size) per device type; rows per part: engines.ENGINES
     "cpu": (8192, 64),
-    "cuda": (65536, 256),
+    "cuda": (65536, 1024),  # slots bounded by the GPU's memory (engine.gpu_memory_utilization)
 }
 
 

@@ -62,14 +62,20 @@ class SchedulerStats:
     prefix_tokens_reused: int = 0  # prompt tokens taken from the prefix cache instead of prefilled
     prefix_tokens_computed: int = 0  # tokens of shared prefixes prefilled once (included in prefill_tokens)
     prefix_cache_bytes: int = 0  # the prefix cache's keys and values held (engine.prefix_cache_mb bounds it)
+    kv_slots: int = 0  # the KV cache's slots (rows decoded together at most), as last allocated
+    kv_positions: int = 0  # and its positions per slot
+    kv_cache_bytes: int = 0  # and its keys and values, every layer
 
 
 class Stepper(Protocol):
     """Prefill and decode on a slot KV cache (step.LlamaStepper): what the scheduler drives."""
 
     device: torch.device
+    kv_budget_bytes: Optional[int]  # the most the KV cache may hold (sized from free device memory); None: unbounded
 
     def new_cache(self, slots: int, max_len: int) -> SlotKVCache: ...
+
+    def cache_bytes(self, slots: int, max_len: int) -> int: ...  # what new_cache(slots, max_len) holds
 
     def prefill(self, cache: SlotKVCache, first_slot: int, prompts: list[list[int]],
                 starts: Optional[list[int]] = None) -> torch.Tensor: ...  # logits of each prompt's last token [n, V]
@@ -141,6 +147,9 @@ class Scheduler:
         if cache is not None and cache.max_len < want_len:  # grow by half at least: few reallocations per job
             want_len = max(want_len, -(-cache.max_len * 3 // 2 // LEN_STEP) * LEN_STEP)
         length = max(want_len, cache.max_len if cache is not None else 0)
+        slots = self._within_budget(slots, length, n_live)
+        if cache is not None and cache.slots >= slots and cache.max_len >= length:
+            return cache  # the budget allows no more slots at the longer length: rows wait for a free one
         if cache is not None and n_live == 0:
             cache = None  # nothing to carry over: free the old cache before allocating the new one
         grown = self._allocate(slots, length, n_live)
@@ -148,12 +157,27 @@ class Scheduler:
             grown.copy_from(cache, n_live)
         return grown
 
+    def _within_budget(self, slots: int, length: int, n_live: int) -> int:
+        """`slots`, fewer where the stepper's KV budget (free device memory) holds fewer at `length` positions; never
+        below the live rows (they are in the cache already) nor 1."""
+        budget = self.stepper.kv_budget_bytes
+        if budget is None:
+            return slots
+        fit = budget // max(self.stepper.cache_bytes(1, length), 1)
+        if fit < slots:
+            log.info("KV cache: %d slots of %d positions fit engine.gpu_memory_utilization's %.2f GB (asked %d)",
+                     fit, length, budget / 1e9, slots)
+        return max(min(slots, fit), n_live, 1)
+
     def _allocate(self, slots: int, max_len: int, n_live: int) -> Any:
         """A KV cache; if it does not fit, halve the slots (engine.max_batch_size) until it does, never below the
         live sequences it must take over."""
         while True:
             try:
-                return self.stepper.new_cache(slots, max_len)
+                cache = self.stepper.new_cache(slots, max_len)
+                self.stats.kv_slots, self.stats.kv_positions = slots, max_len
+                self.stats.kv_cache_bytes = self.stepper.cache_bytes(slots, max_len)
+                return cache
             except (torch.OutOfMemoryError, RuntimeError) as exc:
                 if slots <= max(n_live, 1) or not is_oom(exc):
                     raise

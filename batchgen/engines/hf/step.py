@@ -75,6 +75,7 @@ class LlamaStepper:
         # prefill attention a row at a time (its sums those of the row alone), where a backend's GEMMs make a row's
         # tokens independent of its neighbours (backends/cpu/step.py: exact int32 W8A8 GEMMs)
         self.row_exact = False
+        self.kv_budget_bytes: Optional[int] = None  # the KV cache's bound (a backend sizes it from device memory)
 
     def describe(self) -> str:
         """Which decode step runs, for the engine's log."""
@@ -83,6 +84,11 @@ class LlamaStepper:
     def new_cache(self, slots: int, max_len: int) -> SlotKVCache:
         return SlotKVCache(layers=len(self.layers), slots=slots, kv_heads=self.kv_heads, max_len=max_len,
                            head_dim=self.head_dim, dtype=self.kv_dtype, device=self.device)
+
+    def cache_bytes(self, slots: int, max_len: int) -> int:
+        """The keys and values new_cache(slots, max_len) holds, every layer."""
+        size = torch.empty(0, dtype=self.kv_dtype).element_size()
+        return 2 * len(self.layers) * slots * self.kv_heads * max_len * self.head_dim * size
 
     def prefill(self, cache: SlotKVCache, first_slot: int, prompts: list[list[int]],
                 starts: Optional[list[int]] = None, every: bool = False) -> torch.Tensor:

@@ -190,3 +190,39 @@ def test_the_summary_says_the_kv_cache_the_hf_engine_sized(tiny_model, tmp_path)
     summary = run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "out", "dataset.id_column=id",
                                                 "engine.max_batch_size=4", "sampling.max_new_tokens=4")))
     assert summary.kv_cache.startswith("4 slots x 64 positions") and "KV cache: 4 slots" in summary.render()
+
+
+KERNEL_STEP = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+from batchgen.engines.hf.backends.cuda import attention
+from batchgen.engines.hf.backends.cuda.step import CudaStepper
+from batchgen.engines.hf.fusion import concatenate_linears, fuse_projections
+from batchgen.engines.hf.step import LlamaStepper
+from tests.engines.test_cuda_step import decode_steps
+
+assert attention.interpreted()
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+fuse_projections(model, concatenate_linears)
+stepper = CudaStepper(model)
+assert stepper.kernel and "Triton" in stepper.describe()
+(got, picks), (want, _) = decode_steps(stepper, steps=2), decode_steps(LlamaStepper(model), steps=2)
+print(max((g - w).abs().max().item() for g, w in zip(got, want)))
+"""
+
+
+def test_the_static_step_with_the_triton_kernel_equals_the_reference_under_the_interpreter(tiny_model):
+    """The step as it runs on CUDA, its attention the Triton kernel on the cache's per-layer views (TRITON_INTERPRET=1
+    runs it on CPU tensors, in a subprocess: the variable is read when the kernels are defined)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", KERNEL_STEP, tiny_model], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.strip().splitlines()[-1]) < 1e-4

@@ -65,9 +65,9 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from batchgen.engines import build_engine
-    from batchgen.engines.hf.config import HFConfig
     from batchgen.engines.hf.backends.cpu import runtime
     from batchgen.engines.hf.backends.cpu.kernels import describe_cpu
+    from batchgen.engines.hf.config import HFConfig
     from batchgen.engines.toymodel import cached_model
     from batchgen.records import Request
     from batchgen.sampling import SampleParams

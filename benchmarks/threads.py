@@ -2,7 +2,8 @@
 machine and beside other busy processes, under three OpenMP settings (interleaved, medians):
 
 - passive: OMP_WAIT_POLICY=PASSIVE (batchgen's CLI default before the governor): threads sleep at once;
-- default: the CLI's defaults now (a short spin, GOMP_SPINCOUNT=10000, and the governor, engines/hf/backends/cpu/threads.py);
+- default: the CLI's defaults now (a short spin, GOMP_SPINCOUNT=10000, and the governor,
+  engines/hf/backends/cpu/threads.py);
 - spin, fixed: the same spin with the governor off (BATCHGEN_ADAPT_THREADS=0): what the governor saves.
 
     python benchmarks/threads.py                 # 64 rows, 2 repeats, one busy process beside the job when busy

@@ -3,11 +3,16 @@
     python benchmarks/throughput.py            # full: ~100M-param Llama, 64 rows (tables: docs/performance.md)
     python benchmarks/throughput.py --quick    # tiny model, small workload, B1 and E only (the test suite's guard)
     python benchmarks/throughput.py --shape qwen2.5-0.5b --runners B3,E,Eint8 --repeats 2   # a real model's shape
+    python benchmarks/throughput.py --device cuda --shape llama-3.2-1b --rows 256 --runners B2,E --sampling
 
 Every runner is its own subprocess; runners are interleaved (B0 B1 B2 B3 E, repeated) and medians
 reported. Workload (seeded): prompt lengths log-normal around 100 tokens, capped at 1024; output
 lengths uniform in [16, 256] per row through a max_new_tokens column; EOS ignored (as `vllm bench
-throughput` does). Useful tokens = the per-row caps, summed. Model load is timed separately.
+throughput` does). Useful tokens = the per-row caps, summed. Model load is timed separately (start-up and
+warm-up: vLLM's engine start, transformers continuous batching's CUDA graph capture). Greedy by default; with
+--sampling every runner samples at temperature 0.8, top_p 0.95, no top-k: E from a seed per row (derived from
+--seed and the row's id, as a job does), vLLM from a seed per request, HF generate and transformers continuous
+batching from one generator seeded once (they take no per-row seed).
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ def build(workdir: Path, *, size: str, rows: int, seed: int) -> tuple[Path, Path
 
 
 DEVICE = os.environ.get("BATCHGEN_BENCH_DEVICE", "cpu")  # --device, handed to every runner's process
+SAMPLING = {"temperature": 0.8, "top_p": 0.95}  # --sampling's settings, for every runner (no top-k)
+SAMPLE_SEED: Optional[int] = None  # --sampling: the run's seed (--seed); None: greedy. Set in each runner's process
 
 
 def sync() -> None:
@@ -75,6 +82,29 @@ def sync() -> None:
         import torch
 
         torch.cuda.synchronize()
+
+
+def hf_sampling() -> dict:
+    """HF generate's and transformers continuous batching's decoding arguments: greedy, or --sampling's (one
+    generator for the run, seeded once: they take no per-row seed)."""
+    if SAMPLE_SEED is None:
+        return {"do_sample": False}
+    import torch
+
+    torch.manual_seed(SAMPLE_SEED)
+    return {"do_sample": True, "top_k": 0, **SAMPLING}
+
+
+def sampling_text() -> str:
+    return ", ".join(f"{key} {value}" for key, value in SAMPLING.items())
+
+
+def job_sampling() -> list[str]:
+    """A batchgen job's overrides: none for greedy (the default sampling config), or --sampling's; each row samples
+    from its own seed, derived from the job's (sampling.seed) and the row's id."""
+    if SAMPLE_SEED is None:
+        return []
+    return [f"sampling.{key}={value}" for key, value in SAMPLING.items()] + [f"sampling.seed={SAMPLE_SEED}"]
 
 
 def calibrate(dtype_name: str) -> dict:
@@ -130,12 +160,13 @@ def run_b0(model: Path, data: Path, dtype: str, subset: int) -> dict:
 
     ids, caps = load_workload(data, model)
     m, load_s = load_hf(model, dtype)
+    decoding = hf_sampling()
     useful = 0
     t = time.perf_counter()
     with torch.inference_mode():
         for p, cap in list(zip(ids, caps))[:subset]:
             m.generate(torch.tensor([p], device=DEVICE), attention_mask=torch.ones(1, len(p), dtype=torch.long,
-                       device=DEVICE), max_new_tokens=cap, min_new_tokens=cap, do_sample=False)
+                       device=DEVICE), max_new_tokens=cap, min_new_tokens=cap, **decoding)
             useful += cap
     sync()
     return {"useful_tokens": useful, "gen_s": time.perf_counter() - t, "load_s": load_s, "row_steps": useful}
@@ -148,6 +179,7 @@ def run_b1(model: Path, data: Path, dtype: str, batch: int = 16) -> dict:
     ids, caps = load_workload(data, model)
     m, load_s = load_hf(model, dtype)
     pad = m.config.pad_token_id or 0
+    decoding = hf_sampling()
     row_steps = 0
     t = time.perf_counter()
     with torch.inference_mode():
@@ -157,27 +189,60 @@ def run_b1(model: Path, data: Path, dtype: str, batch: int = 16) -> dict:
             x = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=DEVICE)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=DEVICE)
             m.generate(x, attention_mask=mask, max_new_tokens=max(chunk_caps), min_new_tokens=max(chunk_caps),
-                       do_sample=False, pad_token_id=pad)
+                       pad_token_id=pad, **decoding)
             row_steps += len(chunk) * max(chunk_caps)
     sync()
     return {"useful_tokens": sum(caps), "gen_s": time.perf_counter() - t, "load_s": load_s, "row_steps": row_steps}
 
 
-def run_b2(model: Path, data: Path, dtype: str) -> dict:
-    """transformers continuous batching (paged attention), per-row max_new_tokens."""
-    from transformers import GenerationConfig
+def cb_config():
+    """B2's ContinuousBatchingConfig. On CPU: batches of 512 tokens and pages of 64 tokens (tuned there; the field is
+    `page_size` from transformers 5.25, `block_size` before, so it is looked up). On CUDA: transformers' own GPU
+    defaults (the cache sized from free memory, CUDA graphs and async batching as it decides). Seeded (--sampling)
+    where it takes a seed."""
+    import dataclasses
+
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    kwargs = {"seed": SAMPLE_SEED} if SAMPLE_SEED is not None and "seed" in fields else {}
+    if not DEVICE.startswith("cuda"):
+        page = next(name for name in ("page_size", "block_size") if name in fields)
+        kwargs |= {"max_batch_tokens": 512, page: 64}
+    return ContinuousBatchingConfig(**kwargs)
+
+
+def cb_hints(m, ids: list[list[int]], caps: list[int]) -> dict:
+    """On CUDA, the workload's shape for transformers to size its cache and graphs by, as its generate_batch does
+    (where the context manager takes it); nothing on CPU, whose figures were measured without."""
+    import inspect
+
+    if not DEVICE.startswith("cuda") or "workload_hints" not in inspect.signature(
+            m.continuous_batching_context_manager).parameters:
+        return {}
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    return {"workload_hints": WorkloadHints(max_prompt_length=max(map(len, ids)), max_generated_length=max(caps),
+                                            num_requests=len(ids))}
+
+
+def run_b2(model: Path, data: Path, dtype: str) -> dict:
+    """transformers continuous batching (paged attention), per-row max_new_tokens. Entering its context manager
+    warms it up (on CUDA: the cache's allocation and the CUDA graphs' capture): that counts as load, not generation,
+    as vLLM's start-up does in B3."""
+    from transformers import GenerationConfig
 
     ids, caps = load_workload(data, model)
     m, load_s = load_hf(model, dtype, attn_implementation="paged|sdpa")
-    gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max(caps), eos_token_id=None)
-    cb_cfg = ContinuousBatchingConfig(max_batch_tokens=512, page_size=64)
+    gen_cfg = GenerationConfig(max_new_tokens=max(caps), eos_token_id=None, **hf_sampling())
     t = time.perf_counter()
-    done = 0
-    with m.continuous_batching_context_manager(generation_config=gen_cfg, continuous_batching_config=cb_cfg,
-                                               block=True, timeout=5) as manager:
+    with m.continuous_batching_context_manager(generation_config=gen_cfg, continuous_batching_config=cb_config(),
+                                               block=True, timeout=5, **cb_hints(m, ids, caps)) as manager:
+        load_s += time.perf_counter() - t
+        t = time.perf_counter()
         for i, (p, cap) in enumerate(zip(ids, caps)):
             manager.add_request(p, request_id=str(i), max_new_tokens=cap)
+        done = 0
         while done < len(ids):
             result = manager.get_result(timeout=5)
             if result is None:
@@ -185,7 +250,8 @@ def run_b2(model: Path, data: Path, dtype: str) -> dict:
                     raise RuntimeError("transformers continuous batching stopped before finishing")
                 continue
             done += result.is_finished()
-    return {"useful_tokens": sum(caps), "gen_s": time.perf_counter() - t, "load_s": load_s, "row_steps": sum(caps)}
+        gen_s = time.perf_counter() - t
+    return {"useful_tokens": sum(caps), "gen_s": gen_s, "load_s": load_s, "row_steps": sum(caps)}
 
 
 def run_b3(model: Path, data: Path, dtype: str) -> dict:
@@ -196,7 +262,9 @@ def run_b3(model: Path, data: Path, dtype: str) -> dict:
     t = time.perf_counter()
     llm = LLM(model=str(model), dtype=dtype, max_model_len=2048, seed=0)
     load_s = time.perf_counter() - t
-    params = [SamplingParams(temperature=0.0, max_tokens=c, ignore_eos=True) for c in caps]
+    decoding = [{"temperature": 0.0}] * len(caps) if SAMPLE_SEED is None else [
+        SAMPLING | {"seed": SAMPLE_SEED * 1_000_003 + i} for i in range(len(caps))]  # a seed per request
+    params = [SamplingParams(max_tokens=c, ignore_eos=True, **d) for c, d in zip(caps, decoding)]
     t = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
     gen_s = time.perf_counter() - t
@@ -217,8 +285,10 @@ def run_engine(model: Path, data: Path, dtype: str) -> dict:
     t = time.perf_counter()
     engine = HFEngine(HFConfig(model=str(model), dtype=dtype, device=DEVICE), AutoTokenizer.from_pretrained(model))
     load_s = time.perf_counter() - t
-    reqs = [Request(key=i, prompt_ids=p, seed=None, params=SampleParams(max_new_tokens=c, temperature=0.0, top_p=1.0,
-                    top_k=0, stop=(), ignore_eos=True)) for i, (p, c) in enumerate(zip(ids, caps))]
+    decoding = {"temperature": 0.0, "top_p": 1.0} if SAMPLE_SEED is None else SAMPLING
+    reqs = [Request(key=i, prompt_ids=p, seed=None if SAMPLE_SEED is None else SAMPLE_SEED * 1_000_003 + i,
+                    params=SampleParams(max_new_tokens=c, top_k=0, stop=(), ignore_eos=True, **decoding))
+            for i, (p, c) in enumerate(zip(ids, caps))]  # a seed per row (sampling)
     t = time.perf_counter()
     results = engine.generate(reqs)
     gen_s = time.perf_counter() - t
@@ -243,7 +313,7 @@ def run_job(model: Path, data: Path, dtype: str, out: Path, rows: int, *extra: s
     args = [sys.executable, "-m", "batchgen", "name=bench", f"output_dir={out}", f"dataset.path={data}",
             "dataset.max_new_tokens_column=max_new_tokens", "sampling.max_new_tokens=256", "sampling.ignore_eos=true",
             f"engine.model={model}", f"engine.dtype={dtype}", f"run.rows_per_part={rows}", "run.progress=false",
-            f"engine.device={DEVICE}", *extra]
+            f"engine.device={DEVICE}", *job_sampling(), *extra]
     t = time.perf_counter()
     proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env=env)
     wall = time.perf_counter() - t
@@ -258,6 +328,8 @@ def run_job(model: Path, data: Path, dtype: str, out: Path, rows: int, *extra: s
 
 
 def child(args: argparse.Namespace) -> None:
+    global SAMPLE_SEED
+    SAMPLE_SEED = args.seed if args.sampling else None
     model, data, dtype = Path(args.model), Path(args.data), args.dtype
     runner = {"B0": lambda: run_b0(model, data, dtype, args.b0_rows), "B1": lambda: run_b1(model, data, dtype),
               "B2": lambda: run_b2(model, data, dtype), "B3": lambda: run_b3(model, data, dtype),
@@ -309,7 +381,8 @@ def spawn(name: str, args: argparse.Namespace, model: Path, data: Path, python: 
           dtype: Optional[str] = None) -> dict:
     dtype = dtype or (args.dtype if name in E_RUNNERS else args.baseline_dtype)
     cmd = [python, __file__, "--run", name, "--model", str(model), "--data", str(data), "--dtype", dtype,
-           "--workdir", str(args.workdir), "--rows", str(args.rows), "--b0-rows", str(args.b0_rows)]
+           "--workdir", str(args.workdir), "--rows", str(args.rows), "--b0-rows", str(args.b0_rows), "--seed",
+           str(args.seed)] + (["--sampling"] if args.sampling else [])
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "2",
                         "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0-1")}
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=3600)
@@ -345,8 +418,12 @@ def main() -> None:
                              "mode's default); default otherwise: the dtype the engine's calibration measured faster "
                              "for the model's GEMMs on this CPU")
     parser.add_argument("--workdir", type=Path, default=ROOT / ".bench")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the workload's, and with --sampling the samples'")
+    parser.add_argument("--sampling", action="store_true",
+                        help=f"sample ({sampling_text()}; E: a seed per row) instead of greedy decoding")
     parser.add_argument("--json", type=Path, help="also write the medians here")
+    parser.add_argument("--no-engine-alone", action="store_true", help="skip ENG, the engine alone (the job overhead "
+                        "and roofline lines; run by default outside --quick): one model load less")
     parser.add_argument("--device", default=None, help="cpu (default) or cuda: every runner on that device (B3, "
                                                        "vLLM's CPU build, is CPU only)")
     parser.add_argument("--shape", default=None, help="the model: bench (default; --quick: tiny), or a real model's "
@@ -393,7 +470,7 @@ def report(args: argparse.Namespace, model: Path, data: Path, size: str) -> None
     runners = [r for r in args.runners.split(",") if r]
     calib = calibrate(args.dtype)  # E's dtype: the roofline line is E's
     has_vllm = Path(args.vllm_python).exists()
-    extra = [] if args.quick else ["ENG"]  # the engine alone, for job overhead and efficiency
+    extra = [] if args.quick or args.no_engine_alone else ["ENG"]  # the engine alone: job overhead, efficiency
     # --baseline-dtype best: each baseline in float32 and in bfloat16, interleaved, and the faster median kept
     tried = ("float32", "bfloat16") if args.baseline_dtype == "best" else (args.baseline_dtype,)
     runs = [(name, dtype) for name in runners + extra
@@ -416,7 +493,8 @@ def report(args: argparse.Namespace, model: Path, data: Path, size: str) -> None
     print_table(args, med, calib, model, size)
     if args.json:
         out = {"medians": med, "calibration": calib, "cpu": describe_cpu(), "dtype": args.dtype,
-               "baseline_dtype": args.baseline_dtype}
+               "baseline_dtype": args.baseline_dtype, "sampling": SAMPLING if args.sampling else None,
+               "device": DEVICE, "rows": args.rows}
         args.json.write_text(json.dumps(out, indent=2))
 
 
@@ -435,8 +513,9 @@ def print_table(args: argparse.Namespace, med: dict, calib: dict, model: Path, s
 
         print(f"device: {DEVICE} ({torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA "
               f"{torch.version.cuda})")
+    decoding = f"sampling {sampling_text()}" if args.sampling else "greedy"
     print(f"model: random-weight Llama '{size}' ({params / 1e6:.0f}M params), E in {args.dtype}, baselines in "
-          f"{args.baseline_dtype}, {args.rows} rows, {args.repeats} repeats (medians)")
+          f"{args.baseline_dtype}, {args.rows} rows, {decoding}, {args.repeats} repeats (medians)")
     print(f"calibration: GEMM {calib['gemm_flops'] / 1e9:.0f} GFLOP/s ({args.dtype}), read bandwidth "
           f"{calib['read_bytes_per_s'] / 1e9:.1f} GB/s")
     print(f"{'run':<5} {'useful tok/s':>12} {'E/run':>7} {'efficiency':>10} {'load s':>7} {'dtype':>9} "

@@ -16,8 +16,10 @@ get hydra-core==1.3.2 omegaconf==2.3.0
 python3 -m pip wheel -q --no-deps -w .whl antlr4-python3-runtime==4.9.3
 # datasets and what it needs beyond the image
 get datasets dill multiprocess
-# constraints: xgrammar (compiled), jsonschema and its referencing stack
-get xgrammar jsonschema jsonschema-specifications referencing rpds-py
+# constraints: xgrammar (compiled) and what it imports beyond the image (apache-tvm-ffi, pydantic and its stack), at the
+# versions the CPU tests run (pydantic pins pydantic-core exactly); jsonschema and its referencing stack
+get xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+  typing-inspection==0.4.5 jsonschema jsonschema-specifications referencing rpds-py
 # quantization on CUDA: torchao (int8, int4); bitsandbytes only if it fits beside the rest
 get torchao
 tmp=$(mktemp -d)

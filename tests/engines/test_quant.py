@@ -313,6 +313,7 @@ def test_quantized_projections_fuse_and_generate_what_unfused_ones_do(small_mode
     from transformers import AutoTokenizer
 
     from batchgen.engines.hf import engine as hf
+    from batchgen.engines.hf.backends.cpu import backend as cpu_backend
     from batchgen.engines.hf.config import HFConfig
     from batchgen.engines.hf.fusion import FusedSlice
     from batchgen.records import Request
@@ -331,7 +332,7 @@ def test_quantized_projections_fuse_and_generate_what_unfused_ones_do(small_mode
     attn = fused.model.model.layers[0].self_attn
     assert fused.fused == 2 * layers and isinstance(attn.qkv_proj, kind)
     assert isinstance(attn.k_proj, FusedSlice)
-    monkeypatch.setattr(hf, "fuse_projections", lambda model, fuse: 0)
+    monkeypatch.setattr(cpu_backend, "fuse_projections", lambda model, fuse: 0)
     plain = hf.HFEngine(config, tokenizer)
     params = SampleParams(max_new_tokens=12, temperature=0.0, top_p=1.0, top_k=0, stop=(), ignore_eos=True)
     reqs = [Request(key=i, prompt_ids=tokenizer(text).input_ids, params=params, seed=None)
@@ -521,3 +522,53 @@ def test_quantizing_in_blocks_of_rows_changes_no_bit(monkeypatch):
     scale = (weight.abs().amax(dim=1).clamp(min=1e-8) / 127).to(torch.bfloat16)  # the formula, whole matrix
     want = torch.round(weight / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
     assert torch.equal(blocked[0].qweight, want)
+
+
+# -- placement: model.to(device) moves every tensor a quantized module holds ------------------------
+
+def loose_tensors(model: nn.Module) -> list[str]:
+    """Tensors a module holds outside its parameters and buffers (plain attributes, or inside a list, tuple or dict
+    attribute): model.to(device) leaves them where they are, and the first forward on the device mixes devices."""
+    loose = []
+    for name, module in model.named_modules():
+        for key, value in vars(module).items():
+            if key in ("_parameters", "_buffers", "_modules"):
+                continue
+            value = list(value.values()) if isinstance(value, dict) else value
+            values = value if isinstance(value, (list, tuple)) else [value]
+            loose += [f"{name or 'model'}.{key}" for v in values if isinstance(v, torch.Tensor)]
+    return loose
+
+
+def held(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*model.named_parameters(), *model.named_buffers()]
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int8_wo", "int4"])
+def test_quantized_modules_hold_every_tensor_where_model_to_moves_it(small_model, scheme):
+    """Each scheme this CPU builds (int8: W8A8 or weight-only; int4: W4A8 or weight-only) keeps its tensors as
+    parameters or buffers: after model.to("meta") none is left on the CPU. Once packed for the GEMMs (pack_all, as
+    the engine does after fusing), W8A8's oneDNN-packed weights are mkldnn tensors, which no device but the CPU
+    takes: there model.to(torch.float64) shows every floating tensor is reached instead."""
+    if scheme == "int4":
+        native_or_skip()  # torchao's int4 otherwise: its tensor subclasses are torchao's to place
+    convert = quant.CONVERTERS[(scheme, "cpu")]
+    model = convert(load(small_model, torch.float32), torch.device("cpu"))
+    assert not loose_tensors(model)
+    assert not [name for name, t in held(model.to("meta")) if t.device.type != "meta"]
+    packed = convert(load(small_model, torch.float32), torch.device("cpu"))
+    quant.pack_w8a8(packed)
+    assert not loose_tensors(packed)
+    floats = [(name, t) for name, t in held(packed) if t.is_floating_point()]
+    packed.to(torch.float64)
+    assert floats and not [name for name, t in held(packed) if t.is_floating_point() and t.dtype != torch.float64]
+
+
+def test_int8_embedding_rows_lie_on_the_tables_device():
+    """int8 on CUDA quantizes the embedding table after the model is placed: its rows and scales stay on the table's
+    device (meta here), not on the CPU, where the first lookup with ids on the GPU failed."""
+    table = torch.empty(300, 64, device="meta")
+    embed = int8.Int8Embedding(table)
+    assert embed.qweight.device.type == "meta" and embed.scale.device.type == "meta"
+    linear = nn.Linear(64, 32, device="meta")
+    assert all(t.device.type == "meta" for t in w8a8.quantize_weight(linear.weight))

@@ -37,11 +37,13 @@ def quantize_by_rows(weight: torch.Tensor, quantize: Callable[[torch.Tensor], tu
     """`quantize(block) -> (q, scale)` over blocks of `rows` rows of `weight` [N, K], into one (q [N, K], scale [N,
     ...]). Each row's result is its own, so the blocks change no bit; what they change is the float temporaries:
     quantizing a 151,936-row LM head or embedding table at once held several float32 copies of it (545 MB each at
-    the Qwen2.5-0.5B shape), the largest part of a quantized model's peak memory while loading."""
+    the Qwen2.5-0.5B shape), the largest part of a quantized model's peak memory while loading. The results lie on
+    `quantize`'s device, the weight's: int8 on CUDA quantizes the embedding table after the model is placed, and a
+    table left on the CPU failed its first lookup with ids on the GPU."""
     n = weight.shape[0]
     q_first, scale_first = quantize(weight[:rows])
-    q = torch.empty((n, *q_first.shape[1:]), dtype=q_first.dtype)
-    scale = torch.empty((n, *scale_first.shape[1:]), dtype=scale_first.dtype)
+    q = torch.empty((n, *q_first.shape[1:]), dtype=q_first.dtype, device=q_first.device)
+    scale = torch.empty((n, *scale_first.shape[1:]), dtype=scale_first.dtype, device=scale_first.device)
     q[:rows], scale[:rows] = q_first, scale_first
     for start in range(rows, n, rows):
         q[start:start + rows], scale[start:start + rows] = quantize(weight[start:start + rows])

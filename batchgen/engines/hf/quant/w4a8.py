@@ -74,7 +74,10 @@ class Int4DynamicLinear(Int8DynamicLinear):
             self.register_buffer(name, tensor)
         self.register_buffer("bias", None if bias is None else bias.clone())
         self.lib = cpu_kernels.load()
-        self.kernel, self.comp = None, None  # Int8DynamicLinear's GEMM choice: unused, matmul() is this class's own
+        # Int8DynamicLinear's GEMM choice and zero-point share: unused, matmul() is this class's own (a buffer, as
+        # every tensor a quantized module holds, so that model.to() would move it)
+        self.kernel = None
+        self.register_buffer("comp", None, persistent=False)
 
     @classmethod
     def concatenate(cls, parts: list[nn.Module]) -> Optional[Int4DynamicLinear]:
@@ -85,7 +88,7 @@ class Int4DynamicLinear(Int8DynamicLinear):
             return None
         fused = cls.__new__(cls)
         nn.Module.__init__(fused)
-        bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]
+        bias = torch.cat([p.bias if p.bias is not None else p.wscales.new_zeros(p.out_features) for p in parts]
                          ) if any(p.bias is not None for p in parts) else None
         operands = tuple(torch.cat([getattr(p, name) for p in parts]) for name in OPERANDS)
         fused._hold4(operands, bias, parts[0].group, sum(p.out_features for p in parts), parts[0].in_features)

@@ -149,7 +149,7 @@ class Int8DynamicLinear(nn.Module):
                 self.packed, self.comp = int8_gemm.pack(self.qweight)
             else:
                 self.packed = torch.ops.onednn.qlinear_prepack(self.qweight, None)
-            self.qweight = torch.empty(0, dtype=torch.int8)  # the packed copy is the weight from now on
+            self.qweight = self.qweight.new_empty(0)  # the packed copy is the weight from now on
         return self.packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N]

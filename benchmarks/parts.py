@@ -66,7 +66,8 @@ def run_job(python: str, engine: str, model: Path, data: Path, out: Path, rows_p
     proc = subprocess.run([python, "-c", MEASURED, *args], capture_output=True, text=True, cwd=ROOT, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
-    streamed = next((x for x in proc.stdout.splitlines() if "streamed: up to" in x), "")
+    logged = "\n".join(p.read_text() for p in out.glob("_logs/*/*.log"))  # the run's log, where the summary left it
+    streamed = next((x for x in logged.splitlines() if "streamed: up to" in x), "")
     in_flight = int(streamed.split("up to ")[1].split()[0]) if streamed else 1
     rss_kb = int(next(x for x in proc.stderr.splitlines() if x.startswith("MAXRSS_KB")).split()[1])
     status = json.loads((out / "_status.json").read_text())

@@ -1,6 +1,8 @@
 """`batchgen report OUTPUT_DIR [--out FILE]`: one self-contained HTML page of what a run did, from the files on
 disk: throughput over time (the runs' history, `_history*.jsonl`), prompt and generation length histograms, finish
-reasons, error kinds with example rows, per-shard and per-worker progress, retries, the config and the model.
+reasons, error kinds with example rows, per-shard and per-worker progress, retries, the config and the model. Its
+throughput figure is each shard's last run's, from its status file, said as the summary and `batchgen status` say it
+(output/throughput.py: generated tokens over generation time after load; rows and prompt tokens for a scoring task).
 
 The plots are inline SVG (matplotlib, `pip install 'batchgen[plot]'`; without it the page has the tables only) and
 the page loads nothing from the network. Written to OUTPUT_DIR/_report.html by default. The rows are read through
@@ -29,6 +31,7 @@ from batchgen.output.heartbeat import read_heartbeats
 from batchgen.output.manifest import MANIFEST, read_manifest
 from batchgen.output.remote import RemoteOutput, is_remote
 from batchgen.output.tables import table_line
+from batchgen.output.throughput import throughput, work_from
 from batchgen.output.view import attempt_dir, attempts, latest_batches
 
 REPORT = "_report.html"
@@ -228,9 +231,15 @@ def _throughput_section(facts: dict[str, Any], svg: dict[str, str]) -> str:
         return "<p>no history recorded (a run older than the history file, or no part committed yet)</p>"
     span = max(h["t"] for h in hist) - job_start(hist)
     tokens = sum(h.get("generated_tokens", 0) for h in hist)
-    return (f"<p>{len(hist)} parts committed, {tokens} tokens generated in {span:.1f} s "
-            f"({tokens / max(span, 1e-9):.1f} tok/s). The plots need matplotlib: "
-            f"pip install 'batchgen[plot]'</p>")
+    rates = "; ".join(f"{name}: {figure}" for name, figure in figures(facts["beats"])) or "not recorded"
+    return (f"<p>{len(hist)} parts committed, {tokens} tokens generated over {span:.1f} s; throughput (the last "
+            f"run, after load) {html.escape(rates)}. The plots need matplotlib: pip install 'batchgen[plot]'</p>")
+
+
+def figures(beats: list[tuple[str, Any]]) -> list[tuple[str, str]]:
+    """Each shard's throughput figure (its status file's last run, after load), as the summary said it; a status
+    file of a batchgen older than the figure's record has none."""
+    return [(name, throughput(work)) for name, beat in beats if (work := work_from(beat.this_run)) is not None]
 
 
 def example_rows(output_dir: Path, count: int = 10) -> list[list[str]]:
@@ -264,6 +273,8 @@ def _summary_rows(facts: dict[str, Any]) -> list[list[Any]]:
             *([["rows needing review (history; task=decide)", sum(h.get("needs_review", 0) for h in hist)]]
               if any("needs_review" in h for h in hist) else []),
             ["generation time (first to last commit)", f"{span:.1f} s"],
+            ["throughput (the last run of each shard, after load)",
+             "; ".join(f"{name}: {figure}" for name, figure in figures(facts["beats"])) or "not recorded"],
             *([["table output", facts["table"]]] if facts.get("table") else []),
             ["batchgen", m.get("batchgen_version")], ["config hash", m.get("config_hash")]]
 
@@ -276,13 +287,16 @@ def _run_sections(facts: dict[str, Any]) -> list[str]:
         w["parts"] += 1
         w["rows"] += h.get("rows", 0)
         w["tokens"] += h.get("generated_tokens", 0)
+    said = dict(figures(facts["beats"]))
     shard_rows = [[name, b.state, f"{b.rows_done}/{b.rows_total if b.rows_total is not None else '?'}",
-                   b.rows_failed, b.generated_tokens, b.updated_at] for name, b in facts["beats"]]
+                   b.rows_failed, b.generated_tokens, said.get(name, "not recorded"), b.updated_at]
+                  for name, b in facts["beats"]]
     retries = [[r["attempt"], r["complete"], ",".join(r.get("kinds", [])), " ".join(r.get("overrides", [])),
                 r.get("rows")] for r in facts["retries"]]
     return [
         "<h2>Shards</h2>" + _table(["status file", "state", "rows done", "error rows (the job's runs, before "
-                                    "retries)", "generated tokens", "updated"], shard_rows),
+                                    "retries)", "generated tokens", "throughput (its last run, after load)",
+                                    "updated"], shard_rows),
         "<h2>Workers</h2>" + _table(["worker (host:pid or Ray worker)", "parts", "rows", "generated tokens"],
                                     [[k, int(v["parts"]), int(v["rows"]), int(v["tokens"])]
                                      for k, v in sorted(workers.items())]),

@@ -1,5 +1,8 @@
 """`batchgen status OUTPUT_DIR`: a run's progress, errors, journaled work in flight and lock holder, read
-from the files on disk (so it tells a killed run's state as well as a live one's). An output on object storage
+from the files on disk (so it tells a killed run's state as well as a live one's). Each shard's headline counts its
+committed rows (its status file's, or its parts' where a writer killed between a commit and its next heartbeat left
+the status file behind them), the samples its part journals hold, and the run's throughput figure
+(output/throughput.py, as the summary says it). An output on object storage
 (`s3://...`) is read through fsspec: its manifest, status files and `_SUCCESS` from the bucket, its parts from the
 listing, and the journals and locks from its staging directory where this is the machine that runs it
 (remote.RemoteOutput); `fetch_remote` is shared with `batchgen report`."""
@@ -8,26 +11,30 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import json
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from batchgen.errors import ConfigError
-from batchgen.output.committer import SUCCESS
-from batchgen.output.heartbeat import read_heartbeats, writer_is_gone
-from batchgen.output.journal import JOURNAL_RE, read_journal
+from batchgen.output.committer import PART_RE, SUCCESS, PartStats
+from batchgen.output.heartbeat import Heartbeat, read_heartbeats, writer_is_gone
+from batchgen.output.journal import read_journals
 from batchgen.output.lock import live_writers
 from batchgen.output.manifest import MANIFEST, parse_manifest, read_manifest
 from batchgen.output.remote import RemoteOutput, is_remote
 from batchgen.output.tables import table_line
+from batchgen.output.throughput import throughput, work_from
 
 
 def describe(output_dir: Path) -> str:
     """The run's state, one line per fact; ConfigError where there is no run or its manifest is torn."""
     if read_manifest(output_dir) is None:
         raise ConfigError([f"{output_dir}: no batchgen run here (no {MANIFEST})"])
-    return _describe(str(output_dir), output_dir, output_dir, len(list(output_dir.glob("part-*.parquet"))))
+    return _describe(str(output_dir), output_dir, output_dir, len(list(output_dir.glob("part-*.parquet"))),
+                     parts_here=True)
 
 
 def describe_remote(url: str) -> str:
@@ -59,37 +66,25 @@ def fetch_remote(url: str, into: Path) -> Optional[RemoteOutput]:
     return remote
 
 
-def _describe(shown: str, files: Path, local: Optional[Path], parts: int) -> str:
+def _describe(shown: str, files: Path, local: Optional[Path], parts: int, *, parts_here: bool = False) -> str:
     """`files`: where the manifest, status files and _SUCCESS are; `local`: where the journals and locks are (the
-    output directory, or an object-storage output's staging directory; None where it is not on this machine)."""
+    output directory, or an object-storage output's staging directory; None where it is not on this machine);
+    `parts_here`: whether the committed parts are in `local` too (not on object storage)."""
     lines = [f"{shown}: {'complete' if (files / SUCCESS).exists() else 'incomplete'}"]
-    beats = read_heartbeats(files)
-    for path, s in beats:
-        state = "stopped (no live writer)" if local and writer_is_gone(local, s) else s.state
-        total = s.rows_total
-        pct = f" ({100 * s.rows_done / total:.1f}%)" if total else ""
-        eta = f", ETA {s.eta_s:.0f}s" if s.eta_s is not None and state == "running" else ""
-        errors = ", ".join(f"{k}={v}" for k, v in sorted(s.errors.items())) or "none"
-        lines.append(f"  {path.name}: {state}: rows {s.rows_done}/{total if total else '?'}{pct}, "
-                     f"error rows {s.rows_failed} ({errors}), {s.generated_tokens} generated "
-                     f"tokens, {s.tokens_per_s} tok/s{eta}, updated {s.updated_at}")
-        if s.duplicate_ids:
-            lines.append(f"    duplicate ids: {s.duplicate_ids} rows repeat an earlier row's id")
-        if s.rows_skipped:
-            lines.append(f"    skipped: {s.rows_skipped} rows already generated in run.skip_existing's output")
-        if s.invalid_outputs:
-            lines.append(f"    invalid outputs: {s.invalid_outputs} constrained samples did not parse or validate")
-        if s.error:
-            lines.append(f"    last error: {s.error}")
-    if len(beats) > 1:  # shards: each counts its own rows out of its share
-        done = sum(b.rows_done for _, b in beats)
-        totals = [b.rows_total for _, b in beats]
-        total = sum(totals) if None not in totals and len(beats) == beats[0][1].num_shards else None
-        lines.append(f"  all shards: rows {done}/{total if total is not None else '?'}, error rows "
-                     f"{sum(b.rows_failed for _, b in beats)}")
+    journals = read_journals(local) if local else None  # None: on the machine that runs it
+    shards = [_Shard.seen(path.name, beat, local if parts_here else None, journals)
+              for path, beat in read_heartbeats(files)]
+    for shard in shards:
+        lines += shard.lines("stopped (no live writer)" if local and writer_is_gone(local, shard.beat)
+                             else shard.beat.state)
+    if len(shards) > 1:  # shards: each counts its own rows out of its share
+        totals = [sh.beat.rows_total for sh in shards]
+        total = sum(totals) if None not in totals and len(shards) == shards[0].beat.num_shards else None
+        lines.append(f"  all shards: rows {sum(sh.done.rows for sh in shards)}/{total if total is not None else '?'}"
+                     f", error rows {sum(sh.done.error_rows for sh in shards)}")
     lines.append(f"  committed parts: {parts}")
     lines += _table(files)
-    lines += _journals(local) if local else []
+    lines += _journal_lines(journals or {})
     lines += _attempts(files)
     if local is None:
         lines.append("  journals and locks: in the staging directory of the machine that runs it (not this one)")
@@ -110,8 +105,6 @@ def _table(files: Path) -> list[str]:
 
 def _attempts(output_dir: Path) -> list[str]:
     """One line per `batchgen retry` attempt beside the job's parts."""
-    import json
-
     from batchgen.output.view import attempt_dir, attempts
 
     lines = []
@@ -126,19 +119,118 @@ def _attempts(output_dir: Path) -> list[str]:
     return lines
 
 
-def _journals(output_dir: Path) -> list[str]:
+def _journal_lines(journals: dict[int, Any]) -> list[str]:
     """One line per part in flight: samples journaled (kept by a resume) and any torn tail (dropped by it)."""
     lines = []
-    for path in sorted(p for p in output_dir.iterdir() if JOURNAL_RE.match(p.name)):
-        try:
-            key, results, torn = read_journal(path)
-        except OSError:
-            continue  # removed while we looked: the part was just committed
+    for index, (key, results, torn) in sorted(journals.items()):
         planned = f" of {key['rows'] * key['n']}" if key else ""
         tail = f", torn tail of {torn} bytes (dropped on resume)" if torn else ""
-        lines.append(f"  part {JOURNAL_RE.match(path.name).group(1)} in flight: {len(results)}{planned} samples "
-                     f"journaled{tail}")
+        lines.append(f"  part {index:05d} in flight: {len(results)}{planned} samples journaled{tail}")
     return lines
+
+
+@dataclass(slots=True)
+class _Shard:
+    """One shard as status tells it: its status file, with what the files beside it show."""
+
+    name: str  # its status file's name
+    beat: Heartbeat
+    done: PartStats  # committed, all runs: the status file's counts, or the parts' where they show more
+    journaled: int = 0  # samples in the journals of its parts in flight (a resume keeps them)
+    journaled_rows: float = 0.0  # the rows they stand for (0 where the journals are on another machine)
+    journaled_tokens: int = 0  # generated tokens of those samples
+    journaled_prompt_tokens: int = 0  # their prompt tokens
+
+    @classmethod
+    def seen(cls, name: str, beat: Heartbeat, part_dir: Optional[Path], journals: Optional[dict[int, Any]]
+             ) -> _Shard:
+        """`journals`: every part journal on this machine (read_journals), None where they are on another."""
+        shard = cls(name, beat, _committed(beat, part_dir))
+        if journals is None:  # the status file's count
+            shard.journaled = sum(p.get("samples_journaled", 0) for p in beat.parts_in_flight)
+            return shard
+        planned = {p.get("index"): p.get("samples_planned") for p in beat.parts_in_flight}
+        for index, (key, results, _) in journals.items():
+            if index % beat.num_shards != beat.shard or not key:
+                continue
+            shard.journaled += len(results)
+            shard.journaled_tokens += sum(r.num_generated_tokens for r in results)
+            shard.journaled_prompt_tokens += sum(r.num_prompt_tokens for r in results)
+            samples = planned.get(index) or key["rows"] * key["n"]
+            shard.journaled_rows += min(key["rows"], key["rows"] * len(results) / max(samples, 1))
+        return shard
+
+    def lines(self, state: str) -> list[str]:
+        """The headline, then what else the status file tells."""
+        s = self.beat
+        lines = [f"  {self.name}: {state}: {self._rows()}, error rows {self.done.error_rows} ({self._errors()}), "
+                 f"{self._work()}{f', ETA {s.eta_s:.0f}s' if s.eta_s is not None and state == 'running' else ''}, "
+                 f"updated {s.updated_at}"]
+        if s.duplicate_ids:
+            lines.append(f"    duplicate ids: {s.duplicate_ids} rows repeat an earlier row's id")
+        if s.rows_skipped:
+            lines.append(f"    skipped: {s.rows_skipped} rows already generated in run.skip_existing's output")
+        if s.invalid_outputs:
+            lines.append(f"    invalid outputs: {s.invalid_outputs} constrained samples did not parse or validate")
+        if s.error:
+            lines.append(f"    last error: {s.error}")
+        return lines
+
+    def _rows(self) -> str:
+        """`rows 3/30 (10.0%) committed + 7 samples journaled (3.5 rows: 21.7% with them)`."""
+        total, rows = self.beat.rows_total, self.done.rows
+        said = f"rows {rows}/{total or '?'}{f' ({100 * rows / total:.1f}%)' if total else ''} committed"
+        if self.journaled:
+            share = (f" ({self.journaled_rows:.1f} rows: {100 * (rows + self.journaled_rows) / total:.1f}% with them)"
+                     if total and self.journaled_rows else "")
+            said += f" + {self.journaled} samples journaled{share}"
+        return said
+
+    def _errors(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in sorted(self.done.errors.items())) or "none"
+
+    def _work(self) -> str:
+        """Tokens committed and journaled (never fewer than the run counted), and the run's throughput figure."""
+        work = work_from(self.beat.this_run)
+        if work is None:  # a status file of an older batchgen
+            return (f"{self.done.generated_tokens + self.journaled_tokens} generated tokens, "
+                    f"{self.beat.tokens_per_s} tok/s")
+        if work.scoring:
+            scored = max(self.done.prompt_tokens + self.journaled_prompt_tokens, work.prompt_tokens)
+            return f"{scored} prompt tokens scored, {throughput(work)}"
+        generated = max(self.done.generated_tokens + self.journaled_tokens, work.generated_tokens)
+        return f"{generated} generated tokens, {throughput(work)}"
+
+
+def _committed(beat: Heartbeat, part_dir: Optional[Path]) -> PartStats:
+    """A shard's committed counts: its status file's, or its parts' in `part_dir` where that directory holds more of
+    its parts than the status file counted (a writer killed between a commit and its next heartbeat). The parts'
+    footers are read only then."""
+    said = PartStats(rows=beat.rows_done, samples=beat.samples_done, errors=dict(beat.errors),
+                     prompt_tokens=beat.prompt_tokens, generated_tokens=beat.generated_tokens,
+                     invalid_outputs=beat.invalid_outputs, skipped=beat.rows_skipped)
+    if part_dir is None:
+        return said
+    mine = [p for p in part_dir.iterdir() if (m := PART_RE.match(p.name)) and int(m.group(1)) % beat.num_shards
+            == beat.shard]
+    if beat.parts_done is not None and len(mine) <= beat.parts_done:
+        return said
+    seen = PartStats()
+    for path in mine:
+        seen.add(_part_stats(path))
+    return seen if seen.rows > said.rows else said
+
+
+def _part_stats(path: Path) -> PartStats:
+    """A committed part's counts from its footer (PartStats() where it cannot be read: status reports, never fails)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        raw = (pq.read_metadata(path).metadata or {}).get(b"batchgen.stats")
+        return PartStats(**json.loads(raw)) if raw else PartStats()
+    except (OSError, ValueError, TypeError, pa.ArrowException):
+        return PartStats()
 
 
 def main(argv: list[str]) -> int:

@@ -22,6 +22,7 @@ import re
 import struct
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
@@ -99,6 +100,21 @@ def read_journal(path: Path) -> tuple[Optional[dict[str, Any]], list[Result], in
     if not frames or not isinstance(frames[0], dict) or frames[0].get("format") != FORMAT:
         return None, [], len(data)
     return frames[0].get("key"), [Result(**f) for f in frames[1:]], len(data) - valid
+
+
+def read_journals(output_dir: Path, mine: Callable[[int], bool] = lambda index: True
+                  ) -> dict[int, tuple[Optional[dict[str, Any]], list[Result], int]]:
+    """Every part journal in output_dir whose part index `mine` accepts, read (read_journal): index -> (key, results,
+    torn tail bytes). One removed while it is read (its part just committed) or unreadable is left out."""
+    found = {}
+    for path in sorted(output_dir.iterdir()):
+        match = JOURNAL_RE.match(path.name)
+        if match and mine(int(match.group(1))):
+            try:
+                found[int(match.group(1))] = read_journal(path)
+            except (OSError, TypeError):  # gone, or frames of another batchgen's Result: a resume starts it afresh
+                continue
+    return found
 
 
 class Journal:

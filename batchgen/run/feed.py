@@ -52,7 +52,7 @@ class PartProgress(Protocol):
 
     def start_part(self, index: int, planned: int, reused: int, rows: int = 0) -> None: ...
 
-    def journaled(self, index: int, count: int, tokens: int = 0) -> None: ...
+    def journaled(self, index: int, count: int, tokens: int = 0, prompt_tokens: int = 0) -> None: ...
 
     def committed(self, index: int, stats: PartStats, generated_tokens: int) -> None: ...
 
@@ -67,7 +67,7 @@ class Unreported:
     def start_part(self, index: int, planned: int, reused: int, rows: int = 0) -> None:
         pass
 
-    def journaled(self, index: int, count: int, tokens: int = 0) -> None:
+    def journaled(self, index: int, count: int, tokens: int = 0, prompt_tokens: int = 0) -> None:
         pass
 
     def committed(self, index: int, stats: PartStats, generated_tokens: int) -> None:
@@ -152,7 +152,8 @@ class Feed:
             op.journal.append_all(done)
             kill_point("samples journaled")
         tokens = sum(r.num_generated_tokens for r in done)
-        self.progress.journaled(op.planned.part.index, len(done), tokens)
+        self.progress.journaled(op.planned.part.index, len(done), tokens, sum(r.num_prompt_tokens for r in done))
+        self.summary.generated_samples += len(done)
         op.results += done
         op.generated_tokens += tokens
         op.left -= len(done)
@@ -201,11 +202,14 @@ class Feed:
         that the next run removes)."""
         part = op.planned.part
         rows = assemble(op.planned, op.results)
+        for row in rows if op.planned.prompts is not None else ():  # output.include_prompt
+            row.rendered_prompt = op.planned.prompts[row.row]
         with self.progress.stop.shielded():
             stats = self.committer.commit(part, rows)
             crash_window("part committed, journal not yet removed")
             with writing(op.path):
                 op.journal.remove()
+            kill_point("part committed")  # test hook: the status file not yet told (`batchgen status` reads the parts)
         del self.open[part.index]
         self.progress.committed(part.index, stats, op.generated_tokens)
         self.on_committed(stats, op.generated_tokens)

@@ -34,8 +34,8 @@ from batchgen.output.outdir import committed_totals
 from batchgen.prompts.render import RenderRow
 from batchgen.run import respcache
 from batchgen.run.feed import Feed, Unreported, check_error_rate
-from batchgen.run.prepare import make_committer, open_input, open_output
-from batchgen.run.progress import Progress, Summary
+from batchgen.run.prepare import kept_passthrough, make_committer, open_input, open_output
+from batchgen.run.progress import Progress, Summary, find_resumed, numerics_said
 from batchgen.run.stopping import GracefulStop, Reaper, StopRequested
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class PartWorker:
         self.cfg = cfg
         self.output_dir = Path(cfg.output_dir)
         job = open_input(cfg, self.output_dir, render_row)  # a JSONL input: the driver's pass, saved beside output
-        self.committer = make_committer(cfg, self.output_dir, job.passthrough, dict(metadata))
+        self.committer = make_committer(cfg, self.output_dir, kept_passthrough(self.output_dir, job), dict(metadata))
         self.committer.exclusive = True
         self.planner = Planner(cfg, job.reader, job.renderer, job.tokenizer, job.existing)
         self.engine = respcache.wrap(build_engine(task_engine(cfg), job.tokenizer), cfg,
@@ -84,7 +84,7 @@ class PartWorker:
             raise BatchgenError(f"part {index}: the worker committed nothing (no such part?)")
         stats, generated = committed[0]
         return {"index": index, "stats": stats, "generated": generated, "reused": summary.reused_samples,
-                "pid": os.getpid()}
+                "generated_samples": summary.generated_samples, "pid": os.getpid()}
 
 
 def _fail_after_first(on_result: Any) -> Any:
@@ -116,7 +116,9 @@ def run_on_ray(cfg: JobConfig, resolved: Optional[dict[str, Any]], render_row: O
             summary.state = "already_done"
             return summary
         parts = -(-total_rows // cfg.rows_per_part)
-        progress = Progress(cfg, committer, total_rows, summary.totals, stop)
+        summary.rows_already_committed = summary.totals.rows
+        resumed = find_resumed(cfg, committer, out.shown, summary.totals, cfg.sampling.n)
+        progress = Progress(cfg, committer, total_rows, summary.totals, stop, resumed=resumed)
         try:
             _drive(cfg, render_row, committer, parts, summary, progress, stop, started)
         except BaseException as exc:
@@ -127,7 +129,7 @@ def run_on_ray(cfg: JobConfig, resolved: Optional[dict[str, Any]], render_row: O
             committer.write_empty()
         summary.state = "done" if committer.finish(max(parts, 1 if total_rows == 0 else 0)) else "partial"
         progress.close(summary.state, total_rows)
-        summary.wall_s = time.perf_counter() - started
+        summary.wall_s, summary.work = time.perf_counter() - started, progress.last_work
         return summary
 
 
@@ -171,6 +173,8 @@ def _drive_workers(cfg: JobConfig, render_row: Optional[RenderRow], committer: C
     with OutputLock.for_shard(committer.output_dir, 0, 1).layout():
         check_engine(committer.output_dir, identity)
     summary.load_s = time.perf_counter() - started
+    summary.numerics = numerics_said(identity)
+    progress.loaded()
     progress.engine = _WorkerStats(pool.per_worker)
     watch = _JournalWatch(cfg, committer.output_dir, progress, parts)
     try:
@@ -188,6 +192,7 @@ def _drive_workers(cfg: JobConfig, render_row: Optional[RenderRow], committer: C
                 summary.totals.add(out["stats"])
                 summary.generated_tokens += out["generated"]
                 summary.reused_samples += out.get("reused", 0)
+                summary.generated_samples += out.get("generated_samples", 0)
                 progress.committed(k, out["stats"], out["generated"], worker=f"ray worker {i}")
                 check_error_rate(cfg, summary.totals)
             if not ready:
@@ -283,7 +288,8 @@ class _JournalWatch:
             planned = self.progress.parts.get(k, {}).get("samples_planned", 0)
             new = min(len(results), planned) - self.seen[k]
             if new > 0 and k in self.progress.parts:
-                self.progress.journaled(k, new, sum(r.num_generated_tokens for r in results[-new:]))
+                self.progress.journaled(k, new, sum(r.num_generated_tokens for r in results[-new:]),
+                                        sum(r.num_prompt_tokens for r in results[-new:]))
                 self.seen[k] += new
 
 

@@ -26,7 +26,7 @@ from batchgen.prompts.render import RenderRow
 from batchgen.run import respcache
 from batchgen.run.feed import Feed, auto_lookahead, check_error_rate
 from batchgen.run.prepare import JobInput, JobOutput, open_input, open_output, output_place
-from batchgen.run.progress import Progress, Summary
+from batchgen.run.progress import Progress, Summary, find_resumed, numerics_said
 from batchgen.run.stopping import GracefulStop
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,9 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
             summary.state = "already_done"
             return summary
         planner = Planner(cfg, job.reader, job.renderer, job.tokenizer, job.existing)
-        progress = Progress(cfg, out.committer, job.reader.count_rows(), summary.totals, stop)
+        summary.rows_already_committed = summary.totals.rows
+        resumed = find_resumed(cfg, out.committer, out.shown, summary.totals, samples_per_row(cfg, planner))
+        progress = Progress(cfg, out.committer, job.reader.count_rows(), summary.totals, stop, resumed=resumed)
         try:
             _load_and_generate(cfg, job, out, planner, summary, progress, started)
         except BaseException as exc:
@@ -94,11 +96,13 @@ def _load_and_generate(cfg: JobConfig, job: JobInput, out: JobOutput, planner: P
     engine = respcache.wrap(build_engine(task_engine(cfg), job.tokenizer), cfg,
                             model_identity(cfg.engine.model))
     summary.load_s = time.perf_counter() - started
+    progress.loaded()
     with out.lock.layout():
         check_engine(out.output_dir, engine.identity())  # what engine.dtype=auto resolved to, the same
         if out.remote:
             out.remote.push(MANIFEST)
     out.committer.metadata["batchgen.engine"] = json.dumps(engine.identity())  # resolved dtype, device, version
+    summary.numerics = numerics_said(engine.identity())
     progress.engine = engine
     try:
         _generate_parts(cfg, planner, engine, out.committer, summary, progress)
@@ -128,14 +132,10 @@ def _generate_parts(cfg: JobConfig, planner: Planner, engine: Any, committer: Co
     finally:
         feed.close()
         summary.lookahead_parts, summary.max_parts_in_flight = lookahead, feed.max_in_flight
-        summary.prefix_tokens_reused = getattr(getattr(engine, "stats", None), "prefix_tokens_reused", 0)
-        summary.kv_cache = kv_cache_said(getattr(engine, "stats", None))
-        summary.cache = getattr(engine, "cache_stats", None)
-        if committer.sink is not None:
-            summary.table, summary.table_commits = committer.sink.describe(), committer.sink.commits
-            summary.table_commit_s = committer.sink.commit_s
+        _note_engine(summary, engine, committer)
     summary.duplicate_ids = progress.duplicate_ids = planner.duplicate_ids
     summary.rows_read, summary.rows_typed = planner.reader.rows_read, planner.reader.rows_typed
+    summary.log_internals()
     if planner.total_rows == 0 and cfg.run.shard == 0:
         committer.write_empty()
     total = max(planner.total_parts, 1 if planner.total_rows == 0 else 0)
@@ -147,6 +147,24 @@ def _generate_parts(cfg: JobConfig, planner: Planner, engine: Any, committer: Co
     complete = committer.finish(total, before_success=partial(write_derived, cfg, committer.output_dir))
     summary.state = "done" if complete else "partial"
     progress.close(summary.state, planner.total_rows)
+    summary.work = progress.last_work  # the figure the final status recorded
+
+
+def _note_engine(summary: Summary, engine: Any, committer: Committer) -> None:
+    """What the engine, its response cache and the table output report, into the summary."""
+    summary.prefix_tokens_reused = getattr(getattr(engine, "stats", None), "prefix_tokens_reused", 0)
+    summary.kv_cache = kv_cache_said(getattr(engine, "stats", None))
+    summary.cache = getattr(engine, "cache_stats", None)
+    if committer.sink is not None:
+        summary.table, summary.table_commits = committer.sink.describe(), committer.sink.commits
+        summary.table_commit_s = committer.sink.commit_s
+
+
+def samples_per_row(cfg: JobConfig, planner: Planner) -> int:
+    """The requests a row plans: sampling.n, or for task=decide one per answer of every question."""
+    if cfg.task == "decide":
+        return max(sum(len(answers) for answers in planner.questions()[1]), 1)
+    return cfg.sampling.n
 
 
 def write_derived(cfg: JobConfig, output_dir: Path) -> None:

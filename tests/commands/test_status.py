@@ -1,12 +1,25 @@
-"""`batchgen status` reads a run's state off disk: progress, duplicates, the part in flight and its journal."""
+"""`batchgen status` reads a run's state off disk: progress, duplicates, the part in flight and its journal; its
+headline counts the work done wherever it is (committed parts ahead of a killed writer's status file, samples
+journaled by a stopped run)."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 
 from batchgen.commands.status import describe
-from batchgen.output.journal import Journal, journal_key, journal_path
+from batchgen.output.journal import Journal, journal_key, journal_path, read_journal
 from batchgen.records import Result
+from tests.conftest import REPO, dummy_overrides, keyed_rows, read_output, run_cli, write_parquet
+
+HEADLINE = re.compile(r"_status\.json: (?P<state>[a-z ()]+): rows (?P<rows>\d+)/(?P<total>\d+) \([\d.]+%\) committed"
+                      r"(?: \+ (?P<journaled>\d+) samples journaled[^,]*)?, error rows \d+ \([^)]*\), "
+                      r"(?P<tokens>\d+) generated tokens, (?P<rate>[\d.]+) generated tok/s after load")
 
 
 def test_status_shows_the_journaled_samples_of_the_part_in_flight(tmp_path):
@@ -24,7 +37,8 @@ def test_status_shows_the_journaled_samples_of_the_part_in_flight(tmp_path):
     with open(journal_path(tmp_path, 1), "ab") as f:
         f.write(b"\x05\x00")  # a torn tail
     text = describe(tmp_path)
-    assert "_status.json: stopped: rows 10/30 (33.3%), error rows 1 (empty_prompt=1)" in text
+    assert ("_status.json: stopped: rows 10/30 (33.3%) committed + 7 samples journaled (3.5 rows: 45.0% with them), "
+            "error rows 1 (empty_prompt=1), 108 generated tokens, 12.5 tok/s") in text  # 80 committed, 28 journaled
     assert "duplicate ids: 3 rows" in text and "last error: stopped by SIGTERM" in text
     assert "part 00001 in flight: 7 of 20 samples journaled, torn tail of 2 bytes (dropped on resume)" in text
     assert "no run holds the lock" in text
@@ -47,3 +61,46 @@ def test_the_heartbeat_record_round_trips_and_reads_older_and_newer_files(tmp_pa
     assert older_newer.duplicate_ids == 0 and older_newer.rows_done == 3
     path.write_text("{torn")
     assert read_heartbeat(path) is None
+
+
+def headline(out) -> dict:
+    found = HEADLINE.search(describe(out))
+    assert found, describe(out)
+    return found.groupdict()
+
+
+def test_after_sigint_the_headline_counts_the_journaled_samples_and_their_tokens(tiny_model, tmp_path):
+    """One part of 12 rows, stopped by SIGINT with some samples journaled and no part committed: the headline counts
+    those samples and their tokens (it said `rows 0/12 (0.0%), ..., 0 generated tokens, 37.04 tok/s`)."""
+    data = write_parquet(tmp_path / "in.parquet", keyed_rows(12, "r", 4))
+    out = tmp_path / "out"
+    args = dummy_overrides(tiny_model, data, out, "dataset.id_column=uid", "run.rows_per_part=12",
+                           "sampling.max_new_tokens=20", "+engine.extra_args.delay_s=0.01",
+                           "+engine.extra_args.eos_rate=0.0")
+    job = subprocess.Popen([sys.executable, "-m", "batchgen", *args], cwd=REPO, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    journal, deadline = journal_path(out, 0), time.monotonic() + 120
+    while not (journal.exists() and len(read_journal(journal)[1]) >= 2):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1][-3000:]
+        time.sleep(0.02)
+    os.kill(job.pid, signal.SIGINT)
+    assert job.wait(timeout=30) == 130, job.communicate()[1][-3000:]
+    _, kept, _ = read_journal(journal)
+    said = headline(out)
+    assert said["state"] == "stopped" and said["rows"] == "0" and not list(out.glob("part-*.parquet"))
+    assert int(said["journaled"]) == len(kept) >= 2
+    assert int(said["tokens"]) == sum(r.num_generated_tokens for r in kept) > 0 and float(said["rate"]) > 0
+
+
+def test_after_sigkill_the_headline_does_not_lag_the_committed_parts(tiny_model, tmp_path):
+    """SIGKILLed right after a part's commit, before the status file heard of it: the headline counts the part's rows
+    and tokens from its file (it said `rows 0/12`, the last heartbeat's)."""
+    data = write_parquet(tmp_path / "in.parquet", keyed_rows(12, "r", 6))
+    out = tmp_path / "out"
+    killed = run_cli(dummy_overrides(tiny_model, data, out, "dataset.id_column=uid", "run.rows_per_part=3",
+                                     "sampling.max_new_tokens=6"), env={"BATCHGEN_TEST_KILL_AT": "part committed"})
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert json.loads((out / "_status.json").read_text())["rows_done"] == 0  # the status file lags the part
+    said = headline(out)
+    assert said["state"] == "stopped (no live writer)" and (said["rows"], said["total"]) == ("3", "12")
+    assert int(said["tokens"]) >= sum(read_output(out).column("num_generated_tokens").to_pylist()) > 0

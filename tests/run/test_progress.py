@@ -1,17 +1,19 @@
 """run/progress.py: the bar and the status move per journaled sample, so a part's progress (and an ETA) shows long
-before it commits."""
+before it commits; a resumed run says what it resumes before the bar, which starts past it."""
 
 from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.conftest import REPO, job_overrides, keyed_rows, write_parquet
+from batchgen.output.journal import journal_path, read_journal
+from tests.conftest import REPO, compose_job, dummy_overrides, job_overrides, keyed_rows, write_parquet
 
 
 @pytest.mark.parametrize("launcher", ["local", pytest.param("ray", marks=pytest.mark.ray)])
@@ -55,3 +57,40 @@ def test_progress_moves_before_the_first_part_commits(tiny_model, tmp_path, laun
     counts = [int(n) for n in re.findall(r"\| *(\d+)/24 rows", err)]
     assert counts and counts[-1] == 24, err[-2000:]
     assert any(0 < n < 24 for n in counts), counts  # frames drawn while the only part was in flight
+
+
+def test_a_resumed_run_says_so_first_and_its_bar_starts_past_the_earlier_work(tiny_model, tmp_path, monkeypatch,
+                                                                             capsys):
+    """A run stopped (as by SIGTERM) with part 0 committed and 2 samples of part 1 journaled, then the same job: one
+    line before the bar says the parts committed, the samples journaled and the rows to go; the bar's first frame
+    counts the committed rows and the journaled samples' rows (one row a sample here), not 0; the summary splits the
+    rows committed before, the samples reused and those generated now."""
+    from batchgen.run import feed
+    from batchgen.run.runner import run_job
+    from batchgen.run.stopping import StopRequested
+
+    data = write_parquet(tmp_path / "in.parquet", keyed_rows(12, "r", 8))
+    out = tmp_path / "out"
+    args = dummy_overrides(tiny_model, data, out, "dataset.id_column=uid", "run.rows_per_part=3",
+                           "sampling.max_new_tokens=8")
+    journaled = []
+
+    def stop_at_the_fifth(where: str) -> None:  # part 0's 3 samples committed, part 1's first 2 journaled
+        journaled.append(where)
+        if journaled.count("samples journaled") == 5:
+            raise StopRequested(signal.SIGTERM)
+
+    monkeypatch.setattr(feed, "kill_point", stop_at_the_fifth)
+    with pytest.raises(StopRequested):
+        run_job(compose_job(args))
+    monkeypatch.undo()
+    assert [p.name for p in out.glob("part-*.parquet")] == ["part-00000.parquet"]
+    assert len(read_journal(journal_path(out, 1))[1]) == 2
+    capsys.readouterr()
+    summary = run_job(compose_job([*args, "run.progress=true"]))
+    err = capsys.readouterr().err
+    said = f"batchgen: resuming {out}: 1 parts committed, 2 samples journaled, 7 rows to go"
+    assert said in err and err.index(said) < err.index("/12 rows"), err
+    assert re.findall(r"\| *(\d+)/12 rows", err)[0] == "5", err  # 3 committed + 2 journaled, not 0
+    assert ("resumed: 3 rows committed by earlier runs skipped, 2 samples reused from part journals, 7 samples "
+            "generated now") in summary.render(), summary.render()

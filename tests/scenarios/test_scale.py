@@ -107,7 +107,7 @@ def test_jsonl_shards_read_only_their_parts_after_the_first_made_the_index(tiny_
     assert (out / "_input_index.json").exists()
     assert [s.rows_read for s in summaries] == [2 * PART, 2 * PART, PART]  # own parts' rows only, each row once
     assert [s.rows_typed for s in summaries] == [ROWS, 0, 0]  # the first typed every line; the others took its pass
-    assert f"input: {2 * PART} rows read (and one pass over {ROWS} lines" in summaries[0].render()
+    assert f"input: {2 * PART} rows read\n" in summaries[0].render()  # the typing pass goes to the log
     assert read_output(out).equals(read_output(single))
     (out / "part-00003.parquet").unlink()
     (out / "_SUCCESS").unlink()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from batchgen.constraints import KINDS as CONSTRAINT_KINDS
 from batchgen.engines import (
     ENGINES,
     default_rows_per_part,
@@ -102,6 +103,7 @@ class OutputConfig:
     # parquet: the parts only; openai_batch: also _openai_batch_output.jsonl, OpenAI's batch output format
     format: str = "parquet"
     usage: bool = False  # per-row usage columns: cached_prompt_tokens, reasoning_tokens, latency_s
+    include_prompt: bool = False  # a rendered_prompt column: each row's prompt as rendered (template or chat template)
     prices: Prices = field(default_factory=Prices)  # a cost column per sample and cost totals (summary, report, plan)
     # where consumers read the result: parquet (output_dir's parts), or each committed part also made exactly one
     # transaction of a table (output/tables/): delta (deltalake) or iceberg (pyiceberg), output_dir its staging area
@@ -345,7 +347,17 @@ def _per_row_problems(cfg: JobConfig) -> list[str]:
         out.append("sampling.choice_scores=true needs sampling.choice or dataset.choice_column (the labels to score)")
     if (ds.choice_column or ds.schema_column) and (s.regex or s.grammar):
         out.append("dataset.choice_column / dataset.schema_column cannot go with sampling.regex or sampling.grammar")
-    return out
+    return out + _min_tokens_problems(cfg)
+
+
+def _min_tokens_problems(cfg: JobConfig) -> list[str]:
+    """min_tokens masks EOS, which a constrained sample needs the moment its constraint is complete (a row's own
+    min_tokens or constraint: that row's bad_value, rowparams)."""
+    s = cfg.sampling
+    if s.min_tokens and any(getattr(s, kind) not in (None, "", []) for kind in CONSTRAINT_KINDS):
+        return ["sampling.min_tokens cannot go with a sampling constraint: a constrained sample ends when its "
+                "constraint is complete"]
+    return []
 
 
 MIN_FREE_BYTES = 64 << 20  # an output_dir on a disk with less free space is refused at start

@@ -58,6 +58,7 @@ class PlannedPart:
     counts: tuple[int, ...] | None = None  # per row, its samples where rows differ (dataset.n_column); None: n each
     # task=decide: per question (name, kind, its answers, abstain_below), in request key order
     questions: tuple[tuple[str, str, tuple[str, ...], float | None], ...] | None = None
+    prompts: list[str | None] | None = None  # output.include_prompt: per row, its prompt as rendered (None: it erred)
 
 
 @dataclass(slots=True)
@@ -110,3 +111,4 @@ class OutputRow:
     embedding: list[float] | None = None  # task=embed
     decisions: dict | None = None  # task=decide: question name -> {answer, confidence, probabilities, expected}
     needs_review: bool | None = None  # task=decide: a question's top answer below its abstain_below
+    rendered_prompt: str | None = None  # output.include_prompt: the row's prompt as rendered, before run.too_long

@@ -4,6 +4,8 @@ or engines."""
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -39,6 +41,13 @@ class SamplingConfig:
     num_beams: int = 1
     length_penalty: float = 1.0  # a finished hypothesis scores sum(logprobs) / length ** length_penalty
     early_stopping: Any = False  # false (transformers' heuristic), true (once num_beams are finished), "never"
+    # logits processors as HF generate and vLLM's SamplingParams apply them, each off at its default (PROCESSORS)
+    repetition_penalty: float = 1.0  # > 0: a prompt or generated token's logit divided by it (multiplied if < 0)
+    presence_penalty: float = 0.0  # -2..2: subtracted from the logit of every token generated at least once
+    frequency_penalty: float = 0.0  # -2..2: times the token's count in the generation, subtracted from its logit
+    min_p: float = 0.0  # 0..1: after temperature, tokens below min_p times the likeliest's probability are dropped
+    min_tokens: int = 0  # EOS and stop strings are ignored until this many tokens were generated
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (-100..100)
 
     @property
     def greedy(self) -> bool:
@@ -58,7 +67,16 @@ class SamplingConfig:
             out.append(f"sampling.n must be >= 1 (got {self.n})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             out.append("sampling.stop must be a list of non-empty strings")
+        out += [f"sampling.{key} {problem}" for key in PROCESSORS
+                if (problem := processor_value(key, getattr(self, key))[1])]
+        if isinstance(self.min_tokens, int) and self.min_tokens > self.max_new_tokens:
+            out.append(f"sampling.min_tokens={self.min_tokens} must be <= sampling.max_new_tokens "
+                       f"({self.max_new_tokens})")
         return out + self._annotation_problems()
+
+    def processors(self) -> dict[str, Any]:
+        """The logits processors' settings as SampleParams takes them (call after problems() found none)."""
+        return {key: processor_value(key, getattr(self, key))[0] for key in PROCESSORS}
 
     def _annotation_problems(self) -> list[str]:
         """Structured outputs, label scores, logprobs and reasoning."""
@@ -97,7 +115,8 @@ class SamplingConfig:
                        "sampling is not supported)")
         taken = [k for k, v in (("a constraint", constraint), ("sampling.choice_scores", self.choice_scores),
                                 ("sampling.logprobs", self.logprobs is not None), ("sampling.stop", self.stop),
-                                ("sampling.reasoning", self.reasoning != "off")) if v]
+                                ("sampling.reasoning", self.reasoning != "off"),
+                                *((f"sampling.{k}", v != PROCESSORS[k]) for k, v in self.processors().items())) if v]
         if taken:
             out.append(f"sampling.num_beams > 1 cannot go with {', '.join(taken)}")
         return out
@@ -112,6 +131,50 @@ class SamplingConfig:
 
 
 REASONING = ("off", "split", "auto")
+# the logits processors' keys (sampling.KEY, dataset.KEY_column, SampleParams.KEY) and the value that turns each off
+PROCESSORS: dict[str, Any] = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                              "min_p": 0.0, "min_tokens": 0, "logit_bias": ()}
+# the dataset.* key of each one's per-row column
+PROCESSOR_COLUMNS = {"repetition_penalty": "repetition_penalty_column", "presence_penalty": "presence_penalty_column",
+                     "frequency_penalty": "frequency_penalty_column", "min_p": "min_p_column",
+                     "min_tokens": "min_tokens_column", "logit_bias": "logit_bias_column"}
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a bias (vLLM clamps to it)
+
+
+def processor_value(key: str, value: Any) -> tuple[Any, Optional[str]]:
+    """A logits processor's setting (PROCESSORS) as SampleParams holds it, or why it is not one (a phrase that
+    follows the key's name): a number in the key's range, a whole number for min_tokens, and for logit_bias a
+    mapping of token ids (ints, or digit strings as JSON writes them) to biases, held as sorted (id, bias) pairs."""
+    if key == "logit_bias":
+        return _logit_bias(value)
+    if isinstance(value, float) and key == "min_tokens" and value.is_integer():
+        value = int(value)  # pandas' float64 for an int column with NaN
+    number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if key == "min_tokens":
+        ok, want = number and isinstance(value, int) and value >= 0, "an integer >= 0"
+    elif key == "repetition_penalty":
+        ok, want = number and value > 0, "a number > 0 (1 = off)"
+    elif key == "min_p":
+        ok, want = number and 0 <= value <= 1, "a number in [0, 1] (0 = off)"
+    else:
+        ok, want = number and -2 <= value <= 2, "a number in [-2, 2] (0 = off)"
+    return (value if key == "min_tokens" else float(value), None) if ok else (None, f"must be {want} (got {value!r})")
+
+
+def _logit_bias(value: Any) -> tuple[Any, Optional[str]]:
+    if not isinstance(value, Mapping):
+        return None, f"must be a mapping of token ids to biases (got {value!r})"
+    pairs = []
+    for token, bias in value.items():
+        if isinstance(token, str) and token.isdigit():
+            token = int(token)
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            return None, f"has {token!r}, which is not a token id (an integer >= 0)"
+        if (isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias)
+                or abs(bias) > MAX_LOGIT_BIAS):
+            return None, f"gives token {token} the bias {bias!r}, not a number in [-100, 100]"
+        pairs.append((token, float(bias)))
+    return tuple(sorted(pairs)), None
 
 
 @dataclass(slots=True, frozen=True)
@@ -148,10 +211,24 @@ class SampleParams:
     pooling: Optional[str] = None  # task=embed: no generation; the prompt's final hidden states pooled (mean, last)
     normalize: bool = False  # task=embed: the pooled state scaled to unit length
     shared: int = 0  # task=decide: the first `shared` tokens are the row's prompt, prefilled once for its questions
+    # logits processors (sampling.KEY, or the row's dataset.KEY_column), each off at its PROCESSORS value
+    repetition_penalty: float = 1.0  # HF's, over the prompt's and the generated tokens
+    presence_penalty: float = 0.0  # OpenAI's and vLLM's, over the generated tokens only
+    frequency_penalty: float = 0.0  # the same, times each token's count
+    min_p: float = 0.0  # applied after temperature, top-k and top-p, as HF's MinPLogitsWarper
+    min_tokens: int = 0  # EOS masked, stop strings ignored, until this many tokens were generated (<= the cap)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), ids ascending
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether a penalty, a logit bias or min_tokens changes this sample's logits before any token choice
+        (min_p does not: it only filters what sampling draws from)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.min_tokens > 0 or bool(self.logit_bias))
 
 
 def derive_seed(job_seed: int, row_id: str, sample_index: int) -> int:
@@ -160,9 +237,11 @@ def derive_seed(job_seed: int, row_id: str, sample_index: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def find_stop(text: str, stops: tuple[str, ...]) -> int:
-    """Index of the earliest match of any stop string in `text`, or -1; the generation is cut there."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+def find_stop(text: str, stops: tuple[str, ...], after: int = 0) -> int:
+    """Index of the earliest match of any stop string in `text` that ends past its first `after` characters (the
+    text of the sample's first min_tokens tokens, in which a stop string does not count), or -1; the generation is
+    cut there."""
+    hits = [i for i in (text.find(s, max(0, after - len(s) + 1)) for s in stops) if i >= 0]
     return min(hits) if hits else -1
 
 

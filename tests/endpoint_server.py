@@ -1,7 +1,10 @@
 """A small OpenAI-compatible server for the endpoint tests: a real model (transformers' generate on a local model
 directory, one request at a time) behind /v1/models, /v1/completions and /v1/chat/completions, with faults injected
 on purpose: 429 with Retry-After, 503, slow answers, connections dropped mid-request, and 400 for prompts holding
-the word REJECT. Faults are drawn from a seeded generator per request, so a run's faults repeat. A server that
+the word REJECT, and for a prompt holding `REFUSE:FIELD` that carries the body field FIELD (as OpenAI refuses a
+parameter a model does not take). The logits processor fields (OpenAI's presence_penalty, frequency_penalty,
+logit_bias; vLLM's repetition_penalty, min_p, min_tokens) are applied as HF generate's processors. Faults are drawn
+from a seeded generator per request, so a run's faults repeat. A server that
 lies: the answer to a prompt holding `MANGLE:KIND` is changed as mangle() says for KIND (a usage that is null, a
 string, too large or negative; two choices, the wrong one first; a choice of another index; a token id outside the
 vocabulary), and /v1/models answers as --models says (a model list, or a web page, a list, a list of strings, a
@@ -11,7 +14,7 @@ max_model_len that is not a number).
         [--fault-requests N] [--log FILE] [--name SERVED_NAME] [--models KIND]
 
 prints `port N` once listening on 127.0.0.1. The log gets one JSON line per request: what was asked (the body's
-digest, its prompt or messages) and what was answered (status, or the fault)."""
+digest, its prompt or messages, its logits processor fields) and what was answered (status, or the fault)."""
 
 from __future__ import annotations
 
@@ -26,7 +29,34 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
+
+PROCESSOR_FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty", "min_p", "min_tokens")
+
+
+class OpenAIPenalties:
+    """presence_penalty and frequency_penalty as OpenAI defines them, over the generated tokens only: HF generate
+    has no such processor, so it runs after its own (repetition_penalty among them), as vLLM's order has it."""
+
+    def __init__(self, presence: float, frequency: float, prompt_len: int):
+        self.presence, self.frequency, self.prompt_len = presence, frequency, prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids[:, self.prompt_len:]
+        counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0)
+
+
+def processor_kwargs(body: dict[str, Any], prompt_len: int) -> dict[str, Any]:
+    """The body's logits processor fields as HF generate's keywords."""
+    out: dict[str, Any] = {"repetition_penalty": body.get("repetition_penalty"), "min_p": body.get("min_p"),
+                           "min_new_tokens": body.get("min_tokens")}
+    if body.get("logit_bias"):
+        out["sequence_bias"] = {(int(token),): float(bias) for token, bias in body["logit_bias"].items()}
+    if body.get("presence_penalty") or body.get("frequency_penalty"):
+        out["logits_processor"] = LogitsProcessorList([OpenAIPenalties(
+            float(body.get("presence_penalty") or 0), float(body.get("frequency_penalty") or 0), prompt_len)])
+    return {key: value for key, value in out.items() if value is not None}
 
 
 class Backend:
@@ -56,7 +86,8 @@ class Backend:
                                       max_new_tokens=body.get("max_tokens", 16), do_sample=temperature > 0,
                                       temperature=temperature if temperature > 0 else None,
                                       top_p=body.get("top_p", 1.0) if temperature > 0 else None, top_k=None,
-                                      pad_token_id=tok.eos_token_id, output_scores=True, return_dict_in_generate=True)
+                                      pad_token_id=tok.eos_token_id, output_scores=True, return_dict_in_generate=True,
+                                      **processor_kwargs(body, len(ids)))
         new = out.sequences[0, len(ids):].tolist()
         finish = "stop" if new and new[-1] == tok.eos_token_id else "length"
         text = tok.decode(new, skip_special_tokens=True)
@@ -168,6 +199,7 @@ class Handler(BaseHTTPRequestHandler):
             digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
             line = json.dumps({"path": self.path, "digest": digest, "outcome": outcome, "seed": body.get("seed"),
                                "prompt": body.get("prompt"), "messages": body.get("messages"),
+                               "processors": {k: body[k] for k in PROCESSOR_FIELDS if k in body},
                                "auth": self.headers.get("Authorization")})
             with self.log_lock, open(self.log_path, "a") as f:
                 f.write(line + "\n")
@@ -219,6 +251,12 @@ class Handler(BaseHTTPRequestHandler):
         if self.reject and self.reject in text:
             self._log(body, "400")
             return self._send(400, {"error": {"message": "the prompt asks to be rejected"}})
+        refused = re.search(r"REFUSE:(\w+)", text)
+        if refused and refused.group(1) in body:  # OpenAI's words for a parameter the model does not take
+            self._log(body, "400")
+            field = refused.group(1)
+            return self._send(400, {"error": {"message": f"Unsupported parameter: '{field}' is not supported with "
+                                                         f"this model.", "param": field}})
         try:
             answer = self.backend.complete(body, chat)
         except ValueError as exc:

@@ -1,9 +1,9 @@
 """The job's config from Hydra: the one module that composes it (cli.py runs the job under hydra.main). It holds
 where the config lives (batchgen/conf/, shipped in the package, and the user's own directories named by --config-dir
-or BATCHGEN_CONF_DIR), registers the dataclasses as Hydra's schemas, checks overrides before Hydra sees them
-(unknown keys with their likely spelling, another engine's keys, misspelt group options, values its grammar cannot
-read) and converts the composed config to JobConfig once (to_job_config). `batchgen retry` rebuilds a config from a
-run's manifest here too (config_from).
+or BATCHGEN_CONF_DIR), registers the dataclasses as Hydra's schemas, checks overrides and the presets they pick before
+Hydra sees them (unknown keys with their likely spelling and `batchgen help KEY`, another engine's keys, misspelt
+group options, values its grammar cannot read) and converts the composed config to JobConfig once (to_job_config).
+`batchgen retry` rebuilds a config from a run's manifest here too (config_from).
 """
 
 from __future__ import annotations
@@ -158,12 +158,47 @@ SECTIONS = {"DatasetConfig": DatasetConfig, "SamplingConfig": SamplingConfig, "R
 
 
 def _no_such_key(key: str, prefix: str, names: list[str]) -> str:
-    import difflib
+    """An unknown key, its likely meaning and where to read about it: `batchgen help`, which every install has (a
+    wheel has no docs/ folder)."""
+    likely = _likely_keys(key, prefix, names)
+    hint = f" (did you mean {' or '.join(likely)}?)" if likely else ""
+    about = (likely[0] if len(likely) == 1 else key.rsplit(".", 1)[-1] if likely else prefix.split(".")[0]
+             or "SECTION (dataset, engine, sampling, run, output, launcher)")
+    return f"{key}: no such config key{hint}; see batchgen help {about}"
 
-    known = [f"{prefix}.{name}" if prefix else name for name in names]
-    close = difflib.get_close_matches(key, known, n=1)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    return f"{key}: no such config key{hint}; see docs/configuration.md \"Config reference\""
+
+def _likely_keys(key: str, prefix: str, names: list[str]) -> list[str]:
+    """What an unknown key was likely meant to be: its misspelt part corrected at its own level (datset.path:
+    dataset.path), or, where the last part is closer to a key's name in another section, the keys of that name
+    (temperature, run.temprature: sampling.temperature), as `batchgen help temperature` finds them."""
+    from difflib import SequenceMatcher
+
+    def ratio(a: str, b: str) -> float:
+        return SequenceMatcher(None, a, b).ratio()
+
+    parts = key.split(".")
+    depth = len(prefix.split(".")) if prefix else 0
+    segment, rest = parts[depth], parts[depth + 1:]
+    here = max(names, key=lambda name: ratio(segment, name), default="")
+    every = config_keys()
+    there = max({k.rsplit(".", 1)[-1] for k in every}, key=lambda tail: ratio(parts[-1], tail))
+    mine = ratio(segment, here)
+    if mine >= 0.6 and (rest or mine >= ratio(parts[-1], there)):
+        return [".".join([*([prefix] if prefix else []), here, *rest])]
+    return [k for k in every if k.rsplit(".", 1)[-1] == there] if ratio(parts[-1], there) >= 0.6 else []
+
+
+def config_keys() -> list[str]:
+    """Every key of JobConfig's sections and of every engine's config class, dotted (sampling.temperature); a field
+    that is not a section (name, task) as it is."""
+    out = []
+    for f in dataclasses.fields(JobConfig):
+        section = SECTIONS.get(f.type if isinstance(f.type, str) else getattr(f.type, "__name__", ""))
+        if f.name == "engine":
+            out += sorted({f"engine.{g.name}" for spec in ENGINES.values() for g in dataclasses.fields(spec.config)})
+        else:
+            out += [f"{f.name}.{g.name}" for g in dataclasses.fields(section)] if section else [f.name]
+    return out
 
 
 def _engine_key_problems(key: str, value: str, engine: Optional[str]) -> list[str]:
@@ -207,13 +242,67 @@ def composed(overrides: list[str]) -> DictConfig:
 
     problems = conf_dir_problems() or unreadable(overrides) + unknown_options(overrides)
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        problems = problems or unknown_keys(overrides, _chosen_engine(overrides))
+        if not problems:
+            engine = _chosen_engine(overrides)
+            problems = unknown_keys(overrides, engine) + preset_problems(overrides, engine)
         if problems:
             raise ConfigError(problems)
         try:
             return compose(config_name="config", overrides=with_search_path(overrides))
         except Exception as exc:  # Hydra's composition errors: a bad value for a key's type, say
             raise ConfigError([hydra_reason(exc)]) from exc
+
+
+def preset_problems(overrides: list[str], engine: Optional[str]) -> list[str]:
+    """The unknown keys of the preset and group files `overrides` pick (job=NAME, dataset=NAME, and what their
+    defaults lists pick), each named with its file and its full key, as a command line's are: Hydra stops at the
+    first, naming neither the file nor the likely key."""
+    todo = [(group.lstrip("+~"), choice) for group, _, choice in (arg.partition("=") for arg in overrides)]
+    problems, seen = [], set()
+    while todo:
+        group, choice = todo.pop(0)
+        path = group_file(group, choice) if group in GROUPS and choice not in ("", "null") else None
+        if path is None or path in seen:
+            continue  # no such option: unknown_options names it
+        seen.add(path)
+        keys, picks = preset_keys(path, group)
+        todo += picks
+        if group == "job" and keys and all(k.startswith("job.") for k in keys):
+            problems.append(f"{path}: a job preset sets the config's own keys (name, dataset.path, ...): make its "
+                            f"first line `# @package _global_`")
+            continue
+        problems += [f"{path}: {problem}" for problem in unknown_keys(keys, engine)]
+    return problems
+
+
+def preset_keys(path: Path, group: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """A group file's keys as `key=value` overrides, under the package Hydra merges it at (its `# @package` header:
+    _global_ the root; none, its group), and the (group, option) pairs its defaults list picks. A file that is not
+    YAML gives neither: Hydra says what is wrong with it."""
+    import yaml
+
+    text = path.read_text(encoding="utf-8")
+    head = [line for line in text.splitlines()[:5] if line.startswith("#") and "@package" in line]
+    package = head[0].split("@package", 1)[1].strip() if head else "_group_"
+    prefix = package.replace("_group_", group).replace("_global_", "").strip(".")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return [], []
+    if not isinstance(data, dict):
+        return [], []
+    defaults = data.pop("defaults", None)
+    picks = [(key.replace("override", "").strip().lstrip("/"), choice) for item in defaults or []
+             if isinstance(item, dict) for key, choice in item.items() if isinstance(choice, str)]
+    return _dotted(data, prefix), picks
+
+
+def _dotted(node: dict, prefix: str) -> list[str]:
+    out = []
+    for key, value in node.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        out += _dotted(value, name) if isinstance(value, dict) and value else [f"{name}={value}"]
+    return out
 
 
 def unreadable(overrides: list[str]) -> list[str]:
@@ -232,7 +321,7 @@ def unreadable(overrides: list[str]) -> list[str]:
             problems.append(f"{key}: Hydra's override grammar cannot read this value unquoted (braces, quotes, "
                             f"backslashes or non-ASCII characters need quoting). Quote it for Hydra inside the "
                             f"shell's quotes: '{key}=\"{quoted[:60]}{'...' if len(quoted) > 60 else ''}\"', or set "
-                            f"it in a preset (a YAML file: docs/configuration.md, \"Running jobs\"), where any text "
+                            f"it in a preset (a YAML file, DIR/job/NAME.yaml with --config-dir DIR), where any text "
                             f"goes")
     return problems
 

@@ -1,6 +1,6 @@
-"""`batchgen plan [--calibrate] [job=NAME] [key=value ...]`: what a job would do, before it runs. It streams the
-input and tokenizes every prompt without loading the model, then prints (and writes to output_dir/_plan.json, with
-the histogram as _plan.png where matplotlib is installed):
+"""`batchgen plan [--calibrate] [--show N] [job=NAME] [key=value ...]`: what a job would do, before it runs. It
+streams the input and tokenizes every prompt without loading the model, then prints (and writes to
+output_dir/_plan.json, with the histogram as _plan.png where matplotlib is installed):
 
 - the prompt-length histogram;
 - the rows over max_model_len - max_new_tokens, and what run.too_long will do with them;
@@ -8,6 +8,9 @@ the histogram as _plan.png where matplotlib is installed):
 - total prompt tokens and the most tokens the job can generate;
 - parts, and parts per shard.
 
+`--show N` first prints the first N rows' prompts as the engine gets them (the job's own rendering: the template's
+text, or the chat template's with its generation prompt and system prompt), each with its id, its token count and
+what run.too_long does to it; they are in _plan.json too (`shown`).
 `--calibrate` then loads the engine and runs a short probe on the longest prompts first (an out-of-memory shows at
 once), and prints its rate and an ETA for the whole job. Exit codes are the job's: 0 when it would run, 1 when it
 would stop (run.too_long=fail with a row too long, or more error rows than run.max_error_rate), 2 on a config or
@@ -31,7 +34,7 @@ from batchgen.fsutil import write_json_atomic
 from batchgen.job import JobConfig
 from batchgen.output.committer import error_kind
 from batchgen.output.outdir import save_input_index
-from batchgen.prompts.planner import Planner
+from batchgen.prompts.planner import Measured, Planner
 from batchgen.run.preflight import load_tokenizer
 from batchgen.run.prepare import open_input
 
@@ -70,26 +73,34 @@ def config_problem(cfg: JobConfig, exc: Exception) -> str:
             f"transformers does not know needs a newer one (pip install -U transformers)")
 
 
-def measure(cfg: JobConfig) -> tuple[dict[str, Any], list[tuple[int, list[int]]]]:
-    """The plan's figures, and (cap, prompt ids) of every generable row, for the probe."""
+def open_planner(cfg: JobConfig) -> tuple[Planner, int]:
+    """The job's own planner over every part (the plan counts what the job would read, skipped rows too), and the
+    model's max_model_len; a JSONL input's pass saved for the job's shards (outdir.INPUT_INDEX)."""
     whole = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, shard=0, num_shards=1))  # every part
     out = Path(cfg.output_dir)
-    job = open_input(cfg, out, skip_existing=False)  # the plan counts what the job would read, skipped rows too
-    reader, tokenizer, renderer = job.reader, job.tokenizer, job.renderer
+    job = open_input(cfg, out, skip_existing=False)
     limit = model_len(cfg)  # before anything is written: a config.json that does not load is a ConfigError
-    if "://" not in cfg.output_dir:  # a JSONL input's pass, kept for the job's shards (outdir.INPUT_INDEX)
+    if "://" not in cfg.output_dir:
         out.mkdir(parents=True, exist_ok=True)
-        save_input_index(out, reader)
-    planner = Planner(whole, reader, renderer, tokenizer)
+        save_input_index(out, job.reader)
+    return Planner(whole, job.reader, job.renderer, job.tokenizer), limit
+
+
+def measure(cfg: JobConfig, show: int = 0) -> tuple[dict[str, Any], list[tuple[int, list[int]]]]:
+    """The plan's figures (with `show`, the first rows' prompts: shown_row), and (cap, prompt ids) of every
+    generable row, for the probe."""
+    planner, limit = open_planner(cfg)
     lengths: list[int] = []
     errors: Counter[str] = Counter()
     over: list[str] = []
     rows: list[tuple[int, list[int]]] = []
-    max_generated = 0
-    fitted = 0  # prompt tokens after run.too_long: what the job's num_prompt_tokens will sum to
+    max_generated = fitted = 0  # fitted: prompt tokens after run.too_long, what num_prompt_tokens will sum to
+    shown: list[dict[str, Any]] = []
     for part in planner.parts(skip=set()):
         m = planner.measure(part)
         for i, (error, setting, ids) in enumerate(zip(m.errors, m.settings, m.ids)):
+            if len(shown) < show:
+                shown.append(shown_row(planner, part.ids[i], m, i, limit))
             if error is not None:
                 errors[error_kind(error)] += 1
                 continue
@@ -118,8 +129,38 @@ def measure(cfg: JobConfig) -> tuple[dict[str, Any], list[tuple[int, list[int]]]
         **_cost(cfg, fitted, max_generated),
         "parts": parts, "rows_per_part": cfg.rows_per_part,
         "shards": {"num_shards": shards, "parts_per_shard": [len(range(k, parts, shards)) for k in range(shards)]},
+        **({"shown": shown} if show else {}),
     }
     return plan, rows
+
+
+def shown_row(planner: Planner, row_id: str, m: Measured, i: int, limit: int) -> dict[str, Any]:
+    """Row `i` of a measured part for `--show`: its prompt as the job's renderer made it (what the engine is given,
+    tokenized), its token count, and what the job's own run.too_long (planner.fit) does to it; or its error."""
+    if m.errors[i] is not None:
+        return {"id": row_id, "prompt": m.texts[i], "prompt_tokens": None, "error": m.errors[i], "too_long": None}
+    ids = m.ids[i]
+    try:
+        kept, why = planner.fit(ids, m.settings[i].max_new_tokens, limit, row_id, cuttable=not planner.sends_messages)
+    except TooLongError:
+        kept, why = [], "run.too_long=fail: the job stops at this row (exit 1)"
+    if why is None and len(kept) < len(ids):
+        why = f"run.too_long=truncate_left: the engine gets its last {len(kept)} tokens (BOS kept)"
+    elif why is not None and not why.startswith("run.too_long"):
+        why = f"run.too_long={planner.cfg.run.too_long}: not generated ({why})"
+    return {"id": row_id, "prompt": m.texts[i], "prompt_tokens": len(ids), "error": None, "too_long": why}
+
+
+def render_shown(shown: list[dict[str, Any]]) -> str:
+    """`--show`'s rows: a header line each (row, id, tokens, too_long), then the prompt exactly, as it is."""
+    out = []
+    for k, row in enumerate(shown):
+        cut = f"; {row['too_long']}" if row["too_long"] else ""
+        what = row["error"] or f"{row['prompt_tokens']} prompt tokens{cut}"
+        out.append(f"--- row {k}: id {row['id']}, {what} ---")
+        if row["prompt"] is not None and row["error"] is None:
+            out.append(row["prompt"])
+    return "\n".join([*out, f"--- end of the {len(shown)} rows shown ---"])
 
 
 def _cost(cfg: JobConfig, prompt_tokens: int, generated_tokens: int) -> dict[str, Any]:
@@ -229,9 +270,10 @@ def write_png(plan: dict[str, Any], path: Path) -> Optional[Path]:
     return path
 
 
-def run_plan(cfg: JobConfig, calibrate_engine: bool = False) -> tuple[dict[str, Any], int]:
-    """The plan (written to output_dir/_plan.json and _plan.png) and the exit code the job would have."""
-    plan, rows = measure(cfg)
+def run_plan(cfg: JobConfig, calibrate_engine: bool = False, show: int = 0) -> tuple[dict[str, Any], int]:
+    """The plan (written to output_dir/_plan.json and _plan.png; with `show`, the first rows' prompts) and the exit
+    code the job would have."""
+    plan, rows = measure(cfg, show)
     if calibrate_engine:
         plan["calibration"] = calibrate(cfg, plan, rows)
     out = Path(cfg.output_dir)
@@ -249,8 +291,13 @@ def main(argv: list[str], compose_checked: Callable[[list[str]], JobConfig]) -> 
     from batchgen.errors import BatchgenError
 
     if "-h" in argv or "--help" in argv:
-        print(f"usage: batchgen plan [--calibrate] [job=NAME] [key=value ...]\n\n{__doc__.split(':', 1)[1].strip()}")
+        print(f"usage: batchgen plan [--calibrate] [--show N] [job=NAME] [key=value ...]\n\n"
+              f"{__doc__.split(':', 1)[1].strip()}")
         return 0
+    show, argv = take_show(argv)
+    if show < 0:
+        print("batchgen plan: error: --show N: N is how many rows to show, a whole number", file=sys.stderr)
+        return 2
     unknown = [a for a in argv if a.startswith("-") and a != "--calibrate"]
     if unknown:
         print(f"batchgen plan: error: unknown option {unknown[0]} (batchgen plan --help)", file=sys.stderr)
@@ -259,10 +306,12 @@ def main(argv: list[str], compose_checked: Callable[[list[str]], JobConfig]) -> 
     overrides = [a for a in argv if a != "--calibrate"]
     try:
         cfg = compose_checked(overrides)
-        plan, code = run_plan(cfg, calibrate_engine)
+        plan, code = run_plan(cfg, calibrate_engine, show)
     except BatchgenError as exc:
         print(f"batchgen plan: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    if show:
+        print(render_shown(plan["shown"]))
     print(render(plan))
     print(f"plan written to {Path(cfg.output_dir) / '_plan.json'}" + (f" and {plan['png']}" if plan["png"] else
                                                                      " (pip install matplotlib for _plan.png)"))
@@ -270,3 +319,18 @@ def main(argv: list[str], compose_checked: Callable[[list[str]], JobConfig]) -> 
         print("batchgen plan: the job would stop (see above)", file=sys.stderr)
     return code
 
+
+
+def take_show(argv: list[str]) -> tuple[int, list[str]]:
+    """`--show N` / `--show=N` taken out of argv: N (0 without it, -1 where N is not a whole number >= 0)."""
+    rest, show, i = [], 0, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--show" or arg.startswith("--show="):
+            value = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if "=" in arg else 2
+            show = int(value) if value.isdigit() else -1
+            continue
+        rest.append(arg)
+        i += 1
+    return show, rest

@@ -42,12 +42,15 @@ def _load_openai(cfg: EngineConfig, tokenizer: Any) -> Engine:
 
 def _openai_sampling(cfg: Any, sampling: Any, dataset: Any) -> list[str]:
     from batchgen.constraints import KINDS
-    from batchgen.engines.endpoint.wire import unsupported
+    from batchgen.engines.endpoint.wire import VLLM_PROCESSORS, unsupported
+    from batchgen.sampling import PROCESSOR_COLUMNS, PROCESSORS
 
     kind = next((k for k in KINDS if getattr(sampling, k, None) not in (None, "", [])), None)
     kind = kind or ("choice" if dataset.choice_column else None)
+    extras = tuple(f"sampling.{k}" for k in VLLM_PROCESSORS if getattr(sampling, k) != PROCESSORS[k]) + tuple(
+        f"dataset.{PROCESSOR_COLUMNS[k]}" for k in VLLM_PROCESSORS if getattr(dataset, PROCESSOR_COLUMNS[k]))
     return unsupported(cfg.extensions, kind, sampling.top_k, sampling.ignore_eos,
-                       sampling.reasoning != "off")
+                       sampling.reasoning != "off", extras)
 
 
 def _vllm_for_task(cfg: Any, task: str, embed: Any) -> Any:

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Optional, Protocol
 
 from batchgen.errors import BatchgenError
 from batchgen.records import Request, Result
-from batchgen.sampling import SampleParams, split_reasoning
+from batchgen.sampling import SampleParams, find_stop, split_reasoning
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")  # name or org/name: left to from_pretrained (a hub, if reachable)
@@ -143,6 +143,19 @@ def split_answer(tokenizer: Any, ids: list[int], params: SampleParams) -> tuple[
     while answer and not tokenizer.decode(answer[:1], skip_special_tokens=True).strip():
         answer = answer[1:]  # whitespace tokens between the marker and the answer
     return answer, text
+
+
+def answer_text(tokenizer: Any, ids: list[int], answer: list[int], params: SampleParams) -> str:
+    """The answer's ids (split_answer's, of the generated `ids`) decoded in one piece and cut before the first stop
+    string, as every engine reports it; a stop string within the sample's first min_tokens tokens does not count
+    (vLLM's min_tokens, which the hf engine follows)."""
+    text = tokenizer.decode(answer, skip_special_tokens=True)
+    if not params.stop:
+        return text
+    head = params.min_tokens - (len(ids) - len(answer))  # the answer's tokens among the first min_tokens
+    after = len(tokenizer.decode(answer[:head], skip_special_tokens=True)) if head > 0 else 0
+    cut = find_stop(text, params.stop, after)
+    return text if cut < 0 else text[:cut]
 
 
 def reasoning_tokens(ids: list[int], answer: list[int], params: SampleParams) -> Optional[int]:

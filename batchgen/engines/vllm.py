@@ -27,6 +27,7 @@ from batchgen.constraints import Constraint
 from batchgen.engines.base import (
     EngineConfig,
     Source,
+    answer_text,
     generate_by_stream,
     reasoning_tokens,
     split_answer,
@@ -37,7 +38,6 @@ from batchgen.engines.base import (
 )
 from batchgen.errors import BatchgenError, ConfigError
 from batchgen.records import Request, Result
-from batchgen.sampling import find_stop
 
 log = logging.getLogger(__name__)
 
@@ -350,13 +350,7 @@ class VLLMEngine:
         """One SamplingParams per sample: n=1 with the sample's own seed (None for greedy)."""
         p = req.params
         extra = {} if p.constraint is None else {"structured_outputs": self.structured_outputs(p.constraint)}
-        if p.logprobs is not None:
-            extra["logprobs"] = p.logprobs
-        return self.vllm.SamplingParams(
-            n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else self.top_k_off,
-            max_tokens=p.max_new_tokens, stop=list(p.stop) or None, ignore_eos=p.ignore_eos, seed=req.seed,
-            skip_special_tokens=True, **extra,
-        )
+        return self.vllm.SamplingParams(**sampling_kwargs(req, self.top_k_off), **extra)
 
     def structured_outputs(self, constraint: Constraint) -> Any:
         """batchgen's constraint as vLLM's StructuredOutputsParams: the same schema (compact JSON, no free whitespace,
@@ -373,12 +367,11 @@ class VLLMEngine:
         """Decode the ids ourselves, in one piece, so that text equals the hf engine's for the same ids."""
         ids = list(completion.token_ids)  # the EOS token included when generation stopped on it
         answer, reasoning = split_answer(self.tokenizer, ids, req.params)
-        text = self.tokenizer.decode(answer, skip_special_tokens=True)
-        cut = find_stop(text, req.params.stop) if req.params.stop else -1
+        text = answer_text(self.tokenizer, ids, answer, req.params)
         reason = completion.finish_reason
         if reason not in ("stop", "length"):
             raise BatchgenError(f"vLLM finished request {req.key} with finish_reason={reason!r}")
-        result = Result(key=req.key, text=text if cut < 0 else text[:cut], finish_reason=reason,
+        result = Result(key=req.key, text=text, finish_reason=reason,
                         num_prompt_tokens=len(req.prompt_ids), num_generated_tokens=len(ids), reasoning=reasoning,
                         reasoning_tokens=reasoning_tokens(ids, answer, req.params))
         if req.params.logprobs is not None:
@@ -387,6 +380,19 @@ class VLLMEngine:
         return result
 
 
+def sampling_kwargs(req: Request, top_k_off: int = 0) -> dict[str, Any]:
+    """SamplingParams' keywords for one sample (its constraint aside): its settings under vLLM's names, the logits
+    processors included (vLLM's own repetition_penalty, presence_penalty, frequency_penalty, min_p, min_tokens and
+    logit_bias, the same semantics as the hf engine's). top_k_off: what this vLLM takes for top-k off."""
+    p = req.params
+    out = dict(n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else top_k_off,
+               max_tokens=p.max_new_tokens, stop=list(p.stop) or None, ignore_eos=p.ignore_eos, seed=req.seed,
+               skip_special_tokens=True, repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+               frequency_penalty=p.frequency_penalty, min_p=p.min_p, min_tokens=p.min_tokens,
+               logit_bias=dict(p.logit_bias) or None)
+    if p.logprobs is not None:
+        out["logprobs"] = p.logprobs
+    return out
 
 
 def _replay(first: list[Request], exhausted: bool, source: Source) -> Source:

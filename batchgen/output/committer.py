@@ -15,7 +15,7 @@ import os
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -46,6 +46,7 @@ OUTPUT_COLUMNS = tuple(f.name for f in OUTPUT_FIELDS)
 CHOICE_SCORE = pa.struct([pa.field("choice", pa.string()), pa.field("score", pa.float64())])
 TOP_LOGPROB = pa.struct([pa.field("token", pa.string()), pa.field("token_id", pa.int32()),
                          pa.field("logprob", pa.float32())])
+PROMPT_COLUMN = "rendered_prompt"  # output.include_prompt's; not `prompt`, the default dataset.prompt_column's name
 # written only where the job asks for them (Committer.optional): a constraint adds `parsed`, choice_scores its own
 OPTIONAL_FIELDS = {
     "parsed": pa.field("parsed", pa.string()),
@@ -66,6 +67,7 @@ OPTIONAL_FIELDS = {
     "scored_tokens": pa.field("scored_tokens", pa.int32()),
     # task=embed
     "embedding": pa.field("embedding", pa.list_(pa.float32())),
+    PROMPT_COLUMN: pa.field(PROMPT_COLUMN, pa.string()),  # output.include_prompt
 }
 LOGLIK_COLUMNS = ("loglik", "loglik_mean", "perplexity", "scored_tokens")
 USAGE_COLUMNS = ("cached_prompt_tokens", "reasoning_tokens", "latency_s")
@@ -178,8 +180,8 @@ def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
 
 def optional_columns(sampling: Any, dataset: Any = None, output: Any = None, task: str = "generate"
                      ) -> tuple[str, ...]:
-    """The OPTIONAL_FIELDS a job with these sampling.* (dataset.* per-row constraint, output.usage and output.prices)
-    settings and this task writes."""
+    """The OPTIONAL_FIELDS a job with these sampling.* (dataset.* per-row constraint, output.usage, output.prices and
+    output.include_prompt) settings and this task writes."""
     constrained = any(getattr(sampling, kind, None) not in (None, "", []) for kind in KINDS) or any(
         getattr(dataset, key, None) for key in ("choice_column", "schema_column", "response_format_column"))
     logprobs = getattr(sampling, "logprobs", None) is not None
@@ -188,7 +190,8 @@ def optional_columns(sampling: Any, dataset: Any = None, output: Any = None, tas
             + ("reasoning",) * (getattr(sampling, "reasoning", "off") != "off")
             + USAGE_COLUMNS * bool(getattr(output, "usage", False))
             + ("cost",) * (output is not None and output.priced() is not None)
-            + LOGLIK_COLUMNS * (task == "loglik") + ("embedding",) * (task == "embed"))
+            + LOGLIK_COLUMNS * (task == "loglik") + ("embedding",) * (task == "embed")
+            + (PROMPT_COLUMN,) * bool(getattr(output, "include_prompt", False)))
 
 
 def _top(top: Optional[list[list[list]]]) -> Optional[list[list[dict[str, Any]]]]:
@@ -358,7 +361,7 @@ class Committer:
         if "parsed" in self.optional:
             columns["parsed"] = pa.array([r.parsed for r in rows], pa.string())
         for name in ("choice_scores", "token_logprobs", "top_logprobs", "reasoning", *USAGE_COLUMNS, "cost",
-                     *LOGLIK_COLUMNS, "embedding"):
+                     *LOGLIK_COLUMNS, "embedding", PROMPT_COLUMN):
             if name in self.optional:
                 columns[name] = pa.array([getattr(r, name) for r in rows], OPTIONAL_FIELDS[name].type)
         fields += [OPTIONAL_FIELDS[name] for name in self.optional]
@@ -413,8 +416,5 @@ class Committer:
 
 
 def _asdict(stats: PartStats) -> dict[str, Any]:
-    return {"rows": stats.rows, "samples": stats.samples, "errors": stats.errors,
-            "prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens,
-            "invalid_outputs": stats.invalid_outputs, "skipped": stats.skipped,
-            **({"cost": stats.cost} if stats.cost else {}),
-            **({"needs_review": stats.needs_review} if stats.needs_review else {})}
+    """The part's counts as its metadata holds them: cost and needs_review only where there are some."""
+    return {k: v for k, v in asdict(stats).items() if v or k not in ("cost", "needs_review")}

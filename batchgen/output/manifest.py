@@ -76,12 +76,13 @@ def output_config(cfg: JobConfig) -> dict[str, Any]:
 
 
 def _output(cfg: JobConfig) -> dict[str, Any]:
-    """output.usage and output.prices add columns, a table sink writes elsewhere: in the hash where set (an output
-    written before them keeps its). A table is its name and its catalog's (credentials are neither)."""
+    """output.usage, output.prices and output.include_prompt add columns, a table sink writes elsewhere: in the hash
+    where set (an output written before them keeps its). A table is its name and its catalog's (credentials are
+    neither)."""
     out = cfg.output
     table = {"sink": out.sink, "table": out.table, "mode": out.mode,
              **({"catalog": {k: out.catalog.get(k) for k in ("type", "uri", "warehouse")}} if out.catalog else {})}
-    extra = {**({"usage": True} if out.usage else {}),
+    extra = {**({"usage": True} if out.usage else {}), **({"include_prompt": True} if out.include_prompt else {}),
              **({"prices": dataclasses.asdict(out.prices)} if out.priced() is not None else {}),
              **(table if out.sink != "parquet" else {})}
     return {"output": extra} if extra else {}
@@ -98,9 +99,12 @@ def _endpoint(engine: Any) -> dict[str, Any]:
 # before they existed resumes under the same hash
 LATER_SAMPLING_KEYS = ("json_schema", "regex", "choice", "grammar", "choice_scores", "schemas", "logprobs",
                        "reasoning", "reasoning_start", "reasoning_end", "max_reasoning_tokens", "num_beams",
-                       "length_penalty", "early_stopping")
+                       "length_penalty", "early_stopping", "repetition_penalty", "presence_penalty",
+                       "frequency_penalty", "min_p", "min_tokens", "logit_bias")
 LATER_DATASET_KEYS = ("temperature_column", "stop_column", "choice_column", "schema_column", "top_p_column",
-                      "seed_column", "n_column", "response_format_column", "text_column")
+                      "seed_column", "n_column", "response_format_column", "text_column", "repetition_penalty_column",
+                      "presence_penalty_column", "frequency_penalty_column", "min_p_column", "min_tokens_column",
+                      "logit_bias_column")
 
 
 def _sampling(cfg: JobConfig) -> dict[str, Any]:
@@ -191,9 +195,11 @@ def _safetensors_header(f: Any) -> Optional[str]:
 
 
 def build_manifest(cfg: JobConfig, resolved: dict[str, Any], fingerprint: list[dict],
-                   input_rows: Optional[int] = None) -> dict[str, Any]:
+                   input_rows: Optional[int] = None, passthrough: Optional[list[str]] = None) -> dict[str, Any]:
     """`input_rows` (after dataset.limit) with `rows_per_part` fix how many parts the output has: what `batchgen
-    finalize` checks every shard's parts against."""
+    finalize` checks every shard's parts against. `passthrough`: the input columns every part carries, recorded so
+    that a resume writes the columns the output was started with (prepare.kept_passthrough), whatever a later
+    batchgen's default; not compared (the input and dataset.* that decide them are)."""
     parts = None if input_rows is None else max(-(-input_rows // cfg.rows_per_part), 1)  # an empty input: 1 part
     return redact({  # a URL's user, password and query values (a gateway's key, a catalog's password) never kept
         "batchgen_version": __version__,
@@ -204,6 +210,7 @@ def build_manifest(cfg: JobConfig, resolved: dict[str, Any], fingerprint: list[d
         "config": resolved,
         "input_rows": input_rows,
         "parts": parts,
+        **({"passthrough": passthrough} if passthrough is not None else {}),
     })
 
 

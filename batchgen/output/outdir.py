@@ -8,7 +8,7 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from batchgen.errors import ConfigError
 from batchgen.fsutil import write_json_atomic
@@ -21,7 +21,9 @@ from batchgen.reader import Reader
 log = logging.getLogger(__name__)
 
 
-def prepare_output_dir(cfg: JobConfig, output_dir: Path, reader: Reader, resolved: dict[str, Any]) -> None:
+def prepare_output_dir(cfg: JobConfig, output_dir: Path, reader: Reader, resolved: dict[str, Any],
+                       passthrough: Optional[list[str]] = None) -> None:
+    """Check the manifest of a resume, or write a new output's (`passthrough`: the input columns its parts carry)."""
     started = (output_dir / "_manifest.json").exists()
     if not started:
         refuse_strays(output_dir)  # a _SUCCESS or part without this job's manifest is nobody's to trust
@@ -30,7 +32,7 @@ def prepare_output_dir(cfg: JobConfig, output_dir: Path, reader: Reader, resolve
                            f"continue it, or choose a new output_dir"])
     if not resolved:  # a job built in Python: its own config, so that `batchgen retry` can rebuild it
         resolved = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
-    check_or_write(output_dir, build_manifest(cfg, resolved, reader.fingerprint(), reader.count_rows()))
+    check_or_write(output_dir, build_manifest(cfg, resolved, reader.fingerprint(), reader.count_rows(), passthrough))
     record_layout(output_dir, cfg.run.num_shards)
     job_id(output_dir)  # made once: what a table output names this output's transactions by
     save_input_index(output_dir, reader)

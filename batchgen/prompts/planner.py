@@ -52,7 +52,9 @@ class Planner:
                          f"engine={cfg.engine.name} does not constrain its output; use engine=hf or engine=vllm")
         # engine=openai's chat endpoint is sent each row's messages (the server renders them), not token ids
         self.sends_messages = cfg.engine.name == "openai" and getattr(cfg.engine, "endpoint", None) == "chat"
-        self.row_params = RowParams(cfg.dataset, cfg.sampling, unconstrained)  # each row's cap, stops, constraint
+        # each row's cap, stops, constraint and logits processors (a logit_bias token id checked against the tokenizer)
+        biased = bool(cfg.sampling.logit_bias or cfg.dataset.logit_bias_column)
+        self.row_params = RowParams(cfg.dataset, cfg.sampling, unconstrained, vocab=len(tokenizer) if biased else None)
         s = cfg.sampling
         self.reasoning = None if s.reasoning == "off" else Reasoning(
             end_ids=tuple(tokenizer(s.reasoning_end, add_special_tokens=False)["input_ids"]), start=s.reasoning_start,
@@ -179,7 +181,7 @@ class Planner:
                                  params=params if params.num_beams == 1 else replace(
                                      params, beam_rank=s, beam_count=counts[row])) for s in range(counts[row])]
         return PlannedPart(part=part, requests=requests, errors=errors, seeds=seeds, n=n, skipped=skipped,
-                           counts=None if set(counts) == {n} else counts)
+                           counts=None if set(counts) == {n} else counts, prompts=self._prompts(rendered))
 
     def _plan_read(self, part: Part, max_model_len: int) -> PlannedPart:
         """task=loglik and task=embed: one request a row, nothing generated. loglik: the rendered prompt's tokens
@@ -211,7 +213,8 @@ class Planner:
             params = SampleParams(max_new_tokens=0, temperature=0.0, top_p=1.0, top_k=0, stop=(), ignore_eos=False,
                                   score_from=first)
             requests.append(Request(key=row, prompt_ids=ids, params=params, seed=None))
-        return PlannedPart(part=part, requests=requests, errors=errors, seeds=[None] * part.num_rows, n=1)
+        return PlannedPart(part=part, requests=requests, errors=errors, seeds=[None] * part.num_rows, n=1,
+                           prompts=self._prompts(m.texts))
 
     def _plan_embed(self, part: Part, m: Measured, errors: list[Optional[str]], max_model_len: int) -> PlannedPart:
         params = SampleParams(max_new_tokens=0, temperature=0.0, top_p=1.0, top_k=0, stop=(), ignore_eos=False,
@@ -222,7 +225,8 @@ class Planner:
                 fitted, errors[row] = self.fit(m.ids[row], 0, max_model_len, part.ids[row])
                 if errors[row] is None:
                     requests.append(Request(key=row, prompt_ids=fitted, params=params, seed=None))
-        return PlannedPart(part=part, requests=requests, errors=errors, seeds=[None] * part.num_rows, n=1)
+        return PlannedPart(part=part, requests=requests, errors=errors, seeds=[None] * part.num_rows, n=1,
+                           prompts=self._prompts(m.texts))
 
     def _plan_decide(self, part: Part, m: Measured, errors: list[Optional[str]], max_model_len: int) -> PlannedPart:
         """task=decide: for every row, question and answer, one scored request: the row's rendered prompt, the
@@ -252,7 +256,12 @@ class Planner:
                                             seed=None))
                     j += 1
         return PlannedPart(part=part, requests=requests, errors=errors, seeds=[None] * part.num_rows, n=1,
-                           questions=meta)
+                           questions=meta, prompts=self._prompts(m.texts))
+
+    def _prompts(self, texts: list[Optional[str]]) -> Optional[list[Optional[str]]]:
+        """output.include_prompt: the rows' prompts as rendered (the engine's before any run.too_long cut), for the
+        rendered_prompt column; None where the job does not write it."""
+        return list(texts) if self.cfg.output.include_prompt else None
 
     def questions(self) -> tuple[list[tuple[list[int], list[list[int]]]], tuple[tuple[str, ...], ...]]:
         """Each question's prompt ids and its answers' ids (" answer" then EOS), and the answers as text."""
@@ -320,12 +329,15 @@ class Planner:
         return self.reasoning
 
     def _params(self, row: RowSettings, reasoning: Optional[Reasoning] = None) -> SampleParams:
+        """The row's SampleParams; its min_tokens at most its own cap (as vLLM requires)."""
         s = self.cfg.sampling
+        processors = row.processors | {"min_tokens": min(row.processors.get("min_tokens", 0), row.max_new_tokens)}
         return SampleParams(max_new_tokens=row.max_new_tokens, temperature=row.temperature, top_p=row.top_p,
                             top_k=s.top_k, stop=row.stop, ignore_eos=s.ignore_eos, constraint=row.constraint,
                             choice_scores=s.choice_scores and row.constraint is not None
                             and row.constraint.kind == "choice", logprobs=s.logprobs, reasoning=reasoning,
-                            num_beams=s.num_beams, length_penalty=s.length_penalty, early_stopping=s.early_stopping)
+                            num_beams=s.num_beams, length_penalty=s.length_penalty, early_stopping=s.early_stopping,
+                            **processors)
 
 
 def share(cfg: JobConfig) -> tuple[int, int]:

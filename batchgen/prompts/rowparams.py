@@ -1,8 +1,9 @@
 """Per-row sampling from columns: a row's own max_new_tokens, temperature, stop strings and constraint (a choice
 list, or the name of one of sampling.schemas), each value checked per row. A bad value makes that row an error row
 (`bad_max_new_tokens`, `bad_temperature`, `bad_stop`, `bad_choice`, `bad_schema`, `bad_value`, and `bad_n` for an n
-above sampling.num_beams under beam search), never a dead job; a null value takes the job's setting. A row's value
-is data: a schema is an object, never the path of a file to read, and a schema name only picks one of
+above sampling.num_beams under beam search), never a dead job; a null value takes the job's setting. The logits
+processors' columns (dataset.KEY_column for each sampling.PROCESSORS key) are checked as the sampling keys are. A
+row's value is data: a schema is an object, never the path of a file to read, and a schema name only picks one of
 sampling.schemas. Knows columns and values; the planner turns the settings into SampleParams.
 """
 
@@ -10,13 +11,16 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Optional
 
 import pyarrow as pa
 
 from batchgen.constraints import Constraint, compile_problem, from_row
+from batchgen.errors import ConfigError
 from batchgen.reader import column_values
+from batchgen.sampling import PROCESSOR_COLUMNS, PROCESSORS, processor_value
 
 
 @dataclass(slots=True)
@@ -28,6 +32,7 @@ class RowSettings:
     top_p: float = 1.0
     n: int = 1  # samples of the row
     seed: Optional[int] = None  # the row's own job seed (its samples' seeds derive from it), else sampling.seed
+    processors: dict[str, Any] = field(default_factory=dict)  # sampling.PROCESSORS key -> value, as SampleParams
 
 
 MAX_ROW_N = 128  # a row's own n above this is a bad_value: its samples would crowd out every other row
@@ -44,16 +49,32 @@ def _beam_problem(row: RowSettings, num_beams: int) -> Optional[str]:
     if row.constraint is not None:
         kind = "bad_choice" if row.constraint.kind == "choice" else "bad_schema"
         return f"{kind}: a row's {row.constraint.kind} constraint under {why}; leave it null"
+    own = next((key for key, off in PROCESSORS.items() if row.processors.get(key, off) != off), None)
+    return f"bad_value: a row's {own} under {why}; leave it null" if own else None
+
+
+def _held_problem(row: RowSettings) -> Optional[str]:
+    """A row's min_tokens with a constraint (one of them its own: the job's pair is refused by validate): min_tokens
+    masks EOS, which a constrained sample needs the moment its constraint is complete."""
+    held = row.processors.get("min_tokens", 0)
+    if held and row.constraint is not None:
+        return (f"bad_value: min_tokens={held} with a {row.constraint.kind} constraint: a constrained sample ends "
+                f"when its constraint is complete")
     return None
 
 
 class RowParams:
-    def __init__(self, dataset: Any, sampling: Any, unconstrained: Optional[str] = None):
+    def __init__(self, dataset: Any, sampling: Any, unconstrained: Optional[str] = None, vocab: Optional[int] = None):
         """unconstrained: why the engine cannot apply a row's constraint (it does not constrain its output); such a
-        row is its own bad_schema error, never generated unconstrained."""
+        row is its own bad_schema error, never generated unconstrained. vocab: the tokenizer's size, which a
+        logit_bias token id must be under (sampling.logit_bias's: a ConfigError; a row's: its bad_value)."""
         self.ds = dataset
         self.sampling = sampling
         self.unconstrained = unconstrained
+        self.vocab = vocab
+        self.processors = sampling.processors()  # the job's, for rows without their own
+        if (problem := self._vocab_problem(self.processors["logit_bias"])) is not None:
+            raise ConfigError([f"sampling.logit_bias {problem}"])
         self.constraint = sampling.constraint()  # the job's, for rows without their own
         self.schemas = sampling.named_schemas() if sampling.schemas else {}
         self._choices: dict[tuple[str, ...], Optional[str]] = {}  # choice list -> why it does not compile (None: ok)
@@ -61,12 +82,14 @@ class RowParams:
     def settings(self, table: pa.Table, errors: list[Optional[str]]) -> list[RowSettings]:
         """Each row's settings; a bad value sets errors[row] (an earlier error is kept)."""
         s, ds = self.sampling, self.ds
-        rows = [RowSettings(s.max_new_tokens, s.temperature, tuple(s.stop), self.constraint, s.top_p, s.n)
-                for _ in range(table.num_rows)]
+        rows = [RowSettings(s.max_new_tokens, s.temperature, tuple(s.stop), self.constraint, s.top_p, s.n,
+                            processors=dict(self.processors)) for _ in range(table.num_rows)]
         checks = ((ds.max_new_tokens_column, self._cap), (ds.temperature_column, self._temperature),
                   (ds.stop_column, self._stop), (ds.choice_column, self._choice), (ds.schema_column, self._schema),
                   (ds.top_p_column, self._top_p), (ds.n_column, self._n), (ds.seed_column, self._seed),
-                  (ds.response_format_column, self._response_format))
+                  (ds.response_format_column, self._response_format),
+                  *((getattr(ds, column), partial(self._processor, key)) for key, column in PROCESSOR_COLUMNS.items()))
+        self._check_present(table)
         for column, check in checks:
             if not column:
                 continue
@@ -81,9 +104,9 @@ class RowParams:
                     problem = f"bad_value: column {column!r}: {_shown(value)} is nested too deeply to read"
                 if problem and errors[row] is None:
                     errors[row] = problem
-        if s.num_beams > 1:
-            for row, settings in enumerate(rows):
-                errors[row] = errors[row] or _beam_problem(settings, s.num_beams)
+        for row, settings in enumerate(rows):
+            errors[row] = errors[row] or _held_problem(settings) or (
+                _beam_problem(settings, s.num_beams) if s.num_beams > 1 else None)
         return rows
 
     def _cap(self, row: RowSettings, value: Any) -> Optional[str]:
@@ -153,6 +176,34 @@ class RowParams:
             return f"bad_value: seed {value!r} is not an integer (dataset.seed_column)"
         row.seed = value
         return None
+
+    def _check_present(self, table: pa.Table) -> None:
+        """The logits processors' columns must exist (a ConfigError naming the key, not a KeyError mid-part)."""
+        named = {key: getattr(self.ds, key) for key in PROCESSOR_COLUMNS.values()}
+        missing = [f"dataset.{key}: column {column!r} not found (columns: {', '.join(table.column_names)})"
+                   for key, column in named.items() if column and column not in table.column_names]
+        if missing:
+            raise ConfigError(missing)
+
+    def _processor(self, key: str, row: RowSettings, value: Any) -> Optional[str]:
+        """A row's logits processor setting (a logit_bias as an object or JSON text), checked as sampling.KEY is."""
+        if key == "logit_bias" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                pass  # reported below as not a mapping
+        setting, problem = processor_value(key, value)
+        problem = problem or (self._vocab_problem(setting) if key == "logit_bias" else None)
+        if problem:
+            return f"bad_value: {key} {problem} (dataset.{PROCESSOR_COLUMNS[key]})"
+        row.processors[key] = setting
+        return None
+
+    def _vocab_problem(self, bias: tuple[tuple[int, float], ...]) -> Optional[str]:
+        """A logit_bias token id at or past the tokenizer's size (bias: ids ascending), else None."""
+        if self.vocab is None or not bias or bias[-1][0] < self.vocab:
+            return None
+        return f"has token id {bias[-1][0]}, not one of the tokenizer's {self.vocab} ids"
 
     def _response_format(self, row: RowSettings, value: Any) -> Optional[str]:
         """OpenAI's response_format: text (no constraint), json_object (any JSON object), json_schema (its schema)."""

@@ -26,7 +26,7 @@ class DatasetConfig:
     template: Optional[str] = None  # "Summarize:\n{text}", rendered with the row's columns
     messages_column: Optional[str] = None  # list of {role, content}, rendered with the chat template
     system_prompt: Optional[str] = None  # system message for chat rendering
-    passthrough_columns: Optional[list[str]] = None  # null = all non-prompt columns
+    passthrough_columns: Optional[list[str]] = None  # null = every input column but id_column (it is `id`)
     limit: Optional[int] = None  # first N rows only
     max_new_tokens_column: Optional[str] = None  # per-row cap on generated tokens
     # per-row sampling from columns, each value checked per row (a bad one is an error row); null values take the job's
@@ -40,6 +40,13 @@ class DatasetConfig:
     text_column: Optional[str] = None  # task=loglik: the text scored given the rendered prompt (null: the prompt)
     response_format_column: Optional[str] = None  # an OpenAI response_format (object or JSON text): text,
     # json_object or json_schema, the row's constraint
+    # per-row logits processors, each value checked as its sampling.* key is (a bad one is a bad_value row)
+    repetition_penalty_column: Optional[str] = None  # a number > 0
+    presence_penalty_column: Optional[str] = None  # a number in [-2, 2]
+    frequency_penalty_column: Optional[str] = None  # a number in [-2, 2]
+    min_p_column: Optional[str] = None  # a number in [0, 1]
+    min_tokens_column: Optional[str] = None  # an integer >= 0 (above the row's cap: the cap)
+    logit_bias_column: Optional[str] = None  # an object {token id: bias in [-100, 100]}, or its JSON text
     split: Optional[str] = None  # format=hf: split of a DatasetDict or hub dataset
     batch_rows: int = 2048  # rows per read batch (memory bound of the reader)
     max_line_bytes: int = 8 * 1024 * 1024  # JSONL: a longer line is a too_large error row, never parsed

@@ -3,13 +3,14 @@
 
 Each line becomes one row of plain columns that the rest of batchgen already reads: `custom_id` (the row id),
 `messages` (a /v1/chat/completions body) or `prompt` (a /v1/completions body), and the body's per-request settings
-as per-row columns: `max_tokens` (or `max_completion_tokens`), `temperature`, `top_p`, `stop`, `n`, `seed` and
-`response_format` (JSON text; mapped to a JSON-schema constraint). `configure` points the dataset.*_column keys at
-them. A file holds one endpoint, as OpenAI requires: its first request's url decides chat or completions.
+as per-row columns: `max_tokens` (or `max_completion_tokens`), `temperature`, `top_p`, `stop`, `n`, `seed`,
+`presence_penalty`, `frequency_penalty`, `logit_bias` (JSON text) and `response_format` (JSON text; mapped to a
+JSON-schema constraint). `configure` points the dataset.*_column keys at them. A file holds one endpoint, as OpenAI
+requires: its first request's url decides chat or completions.
 
-A line that is not such a request, or whose body asks for what batchgen does not do (tools, logit_bias, penalties,
-streaming), or whose message has a role the API does not have, is a `bad_request` error row naming the line and the
-key, never a silently different generation. Keys that do not change the output (`model`, `user`, `metadata`,
+A line that is not such a request, or whose body asks for what batchgen does not do (tools, logprobs, streaming), or
+whose message has a role the API does not have, is a `bad_request` error row naming the line and the key, never a
+silently different generation. Keys that do not change the output (`model`, `user`, `metadata`,
 `store`, `service_tier`) are ignored.
 """
 
@@ -25,15 +26,18 @@ from batchgen.reader.config import DatasetConfig
 from batchgen.reader.jsonl import JsonlReader, _parse_line
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-SETTINGS = ("max_tokens", "temperature", "top_p", "stop", "n", "seed", "response_format")
+SETTINGS = ("max_tokens", "temperature", "top_p", "stop", "n", "seed", "response_format", "presence_penalty",
+            "frequency_penalty", "logit_bias")
+AS_JSON = ("response_format", "logit_bias")  # objects kept as JSON text: one string column whatever their keys
 IGNORED = ("model", "user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls")
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "stream": False, "echo": False,
-           "best_of": 1, "suffix": None, "tools": None, "tool_choice": None, "functions": None, "logit_bias": None,
-           "top_logprobs": None}  # allowed only at these values: any other would change what is generated
+# allowed only at these values: any other would change what is generated
+NEUTRAL = {"logprobs": False, "stream": False, "echo": False, "best_of": 1, "suffix": None, "tools": None,
+           "tool_choice": None, "functions": None, "top_logprobs": None}
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # the API's: it answers any other with a 400
 COLUMNS = {"id_column": "custom_id", "max_new_tokens_column": "max_tokens", "temperature_column": "temperature",
            "top_p_column": "top_p", "stop_column": "stop", "n_column": "n", "seed_column": "seed",
-           "response_format_column": "response_format"}
+           "response_format_column": "response_format", "presence_penalty_column": "presence_penalty",
+           "frequency_penalty_column": "frequency_penalty", "logit_bias_column": "logit_bias"}
 
 
 def endpoint_of(cfg: DatasetConfig) -> tuple[Optional[str], list[str]]:
@@ -161,7 +165,7 @@ def _body(body: dict[str, Any], kind: str, url: str) -> tuple[dict[str, Any], Op
                 return row, "body.prompt must be one string (a list of prompts or token ids is not supported)"
             row[key] = value
         elif key in SETTINGS:
-            row[key] = json.dumps(value, sort_keys=True) if key == "response_format" else value
+            row[key] = json.dumps(value, sort_keys=True) if key in AS_JSON else value
         else:
             return row, f"body.{key} is not a key batchgen knows for {url}"
     if "messages" not in row and "prompt" not in row:

@@ -24,7 +24,7 @@ from batchgen.output.tables import open_sink
 from batchgen.output.trust import refuse_links
 from batchgen.prompts.render import Renderer, RenderRow
 from batchgen.reader import Reader, open_reader
-from batchgen.run.preflight import check_columns, load_tokenizer
+from batchgen.run.preflight import check_columns, load_tokenizer, old_passthrough
 
 
 @dataclass(slots=True)
@@ -34,8 +34,9 @@ class JobInput:
     reader: Reader
     tokenizer: Any
     renderer: Renderer
-    passthrough: list[str]  # input columns copied into every output row
+    passthrough: list[str]  # input columns copied into every output row of a new output
     existing: Optional[Existing]  # run.skip_existing's generated ids, or None
+    old_passthrough: Optional[list[str]] = None  # an output started before passthrough carried every input column
 
 
 def open_input(cfg: JobConfig, index_dir: Path, render_row: Optional[RenderRow] = None, *,
@@ -52,7 +53,17 @@ def open_input(cfg: JobConfig, index_dir: Path, render_row: Optional[RenderRow] 
     renderer = Renderer(cfg.dataset, tokenizer, render_row)
     passthrough = check_columns(cfg, reader, renderer)
     existing = Existing(cfg.run.skip_existing, cfg) if skip_existing and cfg.run.skip_existing else None
-    return JobInput(reader, tokenizer, renderer, passthrough, existing)
+    return JobInput(reader, tokenizer, renderer, passthrough, existing, old_passthrough(cfg, reader, renderer))
+
+
+def kept_passthrough(output_dir: Path, job: JobInput) -> list[str]:
+    """The input columns this output's parts carry: those its manifest recorded when it was started; for an output
+    started before manifests recorded them, the default of its time (job.old_passthrough), so that a resume never
+    mixes parts of two column sets. Call once the manifest is checked or written."""
+    recorded = (read_manifest(output_dir) or {}).get("passthrough")
+    if isinstance(recorded, list):
+        return [str(name) for name in recorded]
+    return job.passthrough if job.old_passthrough is None else job.old_passthrough
 
 
 @dataclass(slots=True)
@@ -89,11 +100,11 @@ def open_output(cfg: JobConfig, job: JobInput, resolved: Optional[dict[str, Any]
         with lock.layout():
             if remote:
                 remote.pull()
-            prepare_output_dir(cfg, output_dir, job.reader, resolved or {})
+            prepare_output_dir(cfg, output_dir, job.reader, resolved or {}, job.passthrough)
             if remote:
                 remote.push(MANIFEST)
                 remote.reconcile(config_hash(cfg))  # only now: a staged part goes up once the manifest matched
-            committer = make_committer(cfg, output_dir, job.passthrough, file_metadata(cfg), remote)
+            committer = make_committer(cfg, output_dir, kept_passthrough(output_dir, job), file_metadata(cfg), remote)
         mine = (status_name(cfg.run.shard, cfg.run.num_shards),)  # the shard's own status file's temp copies
         committer.clean_stale(lambda k: k % cfg.run.num_shards == cfg.run.shard, mine)
         if committer.sink is not None:

@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 from batchgen.engines.base import Source, generate_by_stream
 from batchgen.records import Request, Result
+from batchgen.sampling import PROCESSORS
 
 log = logging.getLogger(__name__)
 STORED = ("text", "finish_reason", "num_prompt_tokens", "num_generated_tokens", "choice_scores", "token_logprobs",
@@ -43,8 +44,11 @@ def request_key(space: str, req: Request) -> Optional[str]:
     """The content key of a request whose answer may be reused; None where it may not (beam search)."""
     if req.params.num_beams > 1:
         return None
-    body = {"prompt": req.prompt_ids, "messages": req.messages, "seed": req.seed,
-            "params": dataclasses.asdict(req.params)}
+    params = dataclasses.asdict(req.params)
+    for key, default in PROCESSORS.items():  # keys added later: at their defaults, the key they had before
+        if params.get(key) in (default, {}, None):
+            params.pop(key, None)
+    body = {"prompt": req.prompt_ids, "messages": req.messages, "seed": req.seed, "params": params}
     return hashlib.sha256((space + json.dumps(body, sort_keys=True, default=str)).encode()).hexdigest()
 
 

@@ -48,3 +48,37 @@ def test_plan_calibrate_probes_the_longest_prompts_and_prints_an_eta(tiny_model,
     calibration = json.loads((tmp_path / "out" / "_plan.json").read_text())["calibration"]
     assert calibration["probe_rows"] == 16 and calibration["probe_tok_s"] > 0 and calibration["eta_s"] > 0
     assert "ETA for the whole job" in proc.stdout
+
+
+def test_plan_show_prints_the_prompts_as_the_engine_gets_them(tiny_model, tokenizer, tmp_path, capsys):
+    """`--show N`: the first N rows' prompts from the job's own rendering, each with its id and token count: a chat
+    job's is the tokenizer's apply_chat_template (generation prompt, system prompt first), a template job's the
+    template's str.format; a prompt run.too_long would cut is marked, an error row says its error."""
+    from batchgen.commands.compose import compose_checked
+    from batchgen.commands.plan import main
+
+    said = [[{"role": "user", "content": t}] for t in ["hello there", "word " * 300, "quiet night"]] + [[]]
+    rows = [{"uid": f"u{i}", "topic": f"t{i}", "q": m[0]["content"] if m else None, "messages": m or None}
+            for i, m in enumerate(said)]
+    data = write_parquet(tmp_path / "in.parquet", rows)
+    base = ["name=p", f"dataset.path={data}", "engine=dummy", f"engine.model={tiny_model}", "dataset.id_column=uid",
+            "engine.max_model_len=128", "sampling.max_new_tokens=16"]
+    chat = [*base, f"output_dir={tmp_path / 'chat'}", "dataset.messages_column=messages",
+            "dataset.system_prompt=Be brief."]
+    assert main(["--show", "4", *chat], compose_checked) == 0
+    printed = capsys.readouterr().out
+    shown = json.loads((tmp_path / "chat" / "_plan.json").read_text())["shown"]
+    system = [{"role": "system", "content": "Be brief."}]
+    want = [tokenizer.apply_chat_template(system + m, add_generation_prompt=True, tokenize=False) for m in said[:3]]
+    assert [r["prompt"] for r in shown] == [*want, None] and [r["id"] for r in shown] == ["u0", "u1", "u2", "u3"]
+    assert [r["prompt_tokens"] for r in shown[:3]] == [len(tokenizer(w, add_special_tokens=False)["input_ids"])
+                                                       for w in want]
+    assert shown[3]["error"] == "empty_prompt" and shown[0]["too_long"] is None
+    assert shown[1]["too_long"] == "run.too_long=truncate_left: the engine gets its last 112 tokens (BOS kept)"
+    assert f"--- row 0: id u0, {shown[0]['prompt_tokens']} prompt tokens ---\n{want[0]}\n--- row 1: id u1" in printed
+    assert "--- row 3: id u3, empty_prompt ---\n--- end of the 4 rows shown ---\nrows 4 (3 to generate)" in printed
+    template = [*base, f"output_dir={tmp_path / 'plain'}", 'dataset.template="Topic {topic}: {q}"']
+    assert main([*template, "--show=2"], compose_checked) == 0
+    shown = json.loads((tmp_path / "plain" / "_plan.json").read_text())["shown"]
+    assert [r["prompt"] for r in shown] == ["Topic {topic}: {q}".format(**r) for r in rows[:2]]
+    assert main(["--show", "many", *template], compose_checked) == 2

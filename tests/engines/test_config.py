@@ -27,7 +27,8 @@ def keys(cls: type) -> set[str]:
 def test_each_engine_declares_its_own_keys_beside_the_shared_ones():
     assert {name: spec.config for name, spec in ENGINES.items()} == {"hf": HFConfig, "vllm": VLLMConfig,
                                                                      "openai": OpenAIConfig, "dummy": DummyConfig}
-    assert keys(HFConfig) - SHARED == {"device", "threads", "prepack", "prefix_cache", "prefix_cache_mb"}
+    assert keys(HFConfig) - SHARED == {"device", "threads", "prepack", "prefix_cache", "prefix_cache_mb",
+                                       "cuda_graphs", "gpu_memory_utilization"}
     assert keys(VLLMConfig) - SHARED == {"tensor_parallel_size", "gpu_memory_utilization", "enable_prefix_caching",
                                          "extra_args"}
     assert keys(DummyConfig) - SHARED == {"extra_args"}
@@ -53,8 +54,8 @@ def test_another_engines_key_on_the_command_line_names_whose_it_is(tiny_model, t
         "options in engine.extra_args)",
         "engine.tensor_parallel_size='2' is a setting of engine=vllm; engine=dummy has no such key (remove it, or "
         "pass vLLM options in engine.extra_args)",
-        'engine.prefix_cach: no such config key (did you mean engine.prefix_cache?); see docs/configuration.md '
-        '"Config reference"']
+        "engine.prefix_cach: no such config key (did you mean engine.prefix_cache?); see batchgen help "
+        "engine.prefix_cache"]
 
 
 def test_a_config_made_in_python_becomes_its_engines_class():

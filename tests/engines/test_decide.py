@@ -141,7 +141,7 @@ def test_the_decide_preset_and_its_output_read_back_in_pandas_and_duckdb(tiny_mo
     assert done.returncode == 0, done.stderr
     df = pd.read_parquet(out)
     assert len(df) == 12 and set(df["topic"].str["answer"]) <= {"billing", "bug", "feature", "account", "other"}
-    rows = duckdb.sql(f"select ticket_id, is_bug.answer, is_bug.confidence, topic.answer, urgency.expected, "
+    rows = duckdb.sql(f"select id, is_bug.answer, is_bug.confidence, topic.answer, urgency.expected, "
                       f"needs_review from '{out}/*.parquet' order by urgency.expected desc limit 10").fetchall()
     assert len(rows) == 10 and all(1.0 <= r[4] <= 5.0 and r[1] in ("yes", "no") for r in rows)
 

@@ -258,3 +258,51 @@ def test_logprobs_and_seeded_samples_through_an_endpoint(tiny_model, tmp_path):
     s1 = columns(by_id(tmp_path / "s1"), "generation", "seed")
     assert s1 == columns(by_id(tmp_path / "s2"), "generation", "seed")
     assert all(len({s1[(f"r{i:03d}", s)][0] for s in range(3)}) > 1 for i in range(4))
+
+
+
+PROCESSORS = ("sampling.repetition_penalty=1.3", "sampling.presence_penalty=0.5", "sampling.frequency_penalty=0.5",
+              "sampling.min_tokens=4", "sampling.logit_bias={1: 0.3, 9: -100}")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    """One test server for the logits processor tests, its log of what each request carried."""
+    log = tmp_path_factory.mktemp("processors") / "server.jsonl"
+    with endpoint(tiny_model, log=log) as url:
+        yield url, log
+
+
+def test_the_logits_processors_arrive_and_the_rows_equal_the_hf_engines(tiny_model, server, tmp_path):
+    """OpenAI's fields and vLLM's extras reach the server (which applies them as HF generate's processors), and the
+    rows equal the hf engine's with the same keys; a sample without them sends none of the fields."""
+    from batchgen.engines.endpoint.wire import processor_fields
+    from batchgen.sampling import SampleParams
+
+    data = write_jsonl(tmp_path / "in.jsonl", rows(6, rejected=()))
+    url, log = server
+    run_job(compose_job(overrides(tiny_model, data, tmp_path / "api", url, *PROCESSORS, "sampling.min_p=0.1")))
+    run_job(compose_job(overrides(tiny_model, data, tmp_path / "hf", None, *PROCESSORS)))
+    sent = [json.loads(line)["processors"] for line in log.read_text().splitlines()]
+    assert sent == [{"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.5, "min_p": 0.1,
+                     "min_tokens": 4, "logit_bias": {"1": 0.3, "9": -100.0}}] * 6
+    assert processor_fields(SampleParams(8, 0.0, 1.0, 0, (), False), vllm=True) == {}
+    got, want = by_id(tmp_path / "api"), by_id(tmp_path / "hf")
+    assert columns(got, "generation", "finish_reason", "num_generated_tokens") == columns(
+        want, "generation", "finish_reason", "num_generated_tokens")
+    ended = [r["num_generated_tokens"] for r in want.values() if r["finish_reason"] == "stop"]
+    assert ended and min(ended) >= 5  # EOS (biased up) held off for 4 tokens, then taken
+
+
+def test_a_field_the_server_refuses_names_the_key_that_set_it(tiny_model, server, tmp_path):
+    """The server answers 400 naming logit_bias (as OpenAI does for a model that takes none): the row's error says
+    which key set it; a row whose request carries no such field is generated."""
+    data = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "the river REFUSE:logit_bias"},
+                                               {"id": "b", "prompt": "the river REFUSE:min_p"}])
+    run_job(compose_job(overrides(tiny_model, data, tmp_path / "out", server[0], "sampling.logit_bias={9: -100}",
+                                  "run.max_error_rate=1")))
+    got = by_id(tmp_path / "out")
+    assert got[("a", 0)]["error"] == (
+        "endpoint_rejected: HTTP 400: the server refused logit_bias (sampling.logit_bias / "
+        "dataset.logit_bias_column): Unsupported parameter: 'logit_bias' is not supported with this model.")
+    assert got[("b", 0)]["error"] is None and got[("b", 0)]["generation"]

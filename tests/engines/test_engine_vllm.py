@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.engines.vllm import VLLMConfig, llm_kwargs
+from batchgen.engines.vllm import VLLMConfig, llm_kwargs, sampling_kwargs
+from batchgen.records import Request
+from batchgen.sampling import SampleParams
 from tests.conftest import job_overrides, run_cli, write_parquet
 
 
@@ -22,6 +24,21 @@ def test_llm_kwargs_come_from_the_engine_keys_and_extra_args_win():
     assert kwargs["enable_prefix_caching"] is False and kwargs["max_num_seqs"] == 32
     assert kwargs["enforce_eager"] is True and kwargs["gpu_memory_utilization"] == 0.7
     assert "max_num_batched_tokens" not in kwargs  # unset keys keep vLLM's own defaults
+
+
+def test_sampling_kwargs_carry_the_logits_processors_under_vllms_names():
+    """vLLM's SamplingParams has the same keys with the same meaning; off values are vLLM's own defaults (the tier
+    builds a real SamplingParams from them: tests/vllm_tier/test_vllm_sampling.py)."""
+    params = SampleParams(max_new_tokens=9, temperature=0.5, top_p=0.9, top_k=0, stop=("x",), ignore_eos=False,
+                          repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=-0.25, min_p=0.1,
+                          min_tokens=3, logit_bias=((5, -100.0), (8, 2.0)))
+    kwargs = sampling_kwargs(Request(key=0, prompt_ids=[1], params=params, seed=11), top_k_off=-1)
+    assert kwargs == dict(n=1, temperature=0.5, top_p=0.9, top_k=-1, max_tokens=9, stop=["x"], ignore_eos=False,
+                          seed=11, skip_special_tokens=True, repetition_penalty=1.2, presence_penalty=0.5,
+                          frequency_penalty=-0.25, min_p=0.1, min_tokens=3, logit_bias={5: -100.0, 8: 2.0})
+    off = sampling_kwargs(Request(key=0, prompt_ids=[1], params=SampleParams(9, 0.0, 1.0, 0, (), False), seed=None))
+    assert (off["repetition_penalty"], off["presence_penalty"], off["frequency_penalty"], off["min_p"],
+            off["min_tokens"], off["logit_bias"]) == (1.0, 0.0, 0.0, 0.0, 0, None)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")

@@ -260,10 +260,11 @@ def test_schema_drift_is_refused_naming_the_columns_unless_add_columns(tiny_mode
 
 def test_a_column_of_another_type_is_refused(tiny_model, tmp_path):
     data = write_parquet(tmp_path / "in.parquet", rows(0, 10))
-    run_job(compose_job(args(tiny_model, data, tmp_path / "night1", "delta", tmp_path)))
+    carried = "dataset.passthrough_columns=[uid]"  # the id column too (by default `id` alone carries it)
+    run_job(compose_job(args(tiny_model, data, tmp_path / "night1", "delta", tmp_path, carried)))
     other = write_parquet(tmp_path / "other.parquet", [{"uid": i, "prompt": TEXTS[i]} for i in range(10)])
     with pytest.raises(ConfigError, match=r"other types for columns: uid \(int64 here, string in the table\)"):
-        run_job(compose_job(args(tiny_model, other, tmp_path / "night2", "delta", tmp_path,
+        run_job(compose_job(args(tiny_model, other, tmp_path / "night2", "delta", tmp_path, carried,
                                  "output.schema_evolution=add_columns")))
 
 

@@ -1,8 +1,9 @@
 """OpenAI batch JSONL: a request file in the official format (custom_id, method, url, body with response_format) in,
 the Parquet parts and `_openai_batch_output.jsonl` out; every output line parses with the `openai` package's types,
-and each body's settings (max_tokens, temperature, top_p, stop, n, seed, response_format) apply to its row. The tests
-of the bodies' sampling settings and response_format run the hf engine (engine=dummy ignores temperature and top_p
-and has no constraints); the endpoint, bad-line, refusal and retry tests run engine=dummy."""
+and each body's settings (max_tokens, temperature, top_p, stop, n, seed, the penalties, logit_bias, response_format)
+apply to its row. The tests of the bodies' sampling settings and response_format run the hf engine (engine=dummy
+ignores temperature and top_p and has no constraints); the endpoint, bad-line, refusal and retry tests run
+engine=dummy."""
 
 from __future__ import annotations
 
@@ -101,6 +102,22 @@ def test_greedy_settings_from_the_body_equal_the_same_settings_from_the_config(t
     run_job(compose_job(job_overrides(tiny_model, plain, tmp_path / "ref", "dataset.messages_column=messages",
                                       "sampling.max_new_tokens=7")))
     assert from_body == [r["generation"] for r in read_output(tmp_path / "ref").to_pylist()]
+
+
+def test_penalties_and_logit_bias_from_the_body_equal_the_same_settings_from_the_config(tiny_model, tmp_path):
+    """OpenAI's presence_penalty, frequency_penalty and logit_bias (string token ids, as JSON has them) apply to
+    their rows as sampling.* keys would."""
+    body = dict(max_tokens=10, temperature=0, presence_penalty=1.5, frequency_penalty=0.5, logit_bias={"5": 3})
+    lines = [chat(f"r{i}", t, **body) for i, t in enumerate(TEXTS[:3])]
+    _, out = run(tiny_model, tmp_path, lines)
+    from_body = [r["generation"] for r in read_output(out).to_pylist()]
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"messages": line["body"]["messages"]} for line in lines])
+    keys = ("sampling.presence_penalty=1.5", "sampling.frequency_penalty=0.5", "sampling.logit_bias={5: 3}")
+    for name, extra in (("ref", keys), ("off", ())):
+        run_job(compose_job(job_overrides(tiny_model, plain, tmp_path / name, "dataset.messages_column=messages",
+                                          "sampling.max_new_tokens=10", *extra)))
+    assert from_body == [r["generation"] for r in read_output(tmp_path / "ref").to_pylist()]
+    assert from_body != [r["generation"] for r in read_output(tmp_path / "off").to_pylist()]
 
 
 def test_completions_bodies_and_bad_lines(tiny_model, tmp_path):

@@ -119,3 +119,24 @@ def test_scores_come_back_from_the_cache_whole(tiny_model, tmp_path):
         assert summaries[0].cache.deduplicated == 9 and summaries[1].cache.hits == ROWS
         first, second = (sorted(read_output(out).to_pylist(), key=lambda r: r["id"]) for out in outs)
         assert second == first and all(r["finish_reason"] == "scored" for r in first)
+
+
+def test_the_sampling_keys_added_later_leave_an_existing_caches_keys_as_they_were():
+    """repetition_penalty, presence/frequency_penalty, min_p, min_tokens and logit_bias at their defaults: a request's
+    key is the one batchgen computed before those keys existed (a cache filled then still answers); set, they count."""
+    import dataclasses
+    import hashlib
+    import json
+
+    from batchgen.records import Request
+    from batchgen.run.respcache import request_key
+    from batchgen.sampling import PROCESSORS, SampleParams
+
+    params = SampleParams(max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=0, stop=("x",), ignore_eos=False)
+    req = Request(key=0, prompt_ids=[5, 6, 7], params=params, seed=42)
+    before = {k: v for k, v in dataclasses.asdict(params).items() if k not in PROCESSORS}
+    body = {"prompt": req.prompt_ids, "messages": req.messages, "seed": req.seed, "params": before}
+    assert request_key("s", req) == hashlib.sha256(("s" + json.dumps(body, sort_keys=True, default=str)).encode()
+                                                   ).hexdigest()
+    penalised = dataclasses.replace(req, params=dataclasses.replace(params, repetition_penalty=1.2))
+    assert request_key("s", penalised) != request_key("s", req)

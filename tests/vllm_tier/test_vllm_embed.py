@@ -20,7 +20,7 @@ def test_embeddings_on_vllm_equal_an_unbatched_forwards_pooled_state(vllm_model,
     out = tmp_path / "out"
     run_vllm(job_overrides(vllm_model, data, out, "engine=vllm", EAGER, "task=embed", "dataset.id_column=uid",
                            "run.rows_per_part=5"))
-    got = {r["uid"]: r for r in read_output(out).to_pylist()}
+    got = {r["id"]: r for r in read_output(out).to_pylist()}  # id: the uid column's
     tok = AutoTokenizer.from_pretrained(vllm_model)
     model = AutoModelForCausalLM.from_pretrained(vllm_model, dtype=torch.float32).eval()
     for r in rows:

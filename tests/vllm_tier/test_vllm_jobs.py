@@ -211,7 +211,7 @@ def test_sigkill_inside_a_part_keeps_what_vllm_had_finished(vllm_model, sampled_
     _, kept, _ = read_journal(journal)
     assert not (out / "part-00000.parquet").exists() and 8 <= len(kept) < 2 * ROWS
     resumed = run_vllm(job_overrides(vllm_model, sampled_data, out, *overrides))
-    assert f"resumed: {len(kept)} samples reused from part journals" in resumed.stdout, resumed.stdout[-2000:]
+    assert f"skipped, {len(kept)} samples reused from part journals" in resumed.stdout, resumed.stdout[-2000:]
     got = read_output(out)
     keys = list(zip(got.column("id").to_pylist(), got.column("sample_index").to_pylist()))
     assert len(set(keys)) == len(keys) == 2 * ROWS

@@ -86,7 +86,7 @@ def server_job(vllm_model: str, url: str, data: Path, out: Path, *extra: str) ->
 
 
 def rows_of(out: Path) -> dict:
-    return {(r["uid"], r["sample_index"]): r for r in read_output(out).to_pylist()}
+    return {(r["id"], r["sample_index"]): r for r in read_output(out).to_pylist()}  # id: the uid column's
 
 
 def test_rows_through_vllm_serve_equal_engine_vllm_in_process(server, vllm_model, data, tmp_path):

@@ -100,7 +100,7 @@ class OpenAIEngine:
         if status in FATAL:
             raise EndpointError(f"{shown_url(self.cfg.base_url)}/{self.path}: HTTP {status}: {FATAL[status]} "
                                 f"({_message(response)})")
-        return Outcome(result=wire.error_result(req, status, _message(response)))
+        return Outcome(result=wire.error_result(req, status, _message(response), payload))
 
 def served_model(cfg: OpenAIConfig, client: Any, httpx: Any) -> dict[str, Any]:
     """What /models says of engine.model (the identity); refuses a model the endpoint does not serve. An endpoint

@@ -1,11 +1,13 @@
 """engine=openai's wire format: a Request as an OpenAI completions or chat request body, a response as a Result.
 
-What the OpenAI API has (max_tokens, temperature, top_p, seed, stop, logprobs, response_format with a JSON schema)
-goes as the API names it. With engine.extensions=vllm the body also carries vLLM's own fields: `structured_outputs`
-for a regex, choice or grammar constraint (and for a schema, compact as the in-process engines write it), top_k,
-ignore_eos, `return_token_ids` (the text is then decoded from the ids, as engine=vllm does) and
+What the OpenAI API has (max_tokens, temperature, top_p, seed, stop, logprobs, response_format with a JSON schema,
+and where set presence_penalty, frequency_penalty, logit_bias) goes as the API names it. With engine.extensions=vllm
+the body also carries vLLM's own fields: `structured_outputs` for a regex, choice or grammar constraint (and for a
+schema, compact as the in-process engines write it), top_k, ignore_eos, repetition_penalty, min_p and min_tokens
+(where set), `return_token_ids` (the text is then decoded from the ids, as engine=vllm does) and
 `return_tokens_as_token_ids` (logprobs keyed by token id). Without them those constraints and settings are refused
-before anything is sent (unsupported()). Knows JSON bodies, not HTTP.
+before anything is sent (unsupported()). A request refused naming a sampling field it carried says which key set it
+(error_result). Knows JSON bodies, not HTTP.
 """
 
 from __future__ import annotations
@@ -14,19 +16,22 @@ import math
 from typing import Any, Optional
 
 from batchgen.constraints import Constraint
-from batchgen.engines.base import reasoning_tokens, split_answer
+from batchgen.engines.base import answer_text, reasoning_tokens, split_answer
 from batchgen.records import Request, Result
-from batchgen.sampling import find_stop
+from batchgen.sampling import PROCESSOR_COLUMNS, PROCESSORS, SampleParams
 
 VLLM_ONLY_KINDS = ("regex", "choice", "grammar")
+OPENAI_PROCESSORS = ("presence_penalty", "frequency_penalty", "logit_bias")  # the OpenAI API's own fields
+VLLM_PROCESSORS = ("repetition_penalty", "min_p", "min_tokens")  # vLLM's extra fields (engine.extensions=vllm)
 
 
 def unsupported(extensions: str, constraint_kind: Optional[str], top_k: int, ignore_eos: bool,
-                reasoning: bool) -> list[str]:
-    """What a job asks that the endpoint cannot be sent without vLLM's extensions, as config problems."""
+                reasoning: bool, extras: tuple[str, ...] = ()) -> list[str]:
+    """What a job asks that the endpoint cannot be sent without vLLM's extensions, as config problems. extras: the
+    keys that set a VLLM_PROCESSORS field (sampling.min_p, dataset.min_p_column, ...)."""
     if extensions == "vllm":
         return []
-    out = []
+    out = [f"{key}: not an OpenAI API setting; set engine.extensions=vllm for a vLLM server" for key in extras]
     if reasoning:
         out.append("sampling.reasoning: the reasoning is split from the generated token ids, which only a vLLM "
                    "server returns (engine.extensions=vllm); leave sampling.reasoning=off")
@@ -64,9 +69,20 @@ def body(req: Request, model: str, chat: bool, vllm: bool, messages: Optional[li
             out["ignore_eos"] = True
         if p.logprobs is not None:
             out["return_tokens_as_token_ids"] = True
+    out.update(processor_fields(p, vllm))
     if p.constraint is not None:
         out.update(_constraint(p.constraint, vllm))
     return out | extra
+
+
+def processor_fields(p: SampleParams, vllm: bool) -> dict[str, Any]:
+    """The logits processors a sample sets (off ones are not sent): OpenAI's fields, and vLLM's with its extensions
+    (unsupported() refuses them without). A logit_bias is keyed by token id as JSON text, as the API takes it."""
+    names = OPENAI_PROCESSORS + (VLLM_PROCESSORS if vllm else ())
+    out = {key: getattr(p, key) for key in names if getattr(p, key) != PROCESSORS[key]}
+    if "logit_bias" in out:
+        out["logit_bias"] = {str(token): bias for token, bias in p.logit_bias}
+    return out
 
 
 def _constraint(c: Constraint, vllm: bool) -> dict[str, Any]:
@@ -100,9 +116,7 @@ def result(req: Request, data: Any, chat: bool, tokenizer: Any) -> Result:
     reasoning, answer = None, []
     if ids is not None:
         answer, reasoning = split_answer(tokenizer, ids, req.params)
-        text = tokenizer.decode(answer, skip_special_tokens=True)
-        cut = find_stop(text, req.params.stop) if req.params.stop else -1
-        text = text if cut < 0 else text[:cut]
+        text = answer_text(tokenizer, ids, answer, req.params)
     else:
         text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
     prompt_tokens = count(usage, "prompt_tokens", len(req.prompt_ids))  # null or absent: batchgen's own count
@@ -213,7 +227,11 @@ def _token(name: Any, tokenizer: Any) -> tuple[int, str]:
     return -1, name
 
 
-def error_result(req: Request, status: int, message: str) -> Result:
-    """A request the server rejected (400, a context too long, 422): an error row of its own kind."""
+def error_result(req: Request, status: int, message: str, sent: Optional[dict[str, Any]] = None) -> Result:
+    """A request the server rejected (400, a context too long, 422): an error row of its own kind. Where the message
+    names a logits processor field the body `sent`, the error says so first, with the keys that set it."""
+    refused = [key for key in (*OPENAI_PROCESSORS, *VLLM_PROCESSORS) if key in (sent or {}) and key in message]
+    said = "".join(f"the server refused {key} (sampling.{key} / dataset.{PROCESSOR_COLUMNS[key]}): "
+                   for key in refused)
     return Result(key=req.key, text="", finish_reason="error", num_prompt_tokens=len(req.prompt_ids),
-                  num_generated_tokens=0, error=f"endpoint_rejected: HTTP {status}: {message[:500]}")
+                  num_generated_tokens=0, error=f"endpoint_rejected: HTTP {status}: {said}{message[:500]}")

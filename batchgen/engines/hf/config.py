@@ -11,6 +11,7 @@ from batchgen.engines.base import EngineConfig, at_least_one
 
 DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 PREFIX_CACHE = ("auto", "on", "off")
+GPU_MEMORY_UTILIZATION = 0.9  # engine.gpu_memory_utilization's default
 CUDA_GRAPHS = ("auto", "on", "off")
 
 
@@ -23,7 +24,8 @@ class HFConfig(EngineConfig):
     prefix_cache: str = "auto"  # shared prompt prefixes computed once: auto | on (from 32 shared tokens) | off
     prefix_cache_mb: int = 1024  # the prefix cache's keys and values are kept within this many MiB
     cuda_graphs: str = "auto"  # on CUDA: the decode step captured per batch bucket: auto | on | off
-    gpu_memory_utilization: float = 0.9  # on CUDA: the share of the GPU's memory the job may hold (KV cache sizing)
+    # on CUDA: the share of the GPU's memory the job may hold (KV cache sizing); null = 0.9, as vLLM's key
+    gpu_memory_utilization: Optional[float] = None
 
     def problems(self) -> list[str]:
         out = super().problems() + at_least_one(self, "threads")
@@ -33,7 +35,7 @@ class HFConfig(EngineConfig):
             out.append(f"engine.prefix_cache must be one of {', '.join(PREFIX_CACHE)} (got {self.prefix_cache!r})")
         if self.cuda_graphs not in CUDA_GRAPHS:
             out.append(f"engine.cuda_graphs must be one of {', '.join(CUDA_GRAPHS)} (got {self.cuda_graphs!r})")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             out.append(f"engine.gpu_memory_utilization must be in (0, 1] (got {self.gpu_memory_utilization})")
         if self.prefix_cache_mb < 1:
             out.append(f"engine.prefix_cache_mb must be >= 1 (got {self.prefix_cache_mb})")

@@ -1,6 +1,8 @@
 """Token choice and finishing for the hf engine: greedy or seeded sampling per row, EOS, stop strings,
 the row's own cap, structured-output constraints (grammar.py: a matcher per constrained sample masks its
-logits), and the Result a finished sequence becomes.
+logits), the logits processors (processors.py: penalties, logit_bias and min_tokens, applied once to the logits
+before either draw, the host's or the device's, and before a greedy row's argmax), and the Result a finished
+sequence becomes.
 
 Both decode paths (the scheduler over the slot cache, and the generic path for any architecture) ask
 the same Sampler, so a row finishes and reads the same whichever path served it. Knows token ids,
@@ -14,7 +16,8 @@ from typing import Any, Optional
 
 import torch
 
-from batchgen.engines.base import reasoning_tokens, split_answer, with_tokens
+from batchgen.engines.base import answer_text, reasoning_tokens, split_answer, with_tokens
+from batchgen.engines.hf import processors
 from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
 from batchgen.records import Request, Result
 from batchgen.sampling import SampleParams, find_stop
@@ -34,6 +37,8 @@ class Draw:
     forced: Optional[list[int]] = None  # tokens still to feed in: a scored choice's, or the reasoning end marker
     seed: Optional[int] = None  # a sample drawn on the device (device_sampling): its seed, with `drawn` its noise
     drawn: int = 0  # tokens picked so far: the step of the next draw
+    shaped: bool = False  # a logits processor applies (SampleParams.shapes_logits)
+    history: Optional[processors.History] = None  # its penalties' token history, made at its first step
 
 
 class Sampler:
@@ -63,6 +68,7 @@ class Sampler:
         draw.thinking = req.params.reasoning is not None
         if req.params.forced:
             draw.forced = list(req.params.forced)
+        draw.shaped = req.params.shapes_logits
         return draw
 
     def grammars(self) -> Any:
@@ -76,9 +82,12 @@ class Sampler:
              picks: Optional[torch.Tensor] = None) -> list[int]:
         """Next token per row; a constrained row picks among the tokens its grammar allows, and its matcher
         takes the token. picks: each row's argmax of these logits where the step computed it (used for greedy rows
-        unless a grammar masks the logits)."""
+        unless a processor or a grammar changes their logits)."""
         logged = [j for j, d in enumerate(draws) if d.token_logprobs is not None]
         logp = torch.log_softmax(logits[logged].float(), dim=-1) if logged else None  # the model's own, unmasked
+        shaped = [j for j, d in enumerate(draws) if d.shaped]
+        if shaped:
+            logits, picks = self._process(logits, reqs, draws, shaped, picks)
         matchers = [None if d.thinking else d.matcher for d in draws]  # a thinking row is free until its block ends
         constrained = self._grammars is not None and any(m is not None for m in matchers)
         if constrained:
@@ -95,6 +104,8 @@ class Sampler:
             d.drawn += 1
             if d.forced:
                 tokens[j] = d.forced.pop(0)
+        for j in shaped:
+            draws[j].history.take(tokens[j])  # type: ignore[union-attr]
         if logp is not None:
             record_logprobs(logp, [draws[j] for j in logged], [tokens[j] for j in logged],
                             [reqs[j].params.logprobs or 0 for j in logged])
@@ -104,6 +115,22 @@ class Sampler:
             elif m is not None and not m.is_terminated():
                 m.accept_token(token)
         return tokens
+
+    def _process(self, logits: torch.Tensor, reqs: list[Request], draws: list[Draw], shaped: list[int],
+                 picks: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The logits with the `shaped` rows' processors applied, and the step's picks with those rows' argmax
+        taken again from them (a penalised greedy row picks from its penalised logits)."""
+        for j in shaped:
+            if draws[j].history is None:
+                draws[j].history = processors.History.start(reqs[j].params, reqs[j].prompt_ids, logits.shape[-1],
+                                                            logits.device)
+        logits = processors.apply(logits, shaped, [reqs[j].params for j in shaped],
+                                  [draws[j].history for j in shaped],  # type: ignore[misc]
+                                  [draws[j].drawn for j in shaped], sorted(self.eos_ids))
+        if picks is not None:
+            index = torch.tensor(shaped, device=picks.device)
+            picks = picks.clone().index_copy_(0, index, logits.index_select(0, index).max(dim=-1).indices)
+        return logits, picks
 
     def _think(self, req: Request, d: Draw, token: int) -> None:
         """A thinking row took `token`: its block ends when the end marker is complete (the constraint applies from
@@ -123,26 +150,30 @@ class Sampler:
             return "stop"
         if draw is not None and draw.matcher is not None and not draw.thinking and draw.matcher.is_terminated():
             return "stop"  # the grammar is complete and took its stop token
-        if params.stop and find_stop(self._tail_text(generated, params.stop), params.stop) >= 0:
+        if params.stop and len(generated) > params.min_tokens and self._ends_in_stop(generated, params):
             return "stop"
         if len(generated) >= params.max_new_tokens:
             return "length"
         return None
 
-    def _tail_text(self, generated: list[int], stops: tuple[str, ...]) -> str:
-        """The text of the last tokens only, enough to hold any stop string that ends in the newest token:
-        checking the whole generation every step would cost O(length^2) per row. A character takes at
+    def _ends_in_stop(self, generated: list[int], params: SampleParams) -> bool:
+        """Whether a stop string ends in the newest token, read from the text of the last tokens only, enough to
+        hold any: checking the whole generation every step would cost O(length^2) per row. A character takes at
         most 4 tokens (byte-level fallback), and the margin keeps a match clear of the window's first
-        token, whose decoding can differ from its decoding in context (a leading space)."""
-        window = 4 * max(len(s) for s in stops) + 8
-        return self.tokenizer.decode(generated[-window:], skip_special_tokens=True)
+        token, whose decoding can differ from its decoding in context (a leading space). A match within the first
+        min_tokens tokens does not count (answer_text)."""
+        window = 4 * max(len(s) for s in params.stop) + 8
+        start = max(0, len(generated) - window)
+        text = self.tokenizer.decode(generated[start:], skip_special_tokens=True)
+        head = generated[start:params.min_tokens]
+        after = len(self.tokenizer.decode(head, skip_special_tokens=True)) if head else 0
+        return find_stop(text, params.stop, after) >= 0
 
     def make_result(self, req: Request, generated: list[int], reason: Optional[str], draw: Optional[Draw] = None
                     ) -> Result:
         answer, reasoning = split_answer(self.tokenizer, generated, req.params)
-        text = self.tokenizer.decode(answer, skip_special_tokens=True)
-        cut = find_stop(text, req.params.stop) if req.params.stop else -1
-        return Result(key=req.key, text=text if cut < 0 else text[:cut], finish_reason=reason or "length",
+        text = answer_text(self.tokenizer, generated, answer, req.params)
+        return Result(key=req.key, text=text, finish_reason=reason or "length",
                       num_prompt_tokens=len(req.prompt_ids), num_generated_tokens=len(generated), reasoning=reasoning,
                       reasoning_tokens=reasoning_tokens(generated, answer, req.params),
                       token_logprobs=draw and draw.token_logprobs,
@@ -194,7 +225,8 @@ def pick_tokens(logits: torch.Tensor, params: list[SampleParams], generators: li
 
 
 def sample_token(logits: torch.Tensor, p: SampleParams, gen: Optional[torch.Generator]) -> int:
-    """Temperature, then top-k, then top-p (nucleus), then one multinomial draw. logits: [V]."""
+    """Temperature, then top-k, then top-p (nucleus), then min-p, then one multinomial draw (HF's warpers' order,
+    and the device sampler's). logits: [V]."""
     x = logits.float() / p.temperature
     if p.top_k and p.top_k < x.numel():
         kth = torch.topk(x, p.top_k).values[-1]
@@ -205,6 +237,9 @@ def sample_token(logits: torch.Tensor, p: SampleParams, gen: Optional[torch.Gene
         drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
         x = x.scatter(0, order[drop], float("-inf"))
     probs = torch.softmax(x, dim=-1)
+    if p.min_p > 0.0:  # the tokens under min_p times the likeliest's probability (which always stays)
+        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+        probs = torch.softmax(x, dim=-1)
     return int(torch.multinomial(probs, 1, generator=gen).item())
 
 

@@ -11,7 +11,7 @@ import torch
 
 from batchgen.engines.hf.backends.base import Prepared
 from batchgen.engines.hf.backends.cuda.step import CudaStepper
-from batchgen.engines.hf.config import HFConfig
+from batchgen.engines.hf.config import GPU_MEMORY_UTILIZATION, HFConfig
 from batchgen.engines.hf.fusion import concatenate_linears, fuse_projections
 
 log = logging.getLogger(__name__)
@@ -35,10 +35,11 @@ class CudaBackend:
         free, total = torch.cuda.mem_get_info(stepper.device)
         reserve = activation_reserve(model.config, cfg.max_batch_tokens or 65536, cfg.max_batch_size or 1024,
                                      torch.empty(0, dtype=prepared.activation_dtype).element_size())
-        stepper.kv_budget_bytes = kv_budget(total, free, cfg.gpu_memory_utilization, reserve)
+        utilization = cfg.gpu_memory_utilization or GPU_MEMORY_UTILIZATION
+        stepper.kv_budget_bytes = kv_budget(total, free, utilization, reserve)
         log.info("KV cache budget on %s: %.2f GB (engine.gpu_memory_utilization=%.2f of %.1f GB, %.1f GB in use, "
                  "%.1f GB kept for activations)", stepper.device, stepper.kv_budget_bytes / 1e9,
-                 cfg.gpu_memory_utilization, total / 1e9, (total - free) / 1e9, reserve / 1e9)
+                 utilization, total / 1e9, (total - free) / 1e9, reserve / 1e9)
         return stepper
 
 

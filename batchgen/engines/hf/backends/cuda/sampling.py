@@ -7,6 +7,9 @@ resume that replays its steps. Per-row parameters live in preallocated tensors (
 when a row is admitted, outside the step. No op here reads a value on the host or has a value-dependent shape
 (tests/engines/syncguard.py checks it), and everything is plain torch, so it runs, and is tested, on CPU tensors.
 
+The penalties, logit_bias and min_tokens are not applied here: the Sampler applies them to the logits it passes in
+(engines/hf/processors.py), once, before this draw and before a greedy row's argmax, so they hold for every row.
+
 Knows tensors and SampleParams; nothing about models, caches or requests.
 """
 
@@ -52,7 +55,7 @@ class SlotParams:
         copy a parameter, not one a row): for a caller that samples a different set of rows each call."""
         rows = cls.__new__(cls)
         greedy = [p.greedy for p in params]
-        min_p = [float(getattr(p, "min_p", 0.0)) for p in params]
+        min_p = [float(p.min_p) for p in params]
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -74,8 +77,8 @@ class SlotParams:
 
     def set(self, slot: int, params: SampleParams, seed: Optional[int], min_p: Optional[float] = None) -> None:
         """Admit a row into `slot`. seed: the row's own (sampling.derive_seed), None for a greedy row. min_p: None
-        takes params.min_p where SampleParams has one, else 0 (off)."""
-        min_p = getattr(params, "min_p", 0.0) if min_p is None else min_p
+        takes params.min_p."""
+        min_p = params.min_p if min_p is None else min_p
         greedy = params.greedy
         if not greedy and seed is None:
             raise ValueError("a sampled row needs a seed")

@@ -1,0 +1,159 @@
+"""The hf engine's logits processors (engines/hf/processors.py) and min_p: token for token equal to HF generate with
+the same processors (float32; greedy, and seeded sampling, whose draws HF makes from the same generator stream), on
+both decode paths; penalised greedy rows pick from their penalised logits, not the step's argmax; min_tokens holds
+EOS and stop strings off; rows without processors keep their logits untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchgen.engines.hf import processors
+from batchgen.engines.hf.backends.cuda.sampling import filter_logits
+from batchgen.engines.hf.sampler import Sampler, sample_token
+from batchgen.records import Request
+from batchgen.sampling import SampleParams
+from tests.conftest import corpus
+
+EOS_BIAS = ((1, 0.3),)  # the stand-in model's EOS (id 1) made likely enough to end rows early, at different steps
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tokenizer):
+    from batchgen.engines.hf.config import HFConfig
+    from batchgen.engines.hf.engine import HFEngine
+
+    return HFEngine(HFConfig(model=tiny_model, dtype="float32", max_batch_tokens=2048, max_batch_size=16), tokenizer)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+def params(**kw) -> SampleParams:
+    base = dict(max_new_tokens=24, temperature=0.0, top_p=1.0, top_k=0, stop=(), ignore_eos=False)
+    return SampleParams(**(base | kw))
+
+
+def hf_generate(model, ids: list[int], n: int, seed=None, **kw) -> list[int]:
+    """HF generate on one row alone; seeded: sampled from the global generator seeded so (top-k off)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+        kw |= dict(do_sample=True, top_k=0, top_p=1.0)
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, do_sample=kw.pop("do_sample", False), **kw)
+    return out[0, len(ids):].tolist()
+
+
+def hf_keywords(p: SampleParams) -> dict:
+    """SampleParams' processors as HF generate's keywords (logit_bias: sequence_bias of one-token sequences)."""
+    kw = {"repetition_penalty": p.repetition_penalty, "min_new_tokens": p.min_tokens or None,
+          "sequence_bias": {(t,): b for t, b in p.logit_bias} or None, "min_p": p.min_p or None}
+    if not p.greedy:
+        kw["temperature"] = p.temperature
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+CASES = {"repetition": dict(repetition_penalty=1.3), "anti-repetition": dict(repetition_penalty=0.7),
+         "bias": dict(logit_bias=((5, 3.0), (9, -100.0))),
+         "min_tokens": dict(logit_bias=EOS_BIAS, min_tokens=4, repetition_penalty=1.2)}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_rows_equal_hf_generate_with_the_same_processors(engine, reference, tokenizer, case):
+    """Six rows in one batch (they end at different steps under min_tokens), fast path and generic path alike."""
+    p = params(**CASES[case])
+    reqs = [Request(key=i, prompt_ids=tokenizer(t).input_ids, params=p, seed=None)
+            for i, t in enumerate(corpus(6, seed=11))]
+    want = [hf_generate(reference, r.prompt_ids, 24, **hf_keywords(p)) for r in reqs]
+    assert want != [hf_generate(reference, r.prompt_ids, 24) for r in reqs]  # the processors change the rows
+    fast = engine.generate(reqs)
+    engine.fast = False
+    try:
+        generic = engine.generate(reqs)
+    finally:
+        engine.fast = True
+    for got in (fast, generic):
+        assert [(r.text, r.num_generated_tokens) for r in got] == [
+            (tokenizer.decode(w, skip_special_tokens=True), len(w)) for w in want]
+    if case == "min_tokens":
+        assert min(len(w) for w in want) == 5 and len({len(w) for w in want}) > 2
+
+
+def test_seeded_samples_equal_hf_generate_with_the_same_processors(engine, reference, tokenizer):
+    """On CPU each row draws from its own generator, seeded as HF's global one: the same draws, token for token."""
+    p = params(max_new_tokens=16, temperature=0.8, repetition_penalty=1.3, min_p=0.05, logit_bias=EOS_BIAS,
+               min_tokens=3)
+    reqs = [Request(key=i, prompt_ids=tokenizer(t).input_ids, params=p, seed=100 + i)
+            for i, t in enumerate(corpus(4, seed=11))]
+    want = [hf_generate(reference, r.prompt_ids, 16, seed=r.seed, **hf_keywords(p)) for r in reqs]
+    assert [r.text for r in engine.generate(reqs)] == [tokenizer.decode(w, skip_special_tokens=True) for w in want]
+
+
+def test_min_p_draws_only_what_hf_and_the_device_sampler_keep():
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(3)) * 3
+    p = params(temperature=0.7, min_p=0.1)
+    x = logits / p.temperature
+    kept = set(torch.isfinite(MinPLogitsWarper(0.1)(None, x.clone())[0]).nonzero().flatten().tolist())
+    device = filter_logits(x.clone(), torch.tensor([0]), torch.tensor([1.0]), torch.tensor([0.1]))
+    assert kept == set(torch.isfinite(device[0]).nonzero().flatten().tolist()) and 1 < len(kept) < 50
+    gen = torch.Generator().manual_seed(0)
+    assert {sample_token(logits[0], p, gen) for _ in range(300)} <= kept
+
+
+def test_processors_match_their_definitions_and_leave_other_rows_alone():
+    """logit_bias, min_tokens, repetition (HF's processor), presence and frequency (OpenAI's formula) on row 1, a
+    logit bias alone on row 2 (past its min_tokens); row 0, unprocessed, keeps its values bit for bit."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = torch.randn(3, 12, generator=torch.Generator().manual_seed(1))
+    prompt, generated = [2, 3, 3], [3, 7, 7]
+    p = params(repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25, logit_bias=((4, 2.0),),
+               min_tokens=5)
+    biased = params(logit_bias=((0, -1.0), (11, 1.0)), min_tokens=2)
+    histories = [processors.History.start(q, prompt, 12, logits.device) for q in (p, biased)]
+    for token in generated:
+        for history in histories:
+            history.take(token)
+    got = processors.apply(logits, [1, 2], [p, biased], histories, [len(generated)] * 2, [0])
+    want = logits[1].clone()
+    want[4] += 2.0
+    want[0] = float("-inf")
+    want = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([prompt + generated]), want[None])[0]
+    counts = torch.bincount(torch.tensor(generated), minlength=12).float()
+    want = want - 0.25 * counts - 0.5 * (counts > 0)
+    assert torch.equal(got[0], logits[0]) and torch.allclose(got[1], want)
+    assert torch.equal(got[2], logits[2] + torch.tensor([-1.0] + [0.0] * 10 + [1.0]))
+
+
+def test_a_penalised_greedy_row_picks_from_its_penalised_logits_not_the_steps_argmax(tokenizer):
+    sampler = Sampler(tokenizer, {1}, torch.device("cpu"))
+    logits = torch.tensor([[0.0, 0.0, 5.0, 4.0], [0.0, 0.0, 5.0, 4.0]])
+    reqs = [Request(key=0, prompt_ids=[2], params=params(repetition_penalty=2.0), seed=None),
+            Request(key=1, prompt_ids=[2], params=params(), seed=None)]
+    draws = [sampler.start(r) for r in reqs]
+    assert sampler.pick(logits, reqs, draws, picks=logits.argmax(dim=-1)) == [3, 2]
+
+
+def test_min_tokens_holds_stop_strings_off_and_cuts_at_a_later_match(engine, tokenizer):
+    """A stop string that the first min_tokens tokens complete does not count (vLLM's min_tokens); one completed
+    after them cuts the text there."""
+    ids = tokenizer("the river town").input_ids
+    free = engine.generate([Request(key=0, prompt_ids=ids, params=params(max_new_tokens=40, ignore_eos=True),
+                                    seed=None)])[0]
+    stop = next(free.text[i:i + 3] for i in range(len(free.text) - 3) if free.text.count(free.text[i:i + 3]) > 1
+                and free.text[i:i + 3].strip() == free.text[i:i + 3])
+    first = free.text.find(stop)
+    plain = engine.generate([Request(key=0, prompt_ids=ids, params=params(max_new_tokens=40, ignore_eos=True,
+                                                                           stop=(stop,)), seed=None)])[0]
+    held = engine.generate([Request(key=0, prompt_ids=ids, params=params(
+        max_new_tokens=40, ignore_eos=True, stop=(stop,), min_tokens=plain.num_generated_tokens), seed=None)])[0]
+    assert plain.text == free.text[:first] and plain.finish_reason == "stop"
+    assert held.text == free.text[:free.text.find(stop, first + 1)] and held.finish_reason == "stop"
+    assert held.num_generated_tokens > plain.num_generated_tokens

@@ -1,0 +1,91 @@
+"""rowparams.py, the logits processors' per-row columns: each value checked as its sampling.* key is (a bad one is
+that row's bad_value, naming the column), a null value takes the job's setting, a logit_bias token id past the
+tokenizer is refused (the job's: a config error; a row's: its row), and a job's rows with their own values generate
+what a job with those values set for every row generates."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from batchgen.errors import ConfigError
+from batchgen.prompts.rowparams import RowParams
+from batchgen.reader import DatasetConfig
+from batchgen.run.runner import run_job
+from batchgen.sampling import SamplingConfig
+from tests.conftest import compose_job, corpus, job_overrides, read_output, write_jsonl
+
+COLUMNS = {"repetition_penalty_column": "rep", "presence_penalty_column": "pres", "frequency_penalty_column": "freq",
+           "min_p_column": "minp", "min_tokens_column": "mint", "logit_bias_column": "bias"}
+
+
+def settings(values: dict[str, list], sampling: SamplingConfig | None = None, vocab: int = 100):
+    params = RowParams(DatasetConfig(path="unused", **COLUMNS), sampling or SamplingConfig(), vocab=vocab)
+    n = len(next(iter(values.values())))
+    errors = [None] * n
+    rows = params.settings(pa.table({name: values.get(name, [None] * n) for name in COLUMNS.values()}), errors)
+    return rows, errors
+
+
+def test_row_values_replace_the_jobs_and_nulls_keep_it():
+    job = SamplingConfig(repetition_penalty=1.1, logit_bias={4: 1.0})
+    rows, errors = settings({"rep": [1.5, None], "pres": [0.5, None], "freq": [-1, None], "minp": [0.2, None],
+                             "mint": [3, None], "bias": ['{"7": -100}', None]}, job)
+    assert errors == [None, None]
+    assert rows[0].processors == {"repetition_penalty": 1.5, "presence_penalty": 0.5, "frequency_penalty": -1.0,
+                                  "min_p": 0.2, "min_tokens": 3, "logit_bias": ((7, -100.0),)}
+    assert rows[1].processors == job.processors()
+
+
+def test_a_bad_value_is_its_rows_bad_value_naming_the_column():
+    rows, errors = settings({"rep": [0, None, None, None, None, None], "pres": [None, 2.5, None, None, None, None],
+                             "minp": [None, None, "x", None, None, None], "mint": [None, None, None, 1.5, None, None],
+                             "bias": [None, None, None, None, '{"100": 1}', "{not json"]})
+    assert errors[0] == "bad_value: repetition_penalty must be a number > 0 (1 = off) (got 0) " \
+                        "(dataset.repetition_penalty_column)"
+    assert errors[1].startswith("bad_value: presence_penalty must be a number in [-2, 2]")
+    assert "(dataset.min_p_column)" in errors[2] and "(dataset.min_tokens_column)" in errors[3]
+    assert errors[4] == "bad_value: logit_bias has token id 100, not one of the tokenizer's 100 ids " \
+                        "(dataset.logit_bias_column)"
+    assert errors[5].startswith("bad_value: logit_bias must be a mapping")
+
+
+def test_a_rows_min_tokens_with_a_constraint_is_its_bad_value():
+    """min_tokens masks EOS, which a constrained sample needs once its constraint is complete."""
+    params = RowParams(DatasetConfig(path="unused", min_tokens_column="mint", choice_column="c"), SamplingConfig())
+    errors = [None] * 3
+    params.settings(pa.table({"mint": [2, 2, None], "c": [["yes", "no"], None, ["yes", "no"]]}), errors)
+    assert errors == ["bad_value: min_tokens=2 with a choice constraint: a constrained sample ends when its "
+                      "constraint is complete", None, None]
+
+
+def test_a_jobs_logit_bias_past_the_tokenizer_is_a_config_error():
+    with pytest.raises(ConfigError) as err:
+        RowParams(DatasetConfig(path="unused"), SamplingConfig(logit_bias={500: 1.0}), vocab=385)
+    assert "sampling.logit_bias has token id 500, not one of the tokenizer's 385 ids" in str(err.value)
+
+
+def test_a_missing_column_is_a_config_error_naming_its_key():
+    with pytest.raises(ConfigError) as err:
+        RowParams(DatasetConfig(path="unused", min_p_column="minp"), SamplingConfig()).settings(
+            pa.table({"prompt": ["a"]}), [None])
+    assert "dataset.min_p_column: column 'minp' not found (columns: prompt)" in str(err.value)
+
+
+def test_rows_with_their_own_values_generate_what_the_job_setting_would(tiny_model, tmp_path):
+    """Rows 0 and 1 carry a repetition penalty and a logit bias; rows 2 and 3 leave them null."""
+    own = {"rep": 1.3, "bias": {"5": 3.0}}
+    data = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": t, **(own if i < 2 else {})}
+                                               for i, t in enumerate(corpus(4, seed=5))])
+
+    def run(name: str, *extra: str) -> list[str]:
+        out = tmp_path / name
+        run_job(compose_job(job_overrides(tiny_model, data, out, "dataset.id_column=id", "sampling.max_new_tokens=12",
+                                          *extra)))
+        return read_output(out).column("generation").to_pylist()
+
+    per_row = run("rows", "dataset.repetition_penalty_column=rep", "dataset.logit_bias_column=bias")
+    everywhere = run("job", "sampling.repetition_penalty=1.3", "sampling.logit_bias={5: 3.0}")
+    plain = run("plain")
+    assert per_row[:2] == everywhere[:2] and per_row[2:] == plain[2:]
+    assert per_row[:2] != plain[:2]  # the processors change those rows

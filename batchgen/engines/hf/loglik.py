@@ -127,7 +127,7 @@ class LoglikScorer:
         cache = self.stepper.new_cache(len(chunk), max(len(r.prompt_ids) for r in chunk))
         for slot in range(len(chunk)):
             cache.load_prefix(slot, k, v)
-        hidden = self.stepper.prefill(cache, 0, [r.prompt_ids for r in chunk], [shared] * len(chunk), every=True)
+        hidden = self.stepper.prefill_hidden(cache, 0, [r.prompt_ids for r in chunk], [shared] * len(chunk))
         out, offset = [], 0
         for r in chunk:
             # hidden[offset + t] is position shared + t's state, which predicts ids[shared + t + 1]
@@ -161,7 +161,7 @@ class LoglikScorer:
         """Every token's final hidden state, packed [N, hidden] in prompt order."""
         if self.stepper is not None:
             cache = self.stepper.new_cache(len(prompts), max(map(len, prompts)))
-            return self.stepper.prefill(cache, 0, prompts, every=True)
+            return self.stepper.prefill_hidden(cache, 0, prompts)
         width = max(map(len, prompts))
         ids = torch.zeros((len(prompts), width), dtype=torch.long, device=self.device)
         mask = torch.zeros_like(ids)

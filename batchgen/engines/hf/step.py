@@ -91,15 +91,28 @@ class LlamaStepper:
         return 2 * len(self.layers) * slots * self.kv_heads * max_len * self.head_dim * size
 
     def prefill(self, cache: SlotKVCache, first_slot: int, prompts: list[list[int]],
-                starts: Optional[list[int]] = None, every: bool = False) -> torch.Tensor:
-        """Run prompts into slots [first_slot, first_slot + n); logits of each last token: [n, V]. every=True: every
-        token's final hidden state instead, packed [N, hidden] (task=loglik applies the LM head where it scores).
+                starts: Optional[list[int]] = None) -> torch.Tensor:
+        """Run prompts into slots [first_slot, first_slot + n); the logits of each prompt's last token: [n, V].
 
         The GEMMs, norms and MLP run over the prompts' tokens only, packed one after another ([N, hidden]); only
         attention sees them right-padded to the longest ([n, T]): padding cost GEMM work (11% of the benchmark
         workload's prefill tokens) and nothing else needs it. `starts[i]`: positions [0, starts[i]) of row i's slot
         already hold its prompt's prefix (prefix.py); only the rest is computed, at positions from starts[i],
         attending over the cached prefix too."""
+        x, lengths = self._prefill_layers(cache, first_slot, prompts, starts)
+        ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
+        return self._head(x[ends].contiguous())  # [n, hidden] -> [n, V]
+
+    def prefill_hidden(self, cache: SlotKVCache, first_slot: int, prompts: list[list[int]],
+                       starts: Optional[list[int]] = None) -> torch.Tensor:
+        """prefill(), but every computed token's final hidden state (after the model's last norm), packed [N, hidden]
+        (task=loglik and task=embed apply the LM head or pool where they score)."""
+        return self._final_hidden(self._prefill_layers(cache, first_slot, prompts, starts)[0])
+
+    def _prefill_layers(self, cache: SlotKVCache, first_slot: int, prompts: list[list[int]],
+                        starts: Optional[list[int]]) -> tuple[torch.Tensor, list[int]]:
+        """Every layer over the prompts' tokens (after each row's cached prefix): the residual stream [N, hidden]
+        and the tokens computed per row; the slots' lengths set to the whole prompts."""
         full = [len(p) for p in prompts]
         starts = starts if starts and any(starts) else None
         if starts is not None:
@@ -112,10 +125,7 @@ class LlamaStepper:
         for i, layer in enumerate(self.layers):
             x, h = self._prefill_layer(i, layer, x, h, batch)
         cache.set_lengths(first_slot, full)
-        if every:
-            return self._final_hidden(x)
-        ends = torch.tensor(lengths, device=self.device).cumsum(0) - 1
-        return self._head(x[ends].contiguous())  # [n, hidden] -> [n, V]
+        return x, lengths
 
     def _prefill_batch(self, cache: SlotKVCache, first_slot: int, lengths: list[int], starts: Optional[list[int]],
                        x: torch.Tensor) -> PrefillBatch:

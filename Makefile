@@ -25,7 +25,7 @@ venv: $(STAMP)
 demo: $(BASE_STAMP)
 	$(BIN)/python scripts/build_demo_model.py
 	$(BIN)/batchgen job=demo
-	$(BIN)/python scripts/preview.py data/outputs/demo --expect-rows $$(grep -c . data/demo/prompts.jsonl)
+	$(BIN)/batchgen head data/outputs/demo -n 5 --expect-rows $$(grep -c . data/demo/prompts.jsonl)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not vllm and not docs"

@@ -1,25 +1,28 @@
 #!/usr/bin/env bash
-# A dataset that grows every night: generate only the rows that are new since the last night's output.
+# Example: a scheduled batchgen job over a GROWING input (a table that gets new rows), as cron or a systemd timer
+# runs it. `batchgen increment` does the work (docs/scheduled-jobs.md): each night a dated output under the job's
+# output_dir (OUTPUT_DIR/2026-12-06) with only the ids no earlier night generated; a rerun the same night resumes
+# that night's output, a no-op once it is complete. This script only finds the interpreter that cron's bare
+# environment lacks, then runs
+#   batchgen increment [--config-dir DIR] [--date YYYY-MM-DD] job=NAME [key=value ...]
+# in the directory it is started in, where the job's relative paths resolve. The crontab line (crontab -e):
 #
-#   30 2 * * *  /path/to/batchgen/jobs/increment.sh annotate /data/tickets /data/outputs/annotate
+#   30 2 * * *  cd /srv/annotate && /path/to/jobs/increment.sh --config-dir presets job=annotate >>increment.log 2>&1
 #
-# Each night writes OUT_ROOT/YYYY-MM-DD (today, deterministic: a rerun the same day resumes it) with
-# run.skip_existing pointing at the newest earlier night that finished (_SUCCESS), so only ids not generated there
-# are generated; the chain of earlier nights is followed through their manifests (rows that erred are generated
-# again). A reader takes the union of the nights, each id once: the query in docs/output-and-resume.md ("Nightly increments").
-# Runs through nightly.sh: same exit codes, log and status.
+# Exit codes (the job's own, docs/contract.md section 7): 0 done or nothing new, 1 a failure (the next run resumes),
+# 2 a config or input problem (fix it first), 130/143 stopped by a signal (the next run resumes).
 set -uo pipefail
 
-job="${1:?usage: increment.sh JOB INPUT OUT_ROOT [key=value ...]}"
-input="${2:?usage: increment.sh JOB INPUT OUT_ROOT [key=value ...]}"
-root="${3:?usage: increment.sh JOB INPUT OUT_ROOT [key=value ...]}"
-shift 3
-today="${BATCHGEN_TODAY:-$(date +%F)}"
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-previous=""
-for dir in $(ls -d "$root"/????-??-?? 2>/dev/null | sort); do
-  [ "$(basename "$dir")" \< "$today" ] && [ -e "$dir/_SUCCESS" ] && previous="$dir"
-done
-extra=()
-[ -n "$previous" ] && extra+=("run.skip_existing=$previous")
-exec "$here/nightly.sh" "$job" "dataset.path=$input" "output_dir=$root/$today" "${extra[@]}" "$@"
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# the interpreter: BATCHGEN_PYTHON, else this checkout's own venv (cron's PATH has none), else python3 on PATH
+python="${BATCHGEN_PYTHON:-}"
+if [ -z "$python" ]; then
+  if [ -x "$here/.venv/bin/python" ]; then python="$here/.venv/bin/python"
+  else python="$(command -v python3 || true)"; fi
+fi
+if [ -z "$python" ] || ! "$python" -c "import batchgen" 2>/dev/null; then
+  echo "increment.sh: no Python with batchgen installed (tried ${python:-python3 on PATH}); set BATCHGEN_PYTHON to" \
+       "the interpreter of the environment batchgen is installed in. Not run." >&2
+  exit 2
+fi
+exec "$python" -m batchgen increment "$@"

@@ -35,7 +35,8 @@ NOT_HERE = {
     "VLLM_CPU_OMP_THREADS_BIND=0-1 .venv-vllm/bin/batchgen": "the vLLM tier (tests/vllm)",
     "bash scripts/gpu_wheels.sh": "the GPU check, on a lent GPU machine",
     "bash scripts/gpu_check.sh": "the GPU check, on a lent GPU machine",
-    "30 2 * * *": "a crontab line: jobs/increment.sh runs under env -i in tests/scenarios/test_jobs.py",
+    "30 2 * * *": ("a crontab line: batchgen increment and nightly, and jobs/increment.sh, nightly.sh under env -i, "
+                   "run in tests/commands/test_scheduled.py"),
     "duckdb -c": ("the duckdb CLI: the queries run through duckdb's Python API in tests/scenarios/test_increments.py "
                   "and tests/engines/test_decide.py"),
     "sbatch": "a Slurm cluster: jobs/slurm/*.sh run in tests/scenarios/test_jobs.py",

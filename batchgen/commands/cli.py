@@ -17,6 +17,7 @@ import logging  # noqa: E402
 import os  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Optional  # noqa: E402
 
@@ -45,6 +46,8 @@ _entered_job = False  # set once Hydra has composed the config and handed it to 
 LOGS = "_logs"  # Hydra's run folders, in output_dir (conf/config.yaml: hydra.run.dir)
 _logs_home: Optional[tuple[Path, Optional[set[str]]]] = None  # where they go, and what was there before the run
 _command = "batchgen"  # the command as typed (main() records it): the line that resumes a stopped run
+Advice = Callable[[BatchgenError], Optional[str]]  # a command's line of advice on its job's error (nightly, increment)
+_advice: Optional[Advice] = None
 
 
 def resume_line() -> str:
@@ -64,6 +67,9 @@ def _hydra_main(cfg: DictConfig) -> None:
     except BatchgenError as exc:
         _to_log_file(logging.ERROR, f"{exc}")  # the console gets it once, from the line below
         print(f"batchgen: error: {redact_text(str(exc))}", file=sys.stderr)
+        advice = _advice(exc) if _advice is not None else None
+        if advice:
+            print(f"batchgen: {redact_text(advice)}", file=sys.stderr)
         if exc.exit_code == 2:
             _forget_refused_run()
         else:  # a runtime failure: what is committed and journaled stays, and the same command resumes
@@ -160,6 +166,9 @@ COMMANDS = {
     "retry": "generate again the rows of a finished job that erred with a retryable kind (too_long, ...)",
     "finalize": "after the shards of a job ran: write _SUCCESS once every part of every shard exists",
     "view": "the latest-attempt view of an output (retried rows in place) as JSON lines, or --to a .parquet/.jsonl",
+    "head": "the first rows of an output (the latest-attempt view): id, finish reason, tokens, the text's start",
+    "nightly": "a scheduled job over a fixed input: resume it, or a no-op once it is complete",
+    "increment": "a scheduled job over a growing input: a dated output per night, only the new ids generated",
 }
 
 
@@ -190,7 +199,7 @@ Exit codes: 0 done, 1 runtime failure, 2 config or input error, 143/130 stopped 
 
 
 def main() -> None:
-    global _logs_home, _command
+    global _command
     import shlex
 
     _command = shlex.join(["batchgen", *sys.argv[1:]])
@@ -212,7 +221,8 @@ def main() -> None:
         import importlib
 
         command = importlib.import_module(f"batchgen.commands.{first}")
-        handed = {"plan": (compose_checked,), "retry": (config_from,)}.get(first, ())
+        handed = {"plan": (compose_checked,), "retry": (config_from,), "nightly": (run_as_job, _command),
+                  "increment": (compose_checked, run_as_job)}.get(first, ())
         try:
             code = command.main(sys.argv[2:], *handed)
             sys.stdout.flush()
@@ -220,6 +230,17 @@ def main() -> None:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             code = 0
         sys.exit(code)
+    sys.exit(run_as_job(sys.argv[1:]))
+
+
+def run_as_job(args: list[str], advice: Optional[Advice] = None) -> int:
+    """`batchgen ARGS` run as a job: checked first (preflight), under hydra.main (its run folder in output_dir/_logs),
+    the summary printed, the contract's exit codes. Also how a command runs the job it made (nightly, increment),
+    whose `advice` may add a line to the job's error. Returns 0 once the job is done (or complete already); any
+    other outcome exits with its code."""
+    global _logs_home, _advice
+    _advice = advice
+    sys.argv[1:] = args
     if not any(arg.startswith("-") for arg in sys.argv[1:]):  # Hydra's own flags (--help, -m) go straight to it
         cfg = preflight(sys.argv[1:])
         home = RemoteOutput(cfg.output_dir).staging if is_remote(cfg.output_dir) else Path(cfg.output_dir)
@@ -234,3 +255,4 @@ def main() -> None:
         if exc.code not in (0, None) and not _entered_job:
             sys.exit(2)  # Hydra could not compose the config: an unknown key, group or value
         raise
+    return 0

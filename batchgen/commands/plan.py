@@ -8,13 +8,17 @@ output_dir/_plan.json, with the histogram as _plan.png where matplotlib is insta
 - total prompt tokens and the most tokens the job can generate;
 - parts, and parts per shard.
 
+Without a tokenizer (engine=openai's chat endpoint and no engine.tokenizer) the token figures are estimates from
+characters (about 4 a token), marked so: the rows over max_model_len are the ones that may be, and the job sends them
+all (the server refuses a prompt too long for it), so they do not make the plan's exit code.
+
 `--show N` first prints the first N rows' prompts as the engine gets them (the job's own rendering: the template's
 text, or the chat template's with its generation prompt and system prompt), each with its id, its token count and
 what run.too_long does to it; they are in _plan.json too (`shown`).
 `--calibrate` then loads the engine and runs a short probe on the longest prompts first (an out-of-memory shows at
-once), and prints its rate and an ETA for the whole job. Exit codes are the job's: 0 when it would run, 1 when it
-would stop (run.too_long=fail with a row too long, or more error rows than run.max_error_rate), 2 on a config or
-input error.
+once), and prints its rate and an ETA for the whole job (an estimate on the machine as it is, not a bound). Exit
+codes are the job's: 0 when it would run, 1 when it would stop (run.too_long=fail with a row too long, or more error
+rows than run.max_error_rate), 2 on a config or input error.
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ from batchgen.run.preflight import load_tokenizer
 from batchgen.run.prepare import open_input
 
 PROBE_ROWS = 16  # rows of the calibration probe: the longest prompts
+Probe = tuple[int, list[int], Optional[list[dict]]]  # a generable row: (its cap, prompt ids, chat messages or None)
+ESTIMATED = "estimated from characters: no engine.tokenizer"
+ETA_CAVEAT = ("an estimate on this machine as it is now, not a bound: a busier machine, or samples that run longer "
+              "than the greedy probe's, take longer")
 
 
 def model_len(cfg: JobConfig) -> int:
@@ -86,14 +94,14 @@ def open_planner(cfg: JobConfig) -> tuple[Planner, int]:
     return Planner(whole, job.reader, job.renderer, job.tokenizer), limit
 
 
-def measure(cfg: JobConfig, show: int = 0) -> tuple[dict[str, Any], list[tuple[int, list[int]]]]:
-    """The plan's figures (with `show`, the first rows' prompts: shown_row), and (cap, prompt ids) of every
-    generable row, for the probe."""
+def measure(cfg: JobConfig, show: int = 0) -> tuple[dict[str, Any], list[Probe]]:
+    """The plan's figures (with `show`, the first rows' prompts: shown_row), and every generable row as the probe
+    sends it."""
     planner, limit = open_planner(cfg)
     lengths: list[int] = []
     errors: Counter[str] = Counter()
     over: list[str] = []
-    rows: list[tuple[int, list[int]]] = []
+    rows: list[Probe] = []
     max_generated = fitted = 0  # fitted: prompt tokens after run.too_long, what num_prompt_tokens will sum to
     shown: list[dict[str, Any]] = []
     for part in planner.parts(skip=set()):
@@ -116,7 +124,7 @@ def measure(cfg: JobConfig, show: int = 0) -> tuple[dict[str, Any], list[tuple[i
                 continue  # a too_long error row in the job
             fitted += len(kept)
             max_generated += setting.max_new_tokens * cfg.sampling.n if cfg.task == "generate" else 0
-            rows.append((setting.max_new_tokens, ids))
+            rows.append((setting.max_new_tokens, ids, sent_messages(planner, m, i)))
     total = planner.total_rows
     parts = planner.total_parts
     shards = cfg.run.num_shards
@@ -125,13 +133,23 @@ def measure(cfg: JobConfig, show: int = 0) -> tuple[dict[str, Any], list[tuple[i
         "prompt_tokens": sum(lengths), "prompt_tokens_after_fit": fitted, "max_generated_tokens": max_generated,
         "prompt_length": _summary(lengths), "histogram": histogram(lengths),
         "max_model_len": limit, "too_long": {"rows": len(over), "policy": cfg.run.too_long, "first_ids": over[:10],
-                                             "what_happens": _too_long_effect(cfg.run.too_long, len(over))},
+                                             "what_happens": _too_long_effect(cfg.run.too_long, len(over),
+                                                                              planner.tokenizer is None)},
+        **({"prompt_tokens_estimated": True} if planner.tokenizer is None else {}),
         **_cost(cfg, fitted, max_generated),
         "parts": parts, "rows_per_part": cfg.rows_per_part,
         "shards": {"num_shards": shards, "parts_per_shard": [len(range(k, parts, shards)) for k in range(shards)]},
         **({"shown": shown} if show else {}),
     }
     return plan, rows
+
+
+def sent_messages(planner: Planner, m: Measured, i: int) -> Optional[list[dict]]:
+    """Row `i`'s chat messages as engine=openai's chat endpoint is sent them (the planner's own rule); None where the
+    engine is sent token ids."""
+    if not planner.sends_messages:
+        return None
+    return m.messages[i] or [{"role": "user", "content": m.texts[i]}]
 
 
 def shown_row(planner: Planner, row_id: str, m: Measured, i: int, limit: int) -> dict[str, Any]:
@@ -151,12 +169,15 @@ def shown_row(planner: Planner, row_id: str, m: Measured, i: int, limit: int) ->
     return {"id": row_id, "prompt": m.texts[i], "prompt_tokens": len(ids), "error": None, "too_long": why}
 
 
-def render_shown(shown: list[dict[str, Any]]) -> str:
-    """`--show`'s rows: a header line each (row, id, tokens, too_long), then the prompt exactly, as it is."""
+def render_shown(shown: list[dict[str, Any]], estimated: bool = False) -> str:
+    """`--show`'s rows: a header line each (row, id, tokens, too_long), then the prompt exactly, as it is (without a
+    tokenizer, `estimated`: a chat row's messages as JSON, its tokens estimated)."""
     out = []
     for k, row in enumerate(shown):
         cut = f"; {row['too_long']}" if row["too_long"] else ""
-        what = row["error"] or f"{row['prompt_tokens']} prompt tokens{cut}"
+        tokens = f"about {row['prompt_tokens']} prompt tokens ({ESTIMATED})" if estimated else (
+            f"{row['prompt_tokens']} prompt tokens")
+        what = row["error"] or f"{tokens}{cut}"
         out.append(f"--- row {k}: id {row['id']}, {what} ---")
         if row["prompt"] is not None and row["error"] is None:
             out.append(row["prompt"])
@@ -187,7 +208,10 @@ def histogram(lengths: list[int]) -> list[dict[str, int]]:
             for b in range(min(counts, default=0), max(counts, default=-1) + 1)]
 
 
-def _too_long_effect(policy: str, rows: int) -> str:
+def _too_long_effect(policy: str, rows: int, estimated: bool = False) -> str:
+    if estimated:
+        return (f"{rows} prompts may be too long by the estimate; without engine.tokenizer run.too_long is not "
+                f"checked before sending: the server refuses a prompt too long for it, an endpoint_rejected error row")
     if not rows:
         return "none: every prompt fits"
     return {"truncate_left": f"{rows} prompts will be cut to their last tokens (BOS kept)",
@@ -195,9 +219,11 @@ def _too_long_effect(policy: str, rows: int) -> str:
             "fail": f"the job would stop at the first of these {rows} rows (exit 1)"}[policy]
 
 
-def calibrate(cfg: JobConfig, plan: dict[str, Any], rows: list[tuple[int, list[int]]]) -> dict[str, Any]:
+def calibrate(cfg: JobConfig, plan: dict[str, Any], rows: list[Probe]) -> dict[str, Any]:
     """Load the engine, generate the longest prompts (PROBE_ROWS of them, each with its own cap), and estimate the
-    job's time from the probe's rows/s: an upper bound, as the probe's prompts are the longest."""
+    job's time from the probe's rows/s. An estimate, not a bound: the longest prompts make it high, but the probe is
+    greedy (samples may run longer) and measures the machine as it is now (a busier one, or a node shared with other
+    jobs, runs slower)."""
     from batchgen.engines import build_engine
     from batchgen.records import Request
     from batchgen.sampling import SampleParams
@@ -208,9 +234,9 @@ def calibrate(cfg: JobConfig, plan: dict[str, Any], rows: list[tuple[int, list[i
     load_s = time.perf_counter() - started
     longest = sorted(rows, key=lambda r: -len(r[1]))[:PROBE_ROWS]
     room = engine.max_model_len
-    requests = [Request(key=k, prompt_ids=ids[-max(room - cap, 1):], seed=None, params=SampleParams(
+    requests = [Request(key=k, prompt_ids=ids[-max(room - cap, 1):], seed=None, messages=messages, params=SampleParams(
         max_new_tokens=cap, temperature=0.0, top_p=1.0, top_k=0, stop=tuple(s.stop), ignore_eos=s.ignore_eos))
-        for k, (cap, ids) in enumerate(longest)]
+        for k, (cap, ids, messages) in enumerate(longest)]
     started = time.perf_counter()
     results = engine.generate(requests) if requests else []
     probe_s = time.perf_counter() - started
@@ -228,7 +254,8 @@ def render(plan: dict[str, Any]) -> str:
     lines = [f"rows {plan['rows']} ({plan['generable_rows']} to generate), error rows: "
              f"{', '.join(f'{k}={v}' for k, v in sorted(plan['error_rows'].items())) or 'none'}",
              f"prompt tokens {plan['prompt_tokens']} (min {n['min']}, median {n['median']}, p95 {n['p95']}, max "
-             f"{n['max']}), {plan['prompt_tokens_after_fit']} after run.too_long; at most "
+             f"{n['max']}{'; ' + ESTIMATED if plan.get('prompt_tokens_estimated') else ''}), "
+             f"{plan['prompt_tokens_after_fit']} after run.too_long; at most "
              f"{plan['max_generated_tokens']} generated tokens"
              + (f"; cost at most {plan['cost_estimate']:.6g} (output.prices: every sample at its cap, no prompt "
                 f"cache)" if "cost_estimate" in plan else ""),
@@ -245,7 +272,7 @@ def render(plan: dict[str, Any]) -> str:
     if c:
         eta = "unknown" if c["eta_s"] is None else f"{c['eta_s']:.0f} s ({c['eta_s'] / 3600:.2f} h)"
         lines.append(f"calibration: {c['probe_rows']} longest rows in {c['probe_s']} s ({c['probe_tok_s']} tok/s; "
-                     f"model load {c['load_s']} s); ETA for the whole job at that rate (an upper bound): {eta}")
+                     f"model load {c['load_s']} s); ETA for the whole job at that rate: {eta} ({ETA_CAVEAT})")
     return "\n".join(lines)
 
 
@@ -280,8 +307,9 @@ def run_plan(cfg: JobConfig, calibrate_engine: bool = False, show: int = 0) -> t
     out.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out / "_plan.json", plan)
     plan["png"] = str(write_png(plan, out / "_plan.png") or "")
-    error_rows = sum(plan["error_rows"].values()) + (plan["too_long"]["rows"] if cfg.run.too_long == "skip" else 0)
-    fails = (cfg.run.too_long == "fail" and plan["too_long"]["rows"]) or (
+    over = 0 if plan.get("prompt_tokens_estimated") else plan["too_long"]["rows"]  # estimated: the server judges
+    error_rows = sum(plan["error_rows"].values()) + (over if cfg.run.too_long == "skip" else 0)
+    fails = (cfg.run.too_long == "fail" and over) or (
         plan["rows"] and error_rows / plan["rows"] > cfg.run.max_error_rate)
     return plan, 1 if fails else 0
 
@@ -311,7 +339,7 @@ def main(argv: list[str], compose_checked: Callable[[list[str]], JobConfig]) -> 
         print(f"batchgen plan: error: {exc}", file=sys.stderr)
         return exc.exit_code
     if show:
-        print(render_shown(plan["shown"]))
+        print(render_shown(plan["shown"], plan.get("prompt_tokens_estimated", False)))
     print(render(plan))
     print(f"plan written to {Path(cfg.output_dir) / '_plan.json'}" + (f" and {plan['png']}" if plan["png"] else
                                                                      " (pip install matplotlib for _plan.png)"))

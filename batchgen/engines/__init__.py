@@ -49,8 +49,11 @@ def _openai_sampling(cfg: Any, sampling: Any, dataset: Any) -> list[str]:
     kind = kind or ("choice" if dataset.choice_column else None)
     extras = tuple(f"sampling.{k}" for k in VLLM_PROCESSORS if getattr(sampling, k) != PROCESSORS[k]) + tuple(
         f"dataset.{PROCESSOR_COLUMNS[k]}" for k in VLLM_PROCESSORS if getattr(dataset, PROCESSOR_COLUMNS[k]))
-    return unsupported(cfg.extensions, kind, sampling.top_k, sampling.ignore_eos,
-                       sampling.reasoning != "off", extras)
+    out = unsupported(cfg.extensions, kind, sampling.top_k, sampling.ignore_eos, sampling.reasoning != "off", extras)
+    if sampling.reasoning != "off" and cfg.extensions == "vllm" and cfg.tokenizer_dir() is None:
+        out.append("sampling.reasoning: the reasoning is split from the generated token ids, which only a local "
+                   "tokenizer decodes; set engine.tokenizer to the served model's, or leave sampling.reasoning=off")
+    return out
 
 
 def _vllm_for_task(cfg: Any, task: str, embed: Any) -> Any:

@@ -164,6 +164,16 @@ def reasoning_tokens(ids: list[int], answer: list[int], params: SampleParams) ->
     return None if params.reasoning is None else len(ids) - len(answer)
 
 
+CHARS_PER_TOKEN = 4  # without a tokenizer: a token is about 4 characters of English text (OpenAI's rule of thumb)
+
+
+def estimate_tokens(text: str) -> int:
+    """A text's token count estimated from its characters, where no tokenizer counts (engine=openai's chat endpoint
+    without engine.tokenizer): prompt lengths before sending, and the counts of an answer that reports no usage. An
+    estimate, never a limit: a token can be a single character."""
+    return -(-len(text) // CHARS_PER_TOKEN)
+
+
 def model_max_len(config: Any) -> int:
     """The model's own context length from its config (2048 where it says none)."""
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):

@@ -226,7 +226,8 @@ def check_or_write(output_dir: Path, manifest: dict[str, Any]) -> None:
         lines = "\n".join(f"  {c}" for c in changes)
         raise ResumeMismatchError(
             f"{output_dir} holds a run made from a different input, model or config:\n{lines}\n"
-            f"Resume with the original settings, or write to a new output_dir (output_dir=... or name=...)."
+            f"Resume with the original settings, or write to a new output_dir (output_dir=... or name=...).",
+            changes=tuple(changes),
         )
 
 

@@ -2,6 +2,9 @@
 a part's rows into engine Requests (render, tokenize, fit to max_model_len, per-sample seeds).
 
 Rows that cannot be generated become error rows here, before the engine sees them (docs/contract.md section 7).
+Without a tokenizer (engine=openai's chat endpoint, whose server renders and counts) a prompt's "ids" are
+placeholders, as many as its estimated tokens (characters / 4): never sent, only its length is used, and run.too_long
+is left to the server (its refusal is the row's error).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any, NamedTuple, Optional
 import pyarrow as pa
 
 from batchgen.engines import ENGINES
+from batchgen.engines.base import estimate_tokens
 from batchgen.errors import ConfigError, TooLongError
 from batchgen.job import JobConfig
 from batchgen.prompts.render import Renderer, config_text
@@ -24,6 +28,7 @@ from batchgen.sampling import Reasoning, SampleParams, derive_seed
 
 log = logging.getLogger(__name__)
 DUPLICATE_CHECK_ROWS = 2_000_000  # ids remembered for the duplicate-id count (about 100 bytes each)
+PLACEHOLDER = 0  # a prompt's "token id" where no tokenizer counts (see the module's docstring)
 
 
 class Measured(NamedTuple):
@@ -54,7 +59,8 @@ class Planner:
         self.sends_messages = cfg.engine.name == "openai" and getattr(cfg.engine, "endpoint", None) == "chat"
         # each row's cap, stops, constraint and logits processors (a logit_bias token id checked against the tokenizer)
         biased = bool(cfg.sampling.logit_bias or cfg.dataset.logit_bias_column)
-        self.row_params = RowParams(cfg.dataset, cfg.sampling, unconstrained, vocab=len(tokenizer) if biased else None)
+        vocab = len(tokenizer) if biased and tokenizer is not None else None  # no tokenizer: the server checks ids
+        self.row_params = RowParams(cfg.dataset, cfg.sampling, unconstrained, vocab=vocab)
         s = cfg.sampling
         self.reasoning = None if s.reasoning == "off" else Reasoning(
             end_ids=tuple(tokenizer(s.reasoning_end, add_special_tokens=False)["input_ids"]), start=s.reasoning_start,
@@ -296,6 +302,8 @@ class Planner:
     def _tokenize(self, texts: list[Optional[str]], add_special_tokens: bool) -> list[list[int]]:
         todo = [i for i, t in enumerate(texts) if t is not None]
         out: list[list[int]] = [[] for _ in texts]
+        if todo and self.tokenizer is None:  # placeholders: the estimate's length is all that is used
+            return [[PLACEHOLDER] * estimate_tokens(t) if t is not None else [] for t in texts]
         if todo:
             encoded = self.tokenizer([texts[i] for i in todo], add_special_tokens=add_special_tokens)["input_ids"]
             for i, ids in zip(todo, encoded):
@@ -305,7 +313,10 @@ class Planner:
     def fit(self, ids: list[int], cap: int, max_model_len: int, row_id: str,
             cuttable: bool = True) -> tuple[list[int], Optional[str]]:
         """Apply run.too_long: keep BOS and the prompt's tail, record the row as an error, or stop the job. A prompt
-        sent as chat messages (engine=openai, engine.endpoint=chat) is not `cuttable`: it is skipped instead."""
+        sent as chat messages (engine=openai, engine.endpoint=chat) is not `cuttable`: it is skipped instead. Without
+        a tokenizer the length is an estimate: the prompt is sent as it is, the server judges."""
+        if self.tokenizer is None:
+            return ids, None
         room = max_model_len - cap
         if len(ids) <= room:
             return ids, None

@@ -1,11 +1,14 @@
 """Prompt rendering: a plain column, a `{column}` template, or the tokenizer's chat template.
 
 The renderer turns one part's input columns into prompt texts, or into a per-row error string
-(docs/contract.md section 7). It knows the tokenizer only for its chat template; it does not tokenize.
+(docs/contract.md section 7). It knows the tokenizer only for its chat template; it does not tokenize. Without a
+tokenizer (engine=openai's chat endpoint, whose server renders the messages) a chat row's text is its messages as
+JSON: what --show and output.include_prompt print, and what its length is estimated from.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import string
 from collections.abc import Callable
@@ -52,7 +55,7 @@ class Renderer:
         self.chat = cfg.messages_column is not None or cfg.system_prompt is not None
         if cfg.template is not None and cfg.messages_column is None:
             _check_template(self.template)
-        if self.chat and not getattr(tokenizer, "chat_template", None):
+        if self.chat and tokenizer is not None and not getattr(tokenizer, "chat_template", None):
             key = "dataset.messages_column" if cfg.messages_column else "dataset.system_prompt"
             raise ConfigError([f"{key} asks for chat rendering, but the model's tokenizer has no chat template; "
                                "use a chat model, or dataset.template / dataset.prompt_column without "
@@ -116,6 +119,8 @@ class Renderer:
             return None, "bad_messages: every message needs a string role and string content", None
         if self.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        if self.tokenizer is None:  # the server renders them with its own template
+            return json.dumps(messages, ensure_ascii=False), None, messages
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # jinja errors from a user's template are row errors, not job failures

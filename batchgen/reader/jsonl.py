@@ -111,13 +111,14 @@ class JsonlReader(Reader):
             self._rows = rows
         return self._schema
 
-    def _records(self, path: str, offset: int = 0, lineno: int = 0
+    def _records(self, path: str, offset: int = 0, lineno: int = 0, row: int = 0
                  ) -> Iterator[tuple[int, Optional[dict], Optional[str], int]]:
         """(line number from 1, record or None, error or None, the line's byte offset) for every non-blank line,
-        from byte `offset` (line `lineno` + 1) on. A line over dataset.max_line_bytes is skipped unread past the
-        limit (memory stays bounded) and errs as too_large; one nested deeper than MAX_DEPTH errs as too_deep. A
-        UTF-8 byte order mark opening the file is dropped."""
-        limit = self.cfg.max_line_bytes
+        from byte `offset` (line `lineno` + 1, the file's row `row`) on. A line over dataset.max_line_bytes is
+        skipped unread past the limit (memory stays bounded) and errs as too_large; one nested deeper than MAX_DEPTH
+        errs as too_deep. A UTF-8 byte order mark opening the file is dropped. An error names the line (from 1, as
+        an editor counts) and the row's generated id (`<file>:<row>`, rows from 0, blank lines not counted)."""
+        limit, label = self.cfg.max_line_bytes, self._label(path)
         try:
             f = self.fs.open(path, "rb", compression="infer")
             if offset:
@@ -131,16 +132,19 @@ class JsonlReader(Reader):
                 if not raw:
                     return
                 lineno += 1
+                where = f"line {lineno} ({label}:{row})"
                 if lineno == 1 and raw.startswith(BOM):
                     raw = raw[len(BOM):]
                 if len(raw) > limit and not raw.endswith(b"\n"):
                     size = len(raw) + _skip_line(f)
-                    yield lineno, None, (f"too_large: line {lineno} is {size} bytes, over dataset.max_line_bytes="
+                    row += 1
+                    yield lineno, None, (f"too_large: {where} is {size} bytes, over dataset.max_line_bytes="
                                          f"{limit}; raise it to read such lines"), start
                     continue
                 if not raw.strip():
                     continue
-                yield (lineno, *_parse_line(raw, lineno), start)
+                row += 1
+                yield (lineno, *_parse_line(raw, where), start)
 
     def _file_batches(self, path: str) -> Iterator[tuple[pa.Table, list[str | None]]]:
         schema = self.schema()
@@ -166,7 +170,7 @@ class JsonlReader(Reader):
         row, rows, errors, first = start, [], [], start
         for path in self.files[file_index:]:
             label = self._label(path)
-            for _, record, error, _ in self._records(path, offset, lineno):
+            for _, record, error, _ in self._records(path, offset, lineno, row_in_file):
                 rows.append(record or {})
                 errors.append(error)
                 row += 1
@@ -188,21 +192,22 @@ class JsonlReader(Reader):
         return InputBatch(start=first, table=table, ids=self._ids(table, label, row_in_file), read_errors=errors)
 
 
-def _parse_line(raw: bytes, lineno: int) -> tuple[Optional[dict], Optional[str]]:
+def _parse_line(raw: bytes, where: str) -> tuple[Optional[dict], Optional[str]]:
+    """The line's record, or its error; `where` names the line in the error ("line 6 (in.jsonl:5)")."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return None, f"invalid_utf8: line {lineno}: {exc.reason} at byte {exc.start}"
+        return None, f"invalid_utf8: {where}: {exc.reason} at byte {exc.start}"
     try:
         record = json.loads(text)
     except json.JSONDecodeError as exc:
-        return None, f"malformed_json: line {lineno}: {exc.msg} (column {exc.colno})"
+        return None, f"malformed_json: {where}: {exc.msg} (column {exc.colno})"
     except RecursionError:
-        return None, f"too_deep: line {lineno}: nested deeper than the JSON parser allows (limit {MAX_DEPTH})"
+        return None, f"too_deep: {where}: nested deeper than the JSON parser allows (limit {MAX_DEPTH})"
     if not isinstance(record, dict):
-        return None, f"malformed_json: line {lineno}: expected an object, got {type(record).__name__}"
+        return None, f"malformed_json: {where}: expected an object, got {type(record).__name__}"
     if _too_deep(record, MAX_DEPTH):
-        return None, f"too_deep: line {lineno}: a value nested more than {MAX_DEPTH} levels deep"
+        return None, f"too_deep: {where}: a value nested more than {MAX_DEPTH} levels deep"
     return record, None
 
 

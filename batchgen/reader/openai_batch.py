@@ -53,7 +53,7 @@ def endpoint_of(cfg: DatasetConfig) -> tuple[Optional[str], list[str]]:
             for lineno, raw in enumerate(f, 1):
                 if not raw.strip():
                     continue
-                record, _ = _parse_line(raw, lineno)
+                record, _ = _parse_line(raw, f"line {lineno}")
                 url = record.get("url") if isinstance(record, dict) else None
                 if url in ENDPOINTS:
                     return ENDPOINTS[url], []
@@ -112,9 +112,9 @@ class OpenAIBatchReader(JsonlReader):
             self._schema = schema
         return self._schema
 
-    def _records(self, path: str, offset: int = 0, lineno: int = 0
+    def _records(self, path: str, offset: int = 0, lineno: int = 0, row: int = 0
                  ) -> Iterator[tuple[int, Optional[dict], Optional[str], int]]:
-        for number, record, error, start in super()._records(path, offset, lineno):
+        for number, record, error, start in super()._records(path, offset, lineno, row):
             if record is not None:
                 record, error = self._request(record, number)
             yield number, record, error, start

@@ -16,9 +16,14 @@ from batchgen.reader import Reader
 from batchgen.sampling import PROCESSOR_COLUMNS
 
 
-def load_tokenizer(cfg: JobConfig) -> Any:
+def load_tokenizer(cfg: JobConfig) -> Optional[Any]:
+    """The job's tokenizer (engine.tokenizer, else engine.model's); None for engine=openai's chat endpoint without
+    a local one (its config allows no other engine that), whose server renders and counts: the planner then
+    estimates prompt lengths from characters and the engine takes the counts from the server's usage."""
     from transformers import AutoTokenizer
 
+    if cfg.engine.name == "openai" and cfg.engine.tokenizer_dir() is None:
+        return None
     path = cfg.engine.tokenizer or cfg.engine.model
     key = "engine.tokenizer" if cfg.engine.tokenizer else "engine.model"
     if not os.path.exists(path) and not HUB_ID.match(path):

@@ -82,3 +82,18 @@ def test_plan_show_prints_the_prompts_as_the_engine_gets_them(tiny_model, tokeni
     shown = json.loads((tmp_path / "plain" / "_plan.json").read_text())["shown"]
     assert [r["prompt"] for r in shown] == ["Topic {topic}: {q}".format(**r) for r in rows[:2]]
     assert main(["--show", "many", *template], compose_checked) == 2
+
+
+def test_the_calibrated_eta_is_called_an_estimate_not_a_bound():
+    """A probe on an idle machine says nothing of a busy one's pace (a job took 59 s after an ETA of 36 s): the ETA
+    is printed as an estimate on the machine as it is, never as an upper bound."""
+    from batchgen.commands.plan import render
+
+    plan = {"rows": 40, "generable_rows": 40, "error_rows": {}, "prompt_tokens": 400, "prompt_tokens_after_fit": 400,
+            "max_generated_tokens": 320, "prompt_length": {"min": 5, "median": 10, "p95": 14, "max": 15},
+            "max_model_len": 2048, "too_long": {"rows": 0, "policy": "truncate_left", "what_happens": "none"},
+            "parts": 1, "rows_per_part": 256, "shards": {"num_shards": 1, "parts_per_shard": [1]}, "histogram": [],
+            "calibration": {"probe_rows": 16, "probe_s": 2.0, "probe_tok_s": 64.0, "load_s": 1.0, "eta_s": 36.0}}
+    line = render(plan).splitlines()[-1]
+    assert "ETA for the whole job at that rate: 36 s (0.01 h)" in line
+    assert "an estimate on this machine as it is now, not a bound" in line and "upper bound" not in line

@@ -206,7 +206,7 @@ def test_what_an_endpoint_cannot_do_is_refused_before_anything_is_sent(tiny_mode
     result = run_cli(overrides(tiny_model, data, tmp_path / "c", "http://127.0.0.1:9/v1", "engine.tokenizer=null",
                                "engine.api_key_env=BATCHGEN_TEST_NO_SUCH_KEY"))
     assert result.returncode == 2, result.stderr
-    assert "engine.tokenizer is required with engine=openai" in result.stderr
+    assert "engine.endpoint=completions needs engine.tokenizer" in result.stderr
     assert "the environment variable BATCHGEN_TEST_NO_SUCH_KEY is not set" in result.stderr
 
 

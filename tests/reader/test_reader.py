@@ -57,6 +57,21 @@ def test_jsonl_bad_lines_become_error_rows_with_line_numbers(tmp_path):
     assert (rows[0]["n"], rows[4]["n"]) == ("1", '"x"')  # mixed types: every value as JSON text, exactly
 
 
+def test_a_bad_lines_error_names_its_line_and_the_id_it_gets(tmp_path):
+    """The line counts from 1 (an editor's), the generated id `<file>:<row>` from 0 without blank lines: the error
+    names both, streamed or read from a part's mark, so neither is taken for the other."""
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a"}, "", {"prompt": "b"}, "{oops", {"prompt": "c"},
+                                                b"\xff", {"prompt": "d"}])
+    ids, _, errors = read_all(DatasetConfig(path=str(path)))
+    assert (ids[2], ids[4]) == ("bad.jsonl:2", "bad.jsonl:4")
+    assert errors[2].startswith("malformed_json: line 4 (bad.jsonl:2): ")
+    assert errors[4].startswith("invalid_utf8: line 6 (bad.jsonl:4): ")
+    reader = open_reader(DatasetConfig(path=str(path)))
+    reader.stride = 2
+    (second,) = reader.iter_range(2, 4)  # from the mark at row 2
+    assert second.ids[0] == "bad.jsonl:2" and second.read_errors[0].startswith("malformed_json: line 4 (bad.jsonl:2)")
+
+
 def test_hf_saved_dataset(tmp_path):
     import datasets
 

@@ -78,6 +78,8 @@ def test_a_wheel_runs_a_preset_job_and_every_command_from_another_directory(inst
     run([batchgen, "report", "out"], home)
     assert (home / "out" / "_report.html").exists()
     assert "newline" in run([batchgen, "help", "dataset.template"], home).stdout  # the reference ships too
+    for scheduled in ("nightly", "increment"):  # the scheduled jobs' commands ship (their example scripts need not)
+        assert "docs/scheduled-jobs.md" in run([batchgen, scheduled, "--help"], home).stdout
     helped = run([batchgen, "--config-dir", "my-presets", "--help"], home).stdout
     assert "annotate, annotate_json, classify, decide, demo, mine" in helped
 

@@ -5,20 +5,16 @@ case 4 run engine=dummy (the cases are the output directory's); case 4 runs the 
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from batchgen.errors import ConfigError
 from batchgen.run.runner import run_job
-from tests.conftest import compose_job, dummy_overrides, read_output, write_jsonl
+from tests.conftest import compose_job, dummy_overrides, read_output, run_cli, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
-JOBS = REPO / "jobs"
 
 
 def readme_union_query(root: Path) -> str:
@@ -37,13 +33,11 @@ def night_rows(n: int, bad: set[int] = frozenset()) -> list[dict]:
 def test_case1_four_nights_of_increments_hold_every_id_once(tiny_model, tmp_path):
     duckdb = pytest.importorskip("duckdb")
     root = tmp_path / "nights"
-    env = os.environ | {"BATCHGEN_PYTHON": sys.executable, "BATCHGEN_LOG_DIR": str(tmp_path / "logs")}
     nights = (("2026-11-28", 5, {3}), ("2026-11-29", 10, set()), ("2026-11-30", 15, set()), ("2026-12-01", 20, set()))
     for day, n, bad in nights:  # r3 errs on night 1 (a bad max_new_tokens), is fixed in the input of night 2
         data = write_jsonl(tmp_path / f"{day}.jsonl", night_rows(n, bad))
-        proc = subprocess.run(["bash", str(JOBS / "increment.sh"), "demo", str(data), str(root),
-                               f"engine.model={tiny_model}", "engine=dummy", "run.rows_per_part=4"],
-                              capture_output=True, text=True, timeout=300, env=env | {"BATCHGEN_TODAY": day})
+        proc = run_cli(["increment", "--date", day, "job=demo", f"dataset.path={data}", f"output_dir={root}",
+                        f"engine.model={tiny_model}", "engine=dummy", "run.rows_per_part=4"])
         assert proc.returncode == 0, proc.stderr[-2000:] + proc.stdout[-2000:]
     generated = {day: sorted(read_output(root / day).column("id").to_pylist()) for day, _, _ in nights}
     assert generated["2026-11-29"] == sorted(["r3", *(f"r{i}" for i in range(5, 10))])  # the error row again

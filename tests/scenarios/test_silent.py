@@ -112,7 +112,7 @@ def test_over_long_and_over_deep_lines_are_error_rows(tiny_model, tmp_path):
     run(tiny_model, data, out, "dataset.max_line_bytes=300000")
     errors = [r["error"] for r in read_output(out).to_pylist()]
     assert errors[0] is None and errors[4] is None
-    assert errors[1].startswith("too_large: line 2 is 400015 bytes, over dataset.max_line_bytes=300000")
+    assert errors[1].startswith("too_large: line 2 (in.jsonl:1) is 400015 bytes, over dataset.max_line_bytes=300000")
     assert errors[2].startswith("too_deep: line 3") and errors[3].startswith("too_deep: line 4")
     import pandas as pd
 

@@ -18,7 +18,10 @@ EXTENSIONS = ("vllm", "none")
 class OpenAIConfig(EngineConfig):
     """engine.model is the served model's name (what the endpoint's /v1/models lists); engine.tokenizer a local
     tokenizer of that model, with which batchgen renders, counts and truncates prompts (where engine.model is a
-    local directory, as vLLM's default served name is, it serves as the tokenizer)."""
+    local directory, as vLLM's default served name is, it serves as the tokenizer). The chat endpoint runs without
+    one (a hosted API): the server renders the messages and its usage gives the token counts; prompt lengths are
+    then estimated from characters, so run.too_long is not checked before sending. The completions endpoint sends
+    token ids and needs one."""
 
     MODEL_HAS_WEIGHTS: ClassVar[bool] = False
 
@@ -47,10 +50,11 @@ class OpenAIConfig(EngineConfig):
                        f"and engine.api_key_env={self.api_key_env} a Bearer key: an endpoint takes one "
                        f"Authorization; drop one of them")
         tokenizer = self.tokenizer_dir()
-        if tokenizer is None:
-            out.append("engine.tokenizer is required with engine=openai: a local tokenizer directory of the served "
-                       "model (batchgen renders, counts and truncates prompts with it)")
-        else:
+        if tokenizer is None and self.endpoint == "completions":
+            out.append("engine.endpoint=completions needs engine.tokenizer: each prompt is sent as token ids, which "
+                       "only a local tokenizer directory of the served model makes; set engine.tokenizer to one, or "
+                       "engine.endpoint=chat (the server renders the messages and reports the token counts)")
+        elif tokenizer is not None:
             out += model_dir_problems(tokenizer, "engine.tokenizer" if self.tokenizer else "engine.model",
                                       weights=False)
         if self.endpoint not in ENDPOINTS:
@@ -68,6 +72,8 @@ class OpenAIConfig(EngineConfig):
         return out
 
     def tokenizer_dir(self) -> Optional[str]:
+        """The local tokenizer's directory: engine.tokenizer, else engine.model where it is a directory; None where
+        there is none (the chat endpoint's server renders and counts)."""
         if self.tokenizer:
             return self.tokenizer
         return self.model if self.model and os.path.isdir(str(self.model)) else None

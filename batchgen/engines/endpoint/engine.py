@@ -20,7 +20,7 @@ from collections.abc import Callable
 from email.utils import parsedate_to_datetime
 from typing import Any, Optional
 
-from batchgen.engines.base import Source, generate_by_stream
+from batchgen.engines.base import CHARS_PER_TOKEN, Source, generate_by_stream
 from batchgen.engines.endpoint import wire
 from batchgen.engines.endpoint.config import OpenAIConfig
 from batchgen.engines.endpoint.dispatch import Dispatcher, EndpointDown, Outcome
@@ -57,8 +57,13 @@ class OpenAIEngine:
         self.max_model_len = int(cfg.max_model_len or self.served.get("max_model_len") or DEFAULT_MAX_LEN)
         self.dispatcher = Dispatcher(self.send, most=cfg.max_concurrency, max_retries=cfg.max_retries,
                                      stop_grace_s=cfg.stop_grace_s)
+        self.estimates_said = False  # without a tokenizer: whether an answer without usage counts was logged
         log.info("openai engine: %s at %s (%s endpoint, up to %d requests in flight, max_model_len=%d)",
                  cfg.model, shown_url(cfg.base_url), cfg.endpoint, cfg.max_concurrency, self.max_model_len)
+        if tokenizer is None:
+            log.info("openai engine: no engine.tokenizer: the token counts (num_prompt_tokens, num_generated_tokens) "
+                     "are the server's usage; prompt lengths are estimated from characters, so run.too_long is not "
+                     "checked before sending (a prompt too long for the server is its row's endpoint_rejected error)")
 
     def identity(self) -> dict[str, Any]:
         return {"engine": "openai", "dtype": None, "endpoint": self.cfg.endpoint,
@@ -79,7 +84,8 @@ class OpenAIEngine:
         """One attempt of one request (on a dispatcher thread)."""
         httpx = self.httpx
         messages = req.messages if self.chat else None
-        payload = wire.body(req, self.cfg.model, self.chat, self.vllm, messages, self.cfg.extra_body)
+        payload = wire.body(req, self.cfg.model, self.chat, self.vllm, messages, self.cfg.extra_body,
+                            token_ids=self.tokenizer is not None)
         try:
             response = self.client.post(self.path, json=payload)
         except httpx.TimeoutException:
@@ -88,10 +94,7 @@ class OpenAIEngine:
             return Outcome(transient=redact_text(f"{type(exc).__name__}: {exc}"))
         status = response.status_code
         if status == 200:
-            try:
-                return Outcome(result=wire.result(req, response.json(), self.chat, self.tokenizer))
-            except Exception as exc:  # a torn or foreign body (not JSON, no choices, a list): ask again
-                return Outcome(transient=f"unreadable answer ({type(exc).__name__}: {exc})")
+            return self.answer(req, response)
         if status in OVERLOAD:
             return Outcome(transient=f"HTTP {status}", overload=True,
                            retry_after=retry_after(response.headers.get("retry-after")))
@@ -101,6 +104,22 @@ class OpenAIEngine:
             raise EndpointError(f"{shown_url(self.cfg.base_url)}/{self.path}: HTTP {status}: {FATAL[status]} "
                                 f"({_message(response)})")
         return Outcome(result=wire.error_result(req, status, _message(response), payload))
+
+    def answer(self, req: Request, response: Any) -> Outcome:
+        """A 200's body as the sample's Result. Without a tokenizer, the first answer whose usage lacks a count is
+        logged: that sample's counts are estimates from characters, not the server's."""
+        try:
+            data = response.json()
+            result = wire.result(req, data, self.chat, self.tokenizer)
+        except Exception as exc:  # a torn or foreign body (not JSON, no choices, a list): ask again
+            return Outcome(transient=f"unreadable answer ({type(exc).__name__}: {exc})")
+        if self.tokenizer is None and not self.estimates_said and not wire.counted(data):
+            self.estimates_said = True
+            log.warning("openai engine: the server sent an answer without usage token counts: without "
+                        "engine.tokenizer such a sample's counts are estimated from characters (%d a token)",
+                        CHARS_PER_TOKEN)
+        return Outcome(result=result)
+
 
 def served_model(cfg: OpenAIConfig, client: Any, httpx: Any) -> dict[str, Any]:
     """What /models says of engine.model (the identity); refuses a model the endpoint does not serve. An endpoint

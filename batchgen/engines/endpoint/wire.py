@@ -7,7 +7,9 @@ schema, compact as the in-process engines write it), top_k, ignore_eos, repetiti
 (where set), `return_token_ids` (the text is then decoded from the ids, as engine=vllm does) and
 `return_tokens_as_token_ids` (logprobs keyed by token id). Without them those constraints and settings are refused
 before anything is sent (unsupported()). A request refused naming a sampling field it carried says which key set it
-(error_result). Knows JSON bodies, not HTTP.
+(error_result). Without a local tokenizer (engine.tokenizer unset, the chat endpoint) no token ids are asked for:
+the text is the server's, the token counts its usage's (estimated from characters where it sends none). Knows JSON
+bodies, not HTTP.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import math
 from typing import Any, Optional
 
 from batchgen.constraints import Constraint
-from batchgen.engines.base import answer_text, reasoning_tokens, split_answer
+from batchgen.engines.base import answer_text, estimate_tokens, reasoning_tokens, split_answer
 from batchgen.records import Request, Result
 from batchgen.sampling import PROCESSOR_COLUMNS, PROCESSORS, SampleParams
 
@@ -46,8 +48,9 @@ def unsupported(extensions: str, constraint_kind: Optional[str], top_k: int, ign
 
 
 def body(req: Request, model: str, chat: bool, vllm: bool, messages: Optional[list[dict]],
-         extra: dict[str, Any]) -> dict[str, Any]:
-    """The JSON body of one sample's request (n=1, its own seed)."""
+         extra: dict[str, Any], *, token_ids: bool = True) -> dict[str, Any]:
+    """The JSON body of one sample's request (n=1, its own seed). token_ids: whether vLLM's token ids are asked for
+    (a local tokenizer decodes them); without, the server's text and token names are taken."""
     p = req.params
     out: dict[str, Any] = {"model": model, "max_tokens": p.max_new_tokens, "temperature": p.temperature,
                            "top_p": p.top_p, "n": 1}
@@ -62,12 +65,12 @@ def body(req: Request, model: str, chat: bool, vllm: bool, messages: Optional[li
     if p.logprobs is not None:
         out.update({"logprobs": True, "top_logprobs": p.logprobs} if chat else {"logprobs": p.logprobs})
     if vllm:
-        out.update(return_token_ids=True, skip_special_tokens=True)
+        out.update({"return_token_ids": True} if token_ids else {}, skip_special_tokens=True)
         if p.top_k > 0:
             out["top_k"] = p.top_k
         if p.ignore_eos:
             out["ignore_eos"] = True
-        if p.logprobs is not None:
+        if p.logprobs is not None and token_ids:
             out["return_tokens_as_token_ids"] = True
     out.update(processor_fields(p, vllm))
     if p.constraint is not None:
@@ -105,14 +108,16 @@ class Unreadable(ValueError):
 def result(req: Request, data: Any, chat: bool, tokenizer: Any) -> Result:
     """One response as the sample's Result. Where the server returned the generated token ids (vLLM's
     return_token_ids) the text is decoded from them in one piece and cut before the first stop string, exactly as
-    engine=vllm does in-process; else the server's text is taken as it is. Raises Unreadable where the answer is
-    not one choice of index 0, a count is not a count or a token id is not the tokenizer's."""
+    engine=vllm does in-process; else (and always without a tokenizer) the server's text is taken as it is. A count
+    the usage lacks is batchgen's own: the prompt's as planned (without a tokenizer, estimated from characters), the
+    generated ids' (without a tokenizer, estimated from the text). Raises Unreadable where the answer is not one
+    choice of index 0, a count is not a count or a token id is not the tokenizer's."""
     choice = _only_choice(data)
     reason = choice.get("finish_reason")
     usage = data.get("usage") or {}
     if not isinstance(usage, dict):
         raise Unreadable(f"usage is {type(usage).__name__}, not an object")
-    ids = _token_ids(choice.get("token_ids"), len(tokenizer))
+    ids = None if tokenizer is None else _token_ids(choice.get("token_ids"), len(tokenizer))
     reasoning, answer = None, []
     if ids is not None:
         answer, reasoning = split_answer(tokenizer, ids, req.params)
@@ -120,7 +125,8 @@ def result(req: Request, data: Any, chat: bool, tokenizer: Any) -> Result:
     else:
         text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
     prompt_tokens = count(usage, "prompt_tokens", len(req.prompt_ids))  # null or absent: batchgen's own count
-    generated = count(usage, "completion_tokens", len(ids) if ids is not None else 0)
+    estimated = estimate_tokens(text) if tokenizer is None and isinstance(text, str) else 0
+    generated = count(usage, "completion_tokens", len(ids) if ids is not None else estimated)
     if reason not in ("stop", "length") or not isinstance(text, str):
         return Result(key=req.key, text="", finish_reason="error", num_prompt_tokens=prompt_tokens,
                       num_generated_tokens=generated,
@@ -136,6 +142,12 @@ def result(req: Request, data: Any, chat: bool, tokenizer: Any) -> Result:
         out.token_logprobs, out.top_logprobs = _logprobs(choice.get("logprobs") or {}, chat, req.params.logprobs,
                                                          tokenizer)
     return out
+
+
+def counted(data: Any) -> bool:
+    """Whether an answer's usage gives both token counts (else batchgen's own stand in for them)."""
+    usage = data.get("usage") if isinstance(data, dict) else None
+    return isinstance(usage, dict) and all(usage.get(k) is not None for k in ("prompt_tokens", "completion_tokens"))
 
 
 def _only_choice(data: Any) -> dict[str, Any]:
@@ -219,7 +231,7 @@ def _logprob(value: Any) -> float:
 def _token(name: Any, tokenizer: Any) -> tuple[int, str]:
     if not isinstance(name, str):
         raise Unreadable(f"a top_logprobs token {short(name)} is not a string")
-    if name.startswith("token_id:") and name[9:].isdigit():
+    if name.startswith("token_id:") and name[9:].isdigit() and tokenizer is not None:
         token_id = int(name[9:])
         if token_id >= len(tokenizer):
             raise Unreadable(f"token id {token_id} in logprobs is not one of the tokenizer's {len(tokenizer)} ids")

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from batchgen.errors import ConfigError
 from batchgen.fsutil import write_json_atomic
-from batchgen.job import JobConfig
+from batchgen.job import JobConfig, owns
 from batchgen.output.committer import Committer, PartStats
 from batchgen.output.manifest import build_manifest, check_or_write, config_hash, job_id, model_identity, record_layout
 from batchgen.output.trust import refuse_strays
@@ -103,7 +103,7 @@ def committed_totals(committer: Committer, cfg: JobConfig) -> PartStats:
     """What is committed so far: every part, or for a shard its own parts (so shards' totals add up)."""
     totals = PartStats()
     for k in sorted(committer.committed()):
-        if k % cfg.run.num_shards == cfg.run.shard:
+        if cfg.run.owns(k):
             totals.add(committer.read_stats(k))
     return totals
 
@@ -113,6 +113,6 @@ def shard_rows(total_rows: int, rows_per_part: int, shard: int, num_shards: int)
     part's remainder if it is the shard's."""
     parts = -(-total_rows // rows_per_part)
     owned = len(range(shard, parts, num_shards))
-    if owned and (parts - 1) % num_shards == shard:
+    if owned and owns(parts - 1, shard, num_shards):
         return (owned - 1) * rows_per_part + total_rows - (parts - 1) * rows_per_part
     return owned * rows_per_part

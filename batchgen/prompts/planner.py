@@ -19,7 +19,7 @@ import pyarrow as pa
 from batchgen.engines import ENGINES
 from batchgen.engines.base import estimate_tokens
 from batchgen.errors import ConfigError, TooLongError
-from batchgen.job import JobConfig
+from batchgen.job import JobConfig, owns
 from batchgen.prompts.render import Renderer, config_text
 from batchgen.prompts.rowparams import RowParams, RowSettings
 from batchgen.reader import Reader, column_values
@@ -126,7 +126,7 @@ class Planner:
     def _mine(self, index: int, skip: set[int]) -> bool:
         if self.only is not None:
             return index in self.only and index not in skip
-        return index % self.num_shards == self.shard and index not in skip
+        return owns(index, self.shard, self.num_shards) and index not in skip
 
     def _cut(self, index: int, pending: list[InputBatch], n: int) -> tuple[Part, list[InputBatch], int]:
         tables, ids, errors, taken = [], [], [], 0
@@ -360,4 +360,4 @@ def share(cfg: JobConfig) -> tuple[int, int]:
 def shard_holds(cfg: JobConfig, first: int, end: int) -> bool:
     """Whether input rows [first, end) overlap a part of this shard (run.shard of run.num_shards)."""
     size, (shard, shards) = cfg.rows_per_part, share(cfg)
-    return any(k % shards == shard for k in range(first // size, (max(end, first + 1) - 1) // size + 1))
+    return any(owns(k, shard, shards) for k in range(first // size, (max(end, first + 1) - 1) // size + 1))

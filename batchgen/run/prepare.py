@@ -106,7 +106,7 @@ def open_output(cfg: JobConfig, job: JobInput, resolved: Optional[dict[str, Any]
                 remote.reconcile(config_hash(cfg))  # only now: a staged part goes up once the manifest matched
             committer = make_committer(cfg, output_dir, kept_passthrough(output_dir, job), file_metadata(cfg), remote)
         mine = (status_name(cfg.run.shard, cfg.run.num_shards),)  # the shard's own status file's temp copies
-        committer.clean_stale(lambda k: k % cfg.run.num_shards == cfg.run.shard, mine)
+        committer.clean_stale(cfg.run.owns, mine)
         if committer.sink is not None:
             _reconcile_table(cfg, output_dir, committer)
         yield JobOutput(output_dir, remote.url if remote else output_dir, remote, lock, committer)
@@ -132,5 +132,5 @@ def _reconcile_table(cfg: JobConfig, output_dir: Path, committer: Committer) -> 
     parts = (read_manifest(output_dir) or {}).get("parts") or 0
     committer.sink.refresh(range(parts))
     lacking = committer.committed() - committer.sink.known
-    committer.sink.reconcile([k for k in lacking if k % cfg.run.num_shards == cfg.run.shard], committer.read_part,
+    committer.sink.reconcile([k for k in lacking if cfg.run.owns(k)], committer.read_part,
                              cfg.run.attempt)

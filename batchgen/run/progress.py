@@ -14,7 +14,6 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -151,17 +150,13 @@ class Resumed:
 def find_resumed(cfg: JobConfig, committer: Committer, shown: Any, committed: PartStats, per_row: int) -> Resumed:
     """This shard's committed parts (`committed`: their totals) and the samples its part journals hold, read before
     any part opens. `per_row`: the samples a row plans (sampling.n; task=decide: every answer of every question)."""
-    mine = partial(_owns, cfg.run.shard, cfg.run.num_shards)
+    mine = cfg.run.owns
     found = Resumed(shown, sum(1 for k in committer.committed() if mine(k)), committed.rows)
     for index, (key, results, _) in read_journals(committer.output_dir, mine).items():
         if key and results:
             found.samples += len(results)
             found.journaled_rows[index] = min(key.get("rows", 0), len(results) / max(per_row, 1))
     return found
-
-
-def _owns(shard: int, num_shards: int, index: int) -> bool:
-    return index % num_shards == shard
 
 
 class Progress:

@@ -140,7 +140,7 @@ def _generate_parts(cfg: JobConfig, planner: Planner, engine: Any, committer: Co
         committer.write_empty()
     total = max(planner.total_parts, 1 if planner.total_rows == 0 else 0)
     done = committer.committed()  # one listing (on object storage, one request), not one per part
-    missing = [k for k in range(total) if k % cfg.run.num_shards == cfg.run.shard and k not in done]
+    missing = [k for k in range(total) if cfg.run.owns(k) and k not in done]
     if missing:  # the engine returned with parts of this shard unfinished: never "partial" with exit 0
         raise BatchgenError(f"parts {', '.join(map(str, missing[:10]))} of this shard were not committed although "
                             f"the engine finished; their journaled samples are kept: rerun to resume")

@@ -12,17 +12,4 @@
 # Exit codes (the job's own, docs/contract.md section 7): 0 done or nothing new, 1 a failure (the next run resumes),
 # 2 a config or input problem (fix it first), 130/143 stopped by a signal (the next run resumes).
 set -uo pipefail
-
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# the interpreter: BATCHGEN_PYTHON, else this checkout's own venv (cron's PATH has none), else python3 on PATH
-python="${BATCHGEN_PYTHON:-}"
-if [ -z "$python" ]; then
-  if [ -x "$here/.venv/bin/python" ]; then python="$here/.venv/bin/python"
-  else python="$(command -v python3 || true)"; fi
-fi
-if [ -z "$python" ] || ! "$python" -c "import batchgen" 2>/dev/null; then
-  echo "increment.sh: no Python with batchgen installed (tried ${python:-python3 on PATH}); set BATCHGEN_PYTHON to" \
-       "the interpreter of the environment batchgen is installed in. Not run." >&2
-  exit 2
-fi
-exec "$python" -m batchgen increment "$@"
+exec "$(dirname "${BASH_SOURCE[0]}")/run-batchgen.sh" increment.sh increment "$@"

@@ -2,7 +2,8 @@
 # Example: a scheduled batchgen job over a FIXED input, as cron or a systemd timer runs it. `batchgen nightly` does
 # the work (docs/scheduled-jobs.md): a complete output is a no-op (exit 0), a killed run's output is resumed, and an
 # input that changed under the output is refused (exit 2; a job over a growing input wants `batchgen increment`,
-# jobs/increment.sh). This script only finds the interpreter that cron's bare environment lacks, then runs
+# jobs/increment.sh). This script only finds the interpreter that cron's bare environment lacks
+# (jobs/run-batchgen.sh), then runs
 #   batchgen nightly [--config-dir DIR] job=NAME [key=value ...]
 # in the directory it is started in, where the job's relative paths resolve. The crontab line (crontab -e):
 #
@@ -11,17 +12,4 @@
 # Exit codes (the job's own, docs/contract.md section 7): 0 done or nothing to do, 1 a failure (the next run
 # resumes), 2 a config or input problem (fix it first), 130/143 stopped by a signal (the next run resumes).
 set -uo pipefail
-
-here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# the interpreter: BATCHGEN_PYTHON, else this checkout's own venv (cron's PATH has none), else python3 on PATH
-python="${BATCHGEN_PYTHON:-}"
-if [ -z "$python" ]; then
-  if [ -x "$here/.venv/bin/python" ]; then python="$here/.venv/bin/python"
-  else python="$(command -v python3 || true)"; fi
-fi
-if [ -z "$python" ] || ! "$python" -c "import batchgen" 2>/dev/null; then
-  echo "nightly.sh: no Python with batchgen installed (tried ${python:-python3 on PATH}); set BATCHGEN_PYTHON to the" \
-       "interpreter of the environment batchgen is installed in. Not run." >&2
-  exit 2
-fi
-exec "$python" -m batchgen nightly "$@"
+exec "$(dirname "${BASH_SOURCE[0]}")/run-batchgen.sh" nightly.sh nightly "$@"

@@ -92,9 +92,8 @@ class Sampler:
         constrained = self._grammars is not None and any(m is not None for m in matchers)
         if constrained:
             logits, picks = self._grammars.mask(logits, matchers), None
-        tokens = pick_tokens(logits, [r.params for r in reqs], [d.generator for d in draws], picks,
-                             skip={j for j, d in enumerate(draws) if d.seed is not None})
-        drawn = [j for j, d in enumerate(draws) if d.seed is not None]
+        drawn = [j for j, d in enumerate(draws) if d.seed is not None]  # sampled on the device, all at once
+        tokens = pick_tokens(logits, [r.params for r in reqs], [d.generator for d in draws], picks, skip=set(drawn))
         if drawn:
             rows = logits if len(drawn) == len(draws) else logits[torch.tensor(drawn, device=logits.device)]
             chosen = device_tokens(rows, [reqs[j].params for j in drawn], [draws[j] for j in drawn])

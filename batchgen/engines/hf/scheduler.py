@@ -141,15 +141,16 @@ class Scheduler:
         want_slots = self.max_batch_size if not pool.exhausted else min(self.max_batch_size,
                                                                           n_live + len(pool.waiting))
         want_len = -(-pool.max_len // LEN_STEP) * LEN_STEP
+        # the KV budget (free device memory) caps the slots at the length the cache has or needs: a cache already
+        # as large as the budget allows is kept, and rows wait for a free slot
+        want_slots = self._within_budget(want_slots, max(want_len, cache.max_len if cache is not None else 0), n_live)
         if cache is not None and cache.slots >= want_slots and cache.max_len >= pool.max_len:
             return cache
         slots = max(want_slots, cache.slots if cache is not None else 1)
         if cache is not None and cache.max_len < want_len:  # grow by half at least: few reallocations per job
             want_len = max(want_len, -(-cache.max_len * 3 // 2 // LEN_STEP) * LEN_STEP)
         length = max(want_len, cache.max_len if cache is not None else 0)
-        slots = self._within_budget(slots, length, n_live)
-        if cache is not None and cache.slots >= slots and cache.max_len >= length:
-            return cache  # the budget allows no more slots at the longer length: rows wait for a free one
+        slots = self._within_budget(slots, length, n_live)  # the length may have grown by half
         if cache is not None and n_live == 0:
             cache = None  # nothing to carry over: free the old cache before allocating the new one
         grown = self._allocate(slots, length, n_live)
@@ -164,9 +165,6 @@ class Scheduler:
         if budget is None:
             return slots
         fit = budget // max(self.stepper.cache_bytes(1, length), 1)
-        if fit < slots:
-            log.info("KV cache: %d slots of %d positions fit engine.gpu_memory_utilization's %.2f GB (asked %d)",
-                     fit, length, budget / 1e9, slots)
         return max(min(slots, fit), n_live, 1)
 
     def _allocate(self, slots: int, max_len: int, n_live: int) -> Any:
@@ -177,6 +175,7 @@ class Scheduler:
                 cache = self.stepper.new_cache(slots, max_len)
                 self.stats.kv_slots, self.stats.kv_positions = slots, max_len
                 self.stats.kv_cache_bytes = self.stepper.cache_bytes(slots, max_len)
+                log.info("KV cache: %d slots x %d positions, %.2f GB", slots, max_len, self.stats.kv_cache_bytes / 1e9)
                 return cache
             except (torch.OutOfMemoryError, RuntimeError) as exc:
                 if slots <= max(n_live, 1) or not is_oom(exc):

@@ -120,9 +120,8 @@ class CudaStepper(LlamaStepper):
     def _capture(self, cache: SlotKVCache, bucket: Bucket) -> None:
         """Record the bucket's step as a CUDA graph (after a warm-up run on a side stream, as capture requires).
         The warm-up and capture write into the cache at each slot's length: the live rows' writes are redone by the
-        real step, the free slots' are garbage no one reads; lengths are not advanced. Under `auto` a failed
+        real step, the free slots' are garbage no one reads; the step never advances lengths. Under `auto` a failed
         capture leaves the bucket eager, with one warning."""
-        saved = cache.lengths.clone()
         try:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -141,8 +140,6 @@ class CudaStepper(LlamaStepper):
             log.warning("CUDA graph capture of the %d-row decode step failed (%s: %s); running it eagerly "
                         "(engine.cuda_graphs=auto)", bucket.rows, type(exc).__name__, exc)
             self.graphs = "off"
-        finally:
-            cache.lengths.copy_(saved)
 
 
 def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,

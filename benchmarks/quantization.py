@@ -80,7 +80,7 @@ def load_engine(model: Path, config: str):
 
     from batchgen.engines.hf.config import HFConfig
     from batchgen.engines.hf.engine import HFEngine
-    from batchgen.engines.hf.sampler import Sampler
+    from batchgen.engines.hf.sampling.sampler import Sampler
 
     scheme, dtype = CONFIGS[config]
     tok = AutoTokenizer.from_pretrained(model)

@@ -98,7 +98,7 @@ def test_generation_through_the_scheduler_equals_the_reference(model, tiny_model
     """Rows joining and leaving a 4-slot cache (buckets of 2 and 4 rows in turn): the same greedy tokens."""
     from transformers import AutoTokenizer
 
-    from batchgen.engines.hf.sampler import Sampler, eos_ids
+    from batchgen.engines.hf.sampling.sampler import Sampler, eos_ids
     from batchgen.engines.hf.scheduler import Scheduler
     from batchgen.records import Request
     from batchgen.sampling import SampleParams
@@ -139,7 +139,7 @@ def test_device_sampled_rows_draw_the_same_alone_in_any_batch_and_after_a_resume
     tokens are the same generated alone, beside other rows in another slot, and again from a fresh scheduler."""
     from transformers import AutoTokenizer
 
-    from batchgen.engines.hf.sampler import Sampler, eos_ids
+    from batchgen.engines.hf.sampling.sampler import Sampler, eos_ids
     from batchgen.engines.hf.scheduler import Scheduler
     from batchgen.records import Request
     from batchgen.sampling import SampleParams

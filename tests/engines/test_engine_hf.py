@@ -12,7 +12,7 @@ from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
 from batchgen.engines.hf.config import HFConfig
 from batchgen.engines.hf.device import resolve_dtype
 from batchgen.engines.hf.engine import HFEngine
-from batchgen.engines.hf.sampler import sample_token
+from batchgen.engines.hf.sampling.sampler import sample_token
 from batchgen.records import Request
 from batchgen.run.runner import run_job
 from batchgen.sampling import SampleParams
@@ -214,6 +214,41 @@ def test_generic_path_matches_the_fast_path(engine, tokenizer):
         engine.fast = True
     assert [(r.text, r.finish_reason, r.num_generated_tokens) for r in fast] == \
         [(r.text, r.finish_reason, r.num_generated_tokens) for r in generic]
+
+
+def test_prompts_past_the_token_budget_are_chunked_and_generate_what_one_prefill_does(tiny_model, tokenizer,
+                                                                                       reference):
+    """engine.max_batch_tokens=96 with prompts of up to 150 tokens: no prefill pass past 96 tokens, every greedy row
+    equal to HF generate on it alone, seeded sampled rows equal to their draws under a budget that chunks nothing.
+    A second window's long prompt starts its chunks after the prefix the first window's rows cached."""
+    shared = prompts_with_lengths(tokenizer, [34], seed=11)[0]
+    texts = prompts_with_lengths(tokenizer, [150, 12, 130, 5, 33, 70], seed=12)
+    texts += [shared + " " + t for t in prompts_with_lengths(tokenizer, [5, 6, 80], seed=13)]
+    sampled = SampleParams(max_new_tokens=10, temperature=0.9, top_p=0.95, top_k=0, stop=(), ignore_eos=True)
+    reqs = [Request(key=i, prompt_ids=tokenizer(t).input_ids, params=sampled if i in (2, 7) else GREEDY,
+                    seed=70 + i) for i, t in enumerate(texts)]
+    chunked = HFEngine(HFConfig(model=tiny_model, dtype="float32", max_batch_tokens=96, max_batch_size=8,
+                                prefix_cache="on"), tokenizer)
+    whole = HFEngine(HFConfig(model=tiny_model, dtype="float32", max_batch_tokens=4096, max_batch_size=4),
+                     tokenizer)
+    passes, prefill = [], chunked.stepper.prefill
+
+    def counting(cache, first_slot, prompts, starts=None):
+        passes.append(sum(len(p) for p in prompts) - sum(starts or []))  # the tokens this pass computes
+        return prefill(cache, first_slot, prompts, starts)
+
+    chunked.stepper.prefill = counting
+    got = chunked.generate(reqs[:-1])
+    reused = chunked.stats.prefix_tokens_reused
+    got += chunked.generate(reqs[-1:])
+    want = whole.generate(reqs)
+    assert len(reqs[-1].prompt_ids) > 96 and chunked.stats.prefix_tokens_reused > reused > 0
+    assert max(passes) <= 96 and chunked.stats.prefill_chunks >= 2 + 2 + 1
+    for req, res, ref in zip(reqs, got, want):
+        if req.params is GREEDY:
+            expected = generate_alone(reference, req.prompt_ids, GREEDY.max_new_tokens)
+            assert res.text == tokenizer.decode(expected, skip_special_tokens=True), req.key
+        assert (res.text, res.num_generated_tokens) == (ref.text, ref.num_generated_tokens), req.key
 
 
 def test_no_decode_step_is_spent_on_a_finished_row(tiny_model, tokenizer):

@@ -1,16 +1,16 @@
-"""The hf engine's logits processors (engines/hf/processors.py) and min_p: token for token equal to HF generate with
-the same processors (float32; greedy, and seeded sampling, whose draws HF makes from the same generator stream), on
-both decode paths; penalised greedy rows pick from their penalised logits, not the step's argmax; min_tokens holds
-EOS and stop strings off; rows without processors keep their logits untouched."""
+"""The hf engine's logits processors (engines/hf/sampling/processors.py) and min_p: token for token equal to HF
+generate with the same processors (float32; greedy, and seeded sampling, whose draws HF makes from the same
+generator stream), on both decode paths; penalised greedy rows pick from their penalised logits, not the step's
+argmax; min_tokens holds EOS and stop strings off; rows without processors keep their logits untouched."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from batchgen.engines.hf import processors
 from batchgen.engines.hf.backends.cuda.sampling import filter_logits
-from batchgen.engines.hf.sampler import Sampler, sample_token
+from batchgen.engines.hf.sampling import processors
+from batchgen.engines.hf.sampling.sampler import Sampler, sample_token
 from batchgen.records import Request
 from batchgen.sampling import SampleParams
 from tests.conftest import corpus

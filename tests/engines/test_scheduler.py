@@ -6,14 +6,16 @@ the token budget, honest stats; and the out-of-memory back-offs (halve_on_oom, i
 from __future__ import annotations
 
 import random
+from collections import Counter
 from typing import Optional
 
 import pytest
 import torch
 
 from batchgen.engines.hf.kvcache import SlotKVCache
-from batchgen.engines.hf.sampler import Sampler
-from batchgen.engines.hf.scheduler import PAD_RATIO, Scheduler, halve_on_oom, is_oom
+from batchgen.engines.hf.oom import halve_on_oom, is_oom
+from batchgen.engines.hf.sampling.sampler import Sampler
+from batchgen.engines.hf.scheduler import PAD_RATIO, Scheduler
 from batchgen.records import Request, Result
 from batchgen.sampling import SampleParams
 
@@ -40,6 +42,7 @@ class FakeStepper:
     as a wrong token) and records every prefill and decode call."""
 
     device = CPU
+    packed_prefill = False
 
     def __init__(self, eos_at: Optional[dict[int, int]] = None, cache_oom_above: Optional[int] = None,
                  prefill_oom_above: Optional[int] = None, cache_error: Optional[Exception] = None,
@@ -52,10 +55,13 @@ class FakeStepper:
         self.cache_requests: list[int] = []  # slots asked of new_cache, in order
         self.prefills: list[tuple[int, list[int]]] = []  # (first_slot, prompt lengths) of each prefill that ran
         self.decode_rows: list[int] = []  # rows of each decode step
-        self.finished_at_decode: list[tuple[int, int]] = []  # per decode step: results delivered when its rows
-        # were admitted (before their prefill), and when it ran
+        self.finished_at_decode: list[tuple[int, int]] = []  # per decode step: rows finished when its rows were
+        # admitted (before their prefill), and when it ran
         self.finished_at_admission: Optional[int] = None
+        self.made: list[int] = []  # keys of the results made (a row finished), in order (CountingSampler)
+        self.handed_at_decode: list[tuple[int, int]] = []  # per decode step: results made, and handed on, by then
         self.finished: list[Result] = []  # on_result appends here
+        self.events: list[tuple[str, int, int]] = []  # ("prefill", first row's ident, rows) / ("decode", rows, rows)
 
     def next_token(self, ident: int, g: int) -> int:
         return EOS if self.eos_at.get(ident) == g else token(ident, g)
@@ -77,20 +83,25 @@ class FakeStepper:
         return SlotKVCache(layers=1, slots=slots, kv_heads=1, max_len=max_len, head_dim=1, dtype=torch.float32,
                            device=CPU)
 
-    def prefill(self, cache: SlotKVCache, first_slot: int, prompts: list[list[int]]) -> torch.Tensor:
+    def prefill(self, cache: SlotKVCache, first_slot: int, prompts: list[list[int]],
+                starts: Optional[list[int]] = None) -> torch.Tensor:
+        """Each prompt's tokens from starts[i] on (those before it must be in the slot already: a chunked prompt's
+        earlier chunks) into slot first_slot + i."""
         if self.prefill_oom_above is not None and len(prompts) > self.prefill_oom_above:
             raise RuntimeError(CPU_OOM)
         assert first_slot + len(prompts) <= cache.slots
-        width = max(len(p) for p in prompts)
-        k = torch.zeros(len(prompts), 1, width, 1)
-        for i, p in enumerate(prompts):
-            k[i, 0, :len(p), 0] = torch.tensor(p, dtype=torch.float32)
+        starts = starts or [0] * len(prompts)
+        for i, (p, start) in enumerate(zip(prompts, starts)):
+            slot = first_slot + i
+            assert start == 0 or cache.k[0, slot, 0, :start, 0].long().tolist() == p[:start], "earlier chunk lost"
+            cache.k[0, slot, 0, start:len(p), 0] = cache.v[0, slot, 0, start:len(p), 0] = torch.tensor(
+                p[start:], dtype=torch.float32)
             self.prompts[p[0]] = p
-        cache.write_prefill(0, first_slot, k, k)
         cache.set_lengths(first_slot, [len(p) for p in prompts])
-        self.prefills.append((first_slot, [len(p) for p in prompts]))
+        self.prefills.append((first_slot, [len(p) - start for p, start in zip(prompts, starts)]))
+        self.events.append(("prefill", prompts[0][0], len(prompts)))
         if self.finished_at_admission is None:
-            self.finished_at_admission = len(self.finished)
+            self.finished_at_admission = len(self.made)
         return self.logits([self.next_token(p[0], 0) for p in prompts])
 
     def decode_picks(self, cache: SlotKVCache, tokens: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -100,8 +111,10 @@ class FakeStepper:
         n = len(tokens)
         assert n <= cache.slots
         self.decode_rows.append(n)
-        admitted_at = len(self.finished) if self.finished_at_admission is None else self.finished_at_admission
-        self.finished_at_decode.append((admitted_at, len(self.finished)))
+        self.events.append(("decode", n, n))
+        admitted_at = len(self.made) if self.finished_at_admission is None else self.finished_at_admission
+        self.finished_at_decode.append((admitted_at, len(self.made)))
+        self.handed_at_decode.append((len(self.made), len(self.finished)))
         self.finished_at_admission = None
         out = []
         for slot in range(n):
@@ -134,9 +147,22 @@ def expected(req: Request, generated: list[int], reason: str) -> Result:
                   num_prompt_tokens=len(req.prompt_ids), num_generated_tokens=len(generated), cached_prompt_tokens=0)
 
 
+class CountingSampler(Sampler):
+    """The real sampler, telling the stepper when a row finishes (its result is made) as opposed to when the result
+    is handed on."""
+
+    def __init__(self, stepper: FakeStepper):
+        super().__init__(FakeTokenizer(), {EOS}, CPU)
+        self.stepper = stepper
+
+    def make_result(self, request, *args, **kwargs):
+        self.stepper.made.append(request.key)
+        return super().make_result(request, *args, **kwargs)
+
+
 def run(requests: list[Request], stepper: FakeStepper, *, max_batch_tokens: int = 10_000, max_batch_size: int = 4
         ) -> tuple[Scheduler, list[Result]]:
-    scheduler = Scheduler(Sampler(FakeTokenizer(), {EOS}, CPU), stepper, max_batch_tokens=max_batch_tokens,
+    scheduler = Scheduler(CountingSampler(stepper), stepper, max_batch_tokens=max_batch_tokens,
                           max_batch_size=max_batch_size)
     return scheduler, scheduler.run(requests, stepper.finished.append)
 
@@ -153,10 +179,18 @@ def check_stats(scheduler: Scheduler, stepper: FakeStepper, results: list[Result
     assert stats.decode_row_steps == sum(stepper.decode_rows)
     # each row's first token comes from its prefill, every other one from one decode row: no row wasted
     assert stats.decode_row_steps == sum(r.num_generated_tokens - 1 for r in results)
-    assert stats.prefill_rows == sum(len(lengths) for _, lengths in stepper.prefills) == len(results)
+    assert stats.prefill_rows == len(results)
+    assert stats.prefill_rows + stats.prefill_chunks - chunked_rows(stepper) == sum(
+        len(lengths) for _, lengths in stepper.prefills)
     assert stats.prefill_tokens == sum(sum(lengths) for _, lengths in stepper.prefills)
     assert stats.prefill_tokens == sum(r.num_prompt_tokens for r in results)
     assert stats.prefill_padded_tokens == sum(len(lengths) * max(lengths) for _, lengths in stepper.prefills)
+
+
+def chunked_rows(stepper: FakeStepper) -> int:
+    """Rows prefilled in chunks, over several passes (their last chunk counts as their prefill row)."""
+    passes = Counter(ident for event, ident, _ in stepper.events if event == "prefill")
+    return sum(1 for count in passes.values() if count > 1)
 
 
 @pytest.mark.parametrize("order", ["random", "ascending", "descending"])
@@ -197,19 +231,56 @@ def test_longest_prompts_are_prefilled_first():
 
 
 @pytest.mark.parametrize("budget", [1, 24, 40, 64])
-def test_each_prefill_stays_within_the_token_budget_unless_it_is_a_single_row(budget):
+def test_no_prefill_pass_goes_past_the_token_budget_a_longer_prompt_is_chunked(budget):
     rng = random.Random(budget)
     requests = [request(i, rng.randint(2, 30), params(rng.randint(1, 6))) for i in range(16)]
     requests.append(request(16, 50, params(3)))  # longer than some budgets on its own
     stepper = FakeStepper()
     scheduler, results = run(requests, stepper, max_batch_tokens=budget, max_batch_size=8)
-    assert all(len(lengths) == 1 or len(lengths) * max(lengths) <= budget for _, lengths in stepper.prefills)
+    assert all(len(lengths) * max(lengths) <= budget for _, lengths in stepper.prefills)
     assert all(min(lengths) >= PAD_RATIO * max(lengths) for _, lengths in stepper.prefills)
+    assert scheduler.stats.prefill_chunks == sum(-(-len(r.prompt_ids) // budget) for r in requests
+                                                 if len(r.prompt_ids) > budget)
     if budget == 1:
         assert all(len(lengths) == 1 for _, lengths in stepper.prefills)
     assert [r.key for r in results] == [r.key for r in requests]
     assert [r.num_generated_tokens for r in results] == [r.params.max_new_tokens for r in requests]
     check_stats(scheduler, stepper, results)
+
+
+def test_a_long_prompts_chunks_let_the_live_rows_decode_in_between():
+    """A 100-token prompt arriving while three rows decode, under a 16-token budget: 7 chunks in the cache's last
+    slot, a decode step of the live rows between each two (one of them finishing meanwhile), then the row moves to
+    the next live slot and decodes, its tokens its own (the stepper reads every slot's history back from the
+    cache, the chunks' included)."""
+    first, late = [request(0, 4, params(19)), request(1, 5, params(19)), request(3, 3, params(4))], \
+        request(2, 100, params(5))
+    batches = [first, [], [late]]  # the long prompt arrives on the second top-up
+    stepper = FakeStepper()
+    scheduler = Scheduler(CountingSampler(stepper), stepper, max_batch_tokens=16, max_batch_size=4)
+    scheduler.stream(lambda: batches.pop(0) if batches else None, stepper.finished.append)
+    assert sorted(stepper.finished, key=lambda r: r.key) == [
+        expected(r, [token(r.prompt_ids[0], g) for g in range(r.params.max_new_tokens)], "length")
+        for r in sorted([*first, late], key=lambda r: r.key)]
+    chunks = [i for i, (event, ident, _) in enumerate(stepper.events) if event == "prefill" and ident == 2]
+    assert len(chunks) == 7 == scheduler.stats.prefill_chunks
+    assert all(stepper.events[i + 1][0] == "decode" for i in chunks[:-1])  # the live rows were not stalled
+    assert [slot for slot, lengths in stepper.prefills if lengths in ([16], [4])] == [3] * 7
+    # row 3 finished while the chunks ran; the long row then moved from slot 3 to 2 and decodes with rows 0 and 1
+    assert stepper.decode_rows[len(chunks) - 1:len(chunks) + 1] == [2, 3]
+    check_stats(scheduler, stepper, stepper.finished)
+
+
+def test_finished_rows_are_handed_on_after_the_next_step_is_launched():
+    """The results of rows finished before decode step k reach the job after step k is launched and before step
+    k + 1: on a GPU the host journals them while the step runs. None is lost, none is handed on twice."""
+    requests = mixed_requests(13, seed=4)
+    stepper = FakeStepper()
+    _, results = run(requests, stepper, max_batch_size=3)
+    made, handed = zip(*stepper.handed_at_decode)
+    assert list(handed[1:]) == list(made[:-1])
+    assert any(m > h for m, h in stepper.handed_at_decode)  # some results waited for a step
+    assert sorted(r.key for r in stepper.finished) == sorted(stepper.made) == sorted(r.key for r in requests)
 
 
 def test_a_row_stops_at_its_eos_unless_it_ignores_eos():

@@ -1,9 +1,10 @@
 """The built-in engine: torch + transformers, on CPU or GPU. Load and routing.
 
-Loads the model (cpu/ and quant/ decide how its linears run), then serves each window: the Llama family
-by continuous batching over a slot KV cache (scheduler.py, step.py, kvcache.py), any other architecture
-by static buckets (generic.py). Token choice and finishing live in sampler.py, device and dtype in
-device.py. It sees token ids and sampling params only; it knows nothing about rows, files or parts.
+Loads the model (its device's backend, backends/, and quant/ decide how its linears run), then serves each
+window: the Llama family by continuous batching over a slot KV cache (scheduler.py, the backend's stepper,
+kvcache.py), any other architecture by static buckets (generic.py). Token choice and finishing live in
+sampling/, device and dtype in device.py. It sees token ids and sampling params only; it knows nothing about
+rows, files or parts.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from batchgen.engines.hf import backends, device, loglik, prefix, quant
 from batchgen.engines.hf.beam import BeamSearcher, with_beams
 from batchgen.engines.hf.config import HFConfig
 from batchgen.engines.hf.generic import GenericGenerator
-from batchgen.engines.hf.sampler import Sampler, eos_ids
+from batchgen.engines.hf.sampling.sampler import Sampler, eos_ids
 from batchgen.engines.hf.scheduler import Scheduler, SchedulerStats
 from batchgen.engines.hf.score import ChoiceScorer, with_choice_scores
 from batchgen.engines.hf.step import LlamaStepper, supports

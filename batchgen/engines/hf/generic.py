@@ -14,8 +14,9 @@ from typing import Any, Optional
 
 import torch
 
-from batchgen.engines.hf.sampler import Sampler
-from batchgen.engines.hf.scheduler import SchedulerStats, halve_on_oom
+from batchgen.engines.hf.oom import halve_on_oom
+from batchgen.engines.hf.sampling.sampler import Sampler
+from batchgen.engines.hf.scheduler import SchedulerStats
 from batchgen.records import Request, Result
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,13 @@ finish, and rows of several parts are bucketed together. Whenever slots are free
 requests are prefilled together as one bucket under the token budget; every step then decodes all
 live sequences together. A sequence leaves the batch the step it finishes (EOS, stop string or its own
 cap) and its slot goes to a waiting one, so no step is spent on a finished row. The KV cache grows (slots
-up to engine.max_batch_size, positions to the longest request seen) as requests arrive. Knows requests, a
+up to engine.max_batch_size, positions to the longest request seen) as requests arrive.
+
+No forward pass goes past the token budget: a prompt longer than engine.max_batch_tokens is prefilled a chunk per
+step (each chunk attending over the earlier ones in its slot, the cache's last), with the live rows' decode steps in
+between, so one long prompt does not stall the batch. Finished rows are handed on (their results made and given to
+the job, which journals and commits them) after the next decode step is launched: on a GPU, whose kernels run
+asynchronously, the host does that bookkeeping while the step runs. Knows requests, a
 Sampler (token choice, finishing), a stepper (prefill and decode on the cache) and a context it enters around
 each of their calls (on CPU, the thread governor that times them), not model internals.
 """
@@ -20,35 +26,21 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, TypeVar
+from typing import Any, Optional, Protocol
 
 import torch
 
-from batchgen.engines.base import Source, generate_by_stream, starved, take
+from batchgen.engines.base import Source, generate_by_stream, starved
 from batchgen.engines.hf.kvcache import SlotKVCache
-from batchgen.engines.hf.prefix import Entry, PrefixCache
-from batchgen.engines.hf.sampler import Draw, Sampler
+from batchgen.engines.hf.oom import halve_on_oom, is_oom
+from batchgen.engines.hf.pool import Pool, Sequence
+from batchgen.engines.hf.prefix import PrefixCache
+from batchgen.engines.hf.sampling.sampler import Sampler
 from batchgen.records import Request, Result
 
 log = logging.getLogger(__name__)
 PAD_RATIO = 0.75  # a prefill group's shortest prompt is at least this fraction of its longest
 LEN_STEP = 64  # the cache's positions grow in steps of this many: a slightly longer request does not reallocate
-R = TypeVar("R")
-
-
-@dataclass(slots=True)
-class Sequence:
-    request: Request
-    draw: Draw  # the sample's own RNG and grammar matcher
-    generated: list[int] = field(default_factory=list)
-    start: int = 0  # prompt tokens taken from the prefix cache: its prefill starts here
-    prefix: Optional[Entry] = None  # that cached prefix, until it is loaded into the slot
-    arrived: float = field(default_factory=time.monotonic)  # taken from the source (its latency starts)
-
-    @property
-    def suffix(self) -> int:
-        """Prompt tokens left to prefill."""
-        return len(self.request.prompt_ids) - self.start
 
 
 @dataclass(slots=True)
@@ -58,6 +50,7 @@ class SchedulerStats:
     prefill_rows: int = 0
     prefill_tokens: int = 0  # real prompt tokens prefilled
     prefill_padded_tokens: int = 0  # prompt tokens plus bucket padding
+    prefill_chunks: int = 0  # prefill passes over part of a prompt longer than engine.max_batch_tokens
     oom_backoffs: int = 0
     prefix_tokens_reused: int = 0  # prompt tokens taken from the prefix cache instead of prefilled
     prefix_tokens_computed: int = 0  # tokens of shared prefixes prefilled once (included in prefill_tokens)
@@ -72,6 +65,7 @@ class Stepper(Protocol):
 
     device: torch.device
     kv_budget_bytes: Optional[int]  # the most the KV cache may hold (sized from free device memory); None: unbounded
+    packed_prefill: bool  # prefill pads nothing: group prompts by the token budget alone, not by similar length
 
     def new_cache(self, slots: int, max_len: int) -> SlotKVCache: ...
 
@@ -83,6 +77,30 @@ class Stepper(Protocol):
     # tokens [n] -> logits [n, V], and the rows' greedy picks where the step computed them (else None)
     def decode_picks(self, cache: SlotKVCache, tokens: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         ...
+
+
+@dataclass
+class Run:
+    """One stream's state: the pool, the live rows (slot i holds live[i]), the cache, the prompt being chunked (in
+    the cache's last slot) and the finished rows' results not yet handed on."""
+
+    pool: Pool
+    sampler: Sampler
+    on_result: Callable[[Result], None]
+    live: list[Sequence] = field(default_factory=list)
+    cache: Any = None
+    chunked: Optional[Sequence] = None
+    done: list[Result] = field(default_factory=list)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        result = self.sampler.make_result(seq.request, seq.generated, reason, seq.draw)
+        result.cached_prompt_tokens, result.latency_s = seq.start, time.monotonic() - seq.arrived
+        self.done.append(result)
+
+    def hand_on(self) -> None:
+        """The finished rows' results to the job (which journals them, and commits a part when its last is in)."""
+        while self.done:
+            self.on_result(self.done.pop(0))
 
 
 class Scheduler:
@@ -103,36 +121,60 @@ class Scheduler:
         return generate_by_stream(self.stream, requests, on_result)
 
     def stream(self, source: Source, on_result: Callable[[Result], None]) -> None:
-        pool = Pool(source, self.sampler)
-        live: list[Sequence] = []
-        cache: Any = None
-
-        def finish(seq: Sequence, reason: str) -> None:
-            result = self.sampler.make_result(seq.request, seq.generated, reason, seq.draw)
-            result.cached_prompt_tokens, result.latency_s = seq.start, time.monotonic() - seq.arrived
-            on_result(result)
-
+        run = Run(Pool(source, self.sampler), self.sampler, on_result)
         while True:
-            pool.top_up()
-            if not pool.waiting and not live:
-                if pool.exhausted:
+            run.pool.top_up()
+            if not run.pool.waiting and not run.live and run.chunked is None:
+                if run.done:  # the job may open its next parts once these are committed
+                    run.hand_on()
+                    continue
+                if run.pool.exhausted:
                     return
                 raise starved()
-            if pool.waiting and (cache is None or len(live) < cache.slots):
-                cache = self._fit(cache, len(live), pool)
-            # a row that finishes on its first token frees its slot at once: admit again before decoding
-            while admitted := self._admit(pool.waiting, len(live), cache.slots):
-                logits = self._prefill_groups(cache, len(live), admitted)
-                live += admitted
-                self._advance(logits, live[len(live) - len(admitted):], len(live) - len(admitted), cache, live,
-                              finish)
-            if live:
-                tokens = torch.tensor([s.generated[-1] for s in live], device=self.stepper.device)
-                with self.governor:
-                    logits, picks = self.stepper.decode_picks(cache, tokens)
-                self.stats.decode_steps += 1
-                self.stats.decode_row_steps += len(live)
-                self._advance(logits, list(live), 0, cache, live, finish, picks)
+            if run.chunked is None:
+                self._admit_waiting(run)
+            if run.chunked is not None:
+                self._chunk_step(run)
+            if run.live:
+                self._decode_step(run)
+            else:
+                run.hand_on()
+
+    def _admit_waiting(self, run: Run) -> None:
+        """Prefill waiting rows into the free slots (the cache grown first where needed), or start chunking a prompt
+        past the token budget. A row that finishes on its first token frees its slot at once: admit again."""
+        if run.pool.waiting and (run.cache is None or len(run.live) < run.cache.slots):
+            run.cache = self._fit(run.cache, len(run.live), run.pool)
+        while admitted := self._admit(run.pool.waiting, len(run.live), run.cache.slots):
+            if self._too_long(admitted[0]):
+                run.chunked = self._start_chunks(run.cache, admitted[0])
+                return
+            first = len(run.live)
+            logits = self._prefill_groups(run.cache, first, admitted)
+            run.live += admitted
+            self._advance(logits, run.live[first:], first, run.cache, run.live, run.finish)
+
+    def _chunk_step(self, run: Run) -> None:
+        """The chunked prompt's next chunk; once it is all in, the row moves to the next live slot and decodes."""
+        assert run.chunked is not None
+        logits = self._next_chunk(run.cache, run.chunked)
+        if logits is None:
+            return
+        if run.cache.slots - 1 != len(run.live):
+            run.cache.move(run.cache.slots - 1, len(run.live))
+        run.live.append(run.chunked)
+        run.chunked = None
+        self._advance(logits, run.live[-1:], len(run.live) - 1, run.cache, run.live, run.finish)
+
+    def _decode_step(self, run: Run) -> None:
+        """One decode step of every live row; the rows finished before it are handed on while it runs."""
+        tokens = torch.tensor([s.generated[-1] for s in run.live], device=self.stepper.device)
+        with self.governor:
+            logits, picks = self.stepper.decode_picks(run.cache, tokens)
+        run.hand_on()  # launched: on a GPU the step runs while the host does this
+        self.stats.decode_steps += 1
+        self.stats.decode_row_steps += len(run.live)
+        self._advance(logits, list(run.live), 0, run.cache, run.live, run.finish, picks)
 
     def _fit(self, cache: Any, n_live: int, pool: Pool) -> Any:
         """The cache, grown where the pool needs more: slots up to max_batch_size (only as many as there are rows
@@ -185,15 +227,59 @@ class Scheduler:
                 log.warning("out of memory allocating the KV cache; engine.max_batch_size lowered to %d", slots)
 
     def _admit(self, waiting: deque[Sequence], n_live: int, slots: int) -> list[Sequence]:
-        """Next waiting requests for the free slots, as long as their padded prefill fits the token budget."""
+        """Next waiting requests for the free slots, as long as their prefill fits the token budget (padded to the
+        longest, unless the stepper's prefill pads nothing); a prompt past the budget alone (it is chunked)."""
         admitted: list[Sequence] = []
-        width = 0
+        width = tokens = 0
         while waiting and n_live + len(admitted) < slots:
-            width = max(width, len(waiting[0].request.prompt_ids))
-            if admitted and (len(admitted) + 1) * width > self.max_batch_tokens:
+            length = len(waiting[0].request.prompt_ids)
+            if self._too_long(waiting[0]):
+                return admitted or [waiting.popleft()]
+            width, tokens = max(width, length), tokens + length
+            cost = tokens if self.stepper.packed_prefill else (len(admitted) + 1) * width
+            if admitted and cost > self.max_batch_tokens:
                 break
             admitted.append(waiting.popleft())
         return admitted
+
+    def _too_long(self, seq: Sequence) -> bool:
+        return len(seq.request.prompt_ids) > self.max_batch_tokens
+
+    def _start_chunks(self, cache: Any, seq: Sequence) -> Sequence:
+        """A prompt past the token budget takes the cache's last slot (no live row reaches it while it is prefilled:
+        nothing else is admitted meanwhile), with its longest cached prefix where the prefix cache has one."""
+        if self.prefixes is not None and (prefix := self.prefixes.lookup(seq.request.prompt_ids)) is not None:
+            cache.load_prefix(cache.slots - 1, prefix.k, prefix.v)
+            seq.start = len(prefix.ids)
+            self.stats.prefix_tokens_reused += seq.start
+        seq.filled = seq.start
+        return seq
+
+    def _next_chunk(self, cache: Any, seq: Sequence) -> Optional[torch.Tensor]:
+        """Prefill the chunked prompt's next engine.max_batch_tokens tokens (halved on out-of-memory) in the cache's
+        last slot, attending over the earlier ones; the logits of its last token once the prompt is all in."""
+        prompt = seq.request.prompt_ids
+        while True:
+            end = min(len(prompt), seq.filled + self.max_batch_tokens)
+            try:
+                with self.governor:
+                    logits = self.stepper.prefill(cache, cache.slots - 1, [prompt[:end]], [seq.filled])
+                break
+            except (torch.OutOfMemoryError, RuntimeError) as exc:
+                if end - seq.filled == 1 or not is_oom(exc):
+                    raise
+                self.stats.oom_backoffs += 1
+                self.max_batch_tokens = max(self.max_batch_tokens // 2, 1)
+                log.warning("out of memory prefilling a chunk of %d tokens; engine.max_batch_tokens lowered to %d "
+                            "and retrying", end - seq.filled, self.max_batch_tokens)
+        self.stats.prefill_tokens += end - seq.filled
+        self.stats.prefill_padded_tokens += end - seq.filled
+        self.stats.prefill_chunks += 1
+        seq.filled = end
+        if end < len(prompt):
+            return None
+        self.stats.prefill_rows += 1
+        return logits
 
     def _prefill_groups(self, cache: Any, first_slot: int, admitted: list[Sequence]) -> torch.Tensor:
         """Prefill admitted rows (longest first) in groups of similar length, so padding stays under ~25%; with the
@@ -203,7 +289,7 @@ class Scheduler:
         logits, start = [], 0
         while start < len(admitted):
             width = admitted[start].suffix
-            end = start + 1
+            end = len(admitted) if self.stepper.packed_prefill else start + 1
             while end < len(admitted) and admitted[end].suffix >= PAD_RATIO * width:
                 end += 1
             logits.append(self._prefill(cache, first_slot + start, admitted[start:end]))
@@ -243,9 +329,11 @@ class Scheduler:
             with self.governor:
                 logits = (self.stepper.prefill(cache, slot, prompts, starts) if any(starts)
                           else self.stepper.prefill(cache, slot, prompts))
+            suffixes = [s.suffix for s in rows]
             self.stats.prefill_rows += len(rows)
-            self.stats.prefill_tokens += sum(s.suffix for s in rows)
-            self.stats.prefill_padded_tokens += len(rows) * max(s.suffix for s in rows)
+            self.stats.prefill_tokens += sum(suffixes)
+            self.stats.prefill_padded_tokens += (sum(suffixes) if self.stepper.packed_prefill
+                                                 else len(rows) * max(suffixes))
             return logits
 
         def on_oom(rows: int) -> None:
@@ -274,44 +362,3 @@ class Scheduler:
                 cache.move(last, slot)
                 live[slot] = live[last]
             live.pop()
-
-
-class Pool:
-    """The requests waiting for a slot, longest prompt first (arrival order among equals), topped up from the
-    source; `max_len` is the longest prompt + max_new_tokens seen, what the cache must hold."""
-
-    def __init__(self, source: Source, sampler: Sampler):
-        self.source = source
-        self.sampler = sampler
-        self.waiting: deque[Sequence] = deque()
-        self.exhausted = False
-        self.max_len = 0
-
-    def top_up(self) -> None:
-        if self.exhausted:
-            return
-        new, self.exhausted = take(self.source)
-        if new:
-            self.max_len = max(self.max_len, max(len(r.prompt_ids) + r.params.max_new_tokens for r in new))
-            arrived = [Sequence(r, self.sampler.start(r)) for r in new]
-            self.waiting = deque(sorted([*self.waiting, *arrived], key=lambda s: -len(s.request.prompt_ids)))
-
-
-def halve_on_oom(count: int, run: Callable[[int, int], R], on_oom: Callable[[int], None], start: int = 0) -> list[R]:
-    """[run(start, start + count)]; if that runs out of memory and holds more than one item, on_oom(count) (lower
-    the budget, log, count) and the same for each half, recursively. The outputs of the calls that ran, in order:
-    the prefill and the generic path both back off this way."""
-    try:
-        return [run(start, start + count)]
-    except (torch.OutOfMemoryError, RuntimeError) as exc:
-        if count == 1 or not is_oom(exc):
-            raise
-    on_oom(count)
-    half = count // 2
-    return halve_on_oom(half, run, on_oom, start) + halve_on_oom(count - half, run, on_oom, start + half)
-
-
-def is_oom(exc: BaseException) -> bool:
-    """CUDA raises OutOfMemoryError; the CPU allocator raises a RuntimeError saying it cannot allocate."""
-    text = str(exc)
-    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in text or "out of memory" in text

@@ -76,6 +76,8 @@ class LlamaStepper:
         # tokens independent of its neighbours (backends/cpu/step.py: exact int32 W8A8 GEMMs)
         self.row_exact = False
         self.kv_budget_bytes: Optional[int] = None  # the KV cache's bound (a backend sizes it from device memory)
+        self.packed_prefill = False  # prefill attention over packed tokens (no padding): the scheduler then groups
+        # prompts by the token budget alone (backends/cuda/step.py)
 
     def describe(self) -> str:
         """Which decode step runs, for the engine's log."""

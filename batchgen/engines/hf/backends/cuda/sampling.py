@@ -7,8 +7,9 @@ resume that replays its steps. Per-row parameters live in preallocated tensors (
 when a row is admitted, outside the step. No op here reads a value on the host or has a value-dependent shape
 (tests/engines/syncguard.py checks it), and everything is plain torch, so it runs, and is tested, on CPU tensors.
 
-The penalties, logit_bias and min_tokens are not applied here: the Sampler applies them to the logits it passes in
-(engines/hf/processors.py), once, before this draw and before a greedy row's argmax, so they hold for every row.
+The penalties, logit_bias and min_tokens are not applied here: the Sampler applies them to the logits it passes
+in (engines/hf/sampling/processors.py), once, before this draw and before a greedy row's argmax, so they hold for
+every row.
 
 Knows tensors and SampleParams; nothing about models, caches or requests.
 """

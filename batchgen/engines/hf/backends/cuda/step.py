@@ -9,7 +9,9 @@ preallocated buffers (the tokens, the cache and its lengths), attention reads ea
 `.item()`, `.tolist()` or branches on a tensor's value. So the step is captured once per bucket
 (`torch.cuda.CUDAGraph`, one memory pool for all buckets) and replayed; `engine.cuda_graphs=off` runs the same body
 eagerly, `auto` falls back to eager with one warning where capture fails. A new cache (grown) invalidates the graphs.
-Prefill is the reference's (packed tokens, SDPA per padded batch).
+Prefill keeps the prompts packed through attention too (prefill.py's varlen kernel over the slot cache, a cached
+prefix or a chunked prompt's earlier chunks included): no padding anywhere, so the scheduler groups prompts by the
+token budget alone (`packed_prefill`). Without the kernel, the reference's prefill (SDPA per padded group).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from batchgen.engines.hf.backends.cuda import attention
+from batchgen.engines.hf.backends.cuda import attention, prefill
 from batchgen.engines.hf.kvcache import SlotKVCache
 from batchgen.engines.hf.step import LlamaStepper, _mlp
 
@@ -39,6 +41,25 @@ class Bucket:
     graph: Any = None  # torch.cuda.CUDAGraph, or None (eager)
 
 
+@dataclass(frozen=True)
+class Packed:
+    """One prefill's layout with the tokens packed throughout: row r's counts[r] new tokens at positions
+    [starts[r], starts[r] + counts[r]) of slot slots[r]; each token's slot and position ([N] each) for the cache
+    writes, the rotary embedding's cos and sin at those positions, and `pad` viewing [N, C] as [1, N, C]."""
+
+    cache: SlotKVCache
+    counts: list[int]
+    starts: list[int]
+    slots: list[int]
+    slot_index: torch.Tensor
+    positions: torch.Tensor
+    cos_sin: Any
+
+    @staticmethod
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return t[None]
+
+
 class CudaStepper(LlamaStepper):
     def __init__(self, model: Any, dtype: Optional[torch.dtype] = None, graphs: str = "auto"):
         super().__init__(model, dtype)
@@ -46,6 +67,7 @@ class CudaStepper(LlamaStepper):
             raise ValueError(f"engine.cuda_graphs must be one of {', '.join(GRAPH_MODES)}, not {graphs!r}")
         self.graphs = graphs if self.device.type == "cuda" else "off"  # graphs need CUDA; the body runs anywhere
         self.kernel = attention.available() and attention._runs_kernel(torch.empty(0, device=self.device))
+        self.packed_prefill = self.kernel  # prefill attention without padding (the scheduler groups by tokens only)
         self.buckets: dict[int, Bucket] = {}
         self.cache: Optional[SlotKVCache] = None  # the cache the buckets' graphs read
         self.pool: Any = None  # the graphs' shared memory pool
@@ -55,7 +77,34 @@ class CudaStepper(LlamaStepper):
         attend = ("batchgen's Triton split-K decode attention" if self.kernel
                   else "masked torch attention over the cache")
         run = f"CUDA graphs {self.graphs}" if self.graphs != "off" else "eager"
-        return f"static-shape decode per batch bucket ({run}), {attend}, greedy picks on the device"
+        packed = ", prefill packed (Triton varlen attention)" if self.packed_prefill else ""
+        return f"static-shape decode per batch bucket ({run}), {attend}, greedy picks on the device{packed}"
+
+    def _prefill_batch(self, cache: SlotKVCache, first_slot: int, lengths: list[int], starts: Optional[list[int]],
+                       x: torch.Tensor) -> Any:
+        """The packed layout (Packed) where the varlen kernel runs; else the reference's padded one."""
+        if not self.packed_prefill:
+            return super()._prefill_batch(cache, first_slot, lengths, starts, x)
+        starts = starts or [0] * len(lengths)
+        slots = list(range(first_slot, first_slot + len(lengths)))
+        index = [(slot, start + t) for slot, start, count in zip(slots, starts, lengths) for t in range(count)]
+        slot_index, positions = torch.tensor(index, dtype=torch.long).T.to(self.device)
+        return Packed(cache, lengths, starts, slots, slot_index, positions,
+                      self.inner.rotary_emb(x, positions[None]))
+
+    def _prefill_attention(self, i: int, layer: Any, h: Any, batch: Any) -> torch.Tensor:
+        """Layer i's keys and values written at each token's slot and position, then each token's attention over its
+        slot (prefill.py): [N, heads * d], packed as the tokens came."""
+        if not isinstance(batch, Packed):
+            return super()._prefill_attention(i, layer, h, batch)
+        q, k, v = (t.to(self.dtype)[0].transpose(0, 1) for t in self._qkv(layer.self_attn, h, batch.cos_sin,
+                                                                             batch.pad))  # [N, heads, d]
+        cache = batch.cache
+        cache.k[i, batch.slot_index, :, batch.positions] = k.to(cache.k.dtype)
+        cache.v[i, batch.slot_index, :, batch.positions] = v.to(cache.v.dtype)
+        out = prefill.prefill_attention(q, cache.k[i], cache.v[i], batch.counts, batch.starts, batch.slots,
+                                        self.scaling)
+        return out.reshape(q.shape[0], -1)
 
     def decode_picks(self, cache: SlotKVCache, tokens: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Logits [n, V] and the greedy picks [n] of one decode step for the live slots [0, n): the step of the

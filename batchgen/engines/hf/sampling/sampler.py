@@ -17,8 +17,8 @@ from typing import Any, Optional
 import torch
 
 from batchgen.engines.base import answer_text, reasoning_tokens, split_answer, with_tokens
-from batchgen.engines.hf import processors
 from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.sampling import processors
 from batchgen.records import Request, Result
 from batchgen.sampling import SampleParams, find_stop
 
@@ -73,7 +73,7 @@ class Sampler:
 
     def grammars(self) -> Any:
         if self._grammars is None:
-            from batchgen.engines.hf.grammar import Grammars
+            from batchgen.engines.hf.sampling.grammar import Grammars
 
             self._grammars = Grammars(self.tokenizer, self.vocab_size or len(self.tokenizer), self.eos_ids)
         return self._grammars

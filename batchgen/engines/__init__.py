@@ -53,6 +53,11 @@ def _openai_sampling(cfg: Any, sampling: Any, dataset: Any) -> list[str]:
     if sampling.reasoning != "off" and cfg.extensions == "vllm" and cfg.tokenizer_dir() is None:
         out.append("sampling.reasoning: the reasoning is split from the generated token ids, which only a local "
                    "tokenizer decodes; set engine.tokenizer to the served model's, or leave sampling.reasoning=off")
+    if cfg.endpoint == "chat" and (dataset.chat_template is not None or dataset.chat_template_kwargs):
+        key = "dataset.chat_template" if dataset.chat_template is not None else "dataset.chat_template_kwargs"
+        out.append(f"{key}: with engine.endpoint=chat the server renders the messages with its own template and "
+                   "would not see it; remove it, or set engine.endpoint=completions (batchgen renders the prompt "
+                   "with the local tokenizer, engine.tokenizer)")
     return out
 
 

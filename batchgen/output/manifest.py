@@ -104,7 +104,7 @@ LATER_SAMPLING_KEYS = ("json_schema", "regex", "choice", "grammar", "choice_scor
 LATER_DATASET_KEYS = ("temperature_column", "stop_column", "choice_column", "schema_column", "top_p_column",
                       "seed_column", "n_column", "response_format_column", "text_column", "repetition_penalty_column",
                       "presence_penalty_column", "frequency_penalty_column", "min_p_column", "min_tokens_column",
-                      "logit_bias_column")
+                      "logit_bias_column", "chat_template")
 
 
 def _sampling(cfg: JobConfig) -> dict[str, Any]:
@@ -127,6 +127,12 @@ def _dataset(cfg: JobConfig) -> dict[str, Any]:
     for key in LATER_DATASET_KEYS:
         if out[key] is None:
             del out[key]
+    if not out["chat_template_kwargs"]:
+        del out["chat_template_kwargs"]
+    if cfg.dataset.chat_template is not None:  # a template file by its text: an edited file is another run
+        from batchgen.prompts.render import chat_template_text
+
+        out["chat_template"] = chat_template_text(cfg.dataset.chat_template)
     if any(re.search(r"\\[nt\\]", text or "") for text in (cfg.dataset.template, cfg.dataset.system_prompt)):
         out["text_escapes"] = True  # \n in them became a newline (prompts/render.py): an output made before differs
     return out

@@ -13,6 +13,7 @@ import re
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import pyarrow as pa
@@ -52,14 +53,25 @@ class Renderer:
         self.render_row = render_row
         self.template = None if cfg.template is None else config_text(cfg.template)
         self.system_prompt = None if cfg.system_prompt is None else config_text(cfg.system_prompt)
-        self.chat = cfg.messages_column is not None or cfg.system_prompt is not None
+        self.chat_template = chat_template_text(cfg.chat_template)
+        # apply_chat_template's arguments: the job's template variables, the generation prompt (unless a variable
+        # says otherwise), the job's template where it gives one; always text, never tokens
+        self.chat_kwargs = {"add_generation_prompt": True, **(cfg.chat_template_kwargs or {}), "tokenize": False,
+                            **({"chat_template": self.chat_template} if self.chat_template is not None else {})}
+        self.chat = cfg.messages_column is not None or cfg.system_prompt is not None or cfg.chat_template is not None
         if cfg.template is not None and cfg.messages_column is None:
             _check_template(self.template)
-        if self.chat and tokenizer is not None and not getattr(tokenizer, "chat_template", None):
+        if tokenizer is None and (cfg.chat_template is not None or cfg.chat_template_kwargs):
+            key = "dataset.chat_template" if cfg.chat_template is not None else "dataset.chat_template_kwargs"
+            raise ConfigError([f"{key} is applied by a local tokenizer's apply_chat_template, and this job has none "
+                               "(engine=openai with engine.endpoint=chat: the server renders the messages with its "
+                               "own template); remove it, or set engine.tokenizer and engine.endpoint=completions"])
+        if self.chat and self.chat_template is None and tokenizer is not None and \
+                not getattr(tokenizer, "chat_template", None):
             key = "dataset.messages_column" if cfg.messages_column else "dataset.system_prompt"
             raise ConfigError([f"{key} asks for chat rendering, but the model's tokenizer has no chat template; "
-                               "use a chat model, or dataset.template / dataset.prompt_column without "
-                               "dataset.system_prompt"])
+                               "use a chat model, give one as dataset.chat_template, or use dataset.template / "
+                               "dataset.prompt_column without dataset.system_prompt"])
 
     def required_columns(self) -> list[str]:
         if self.render_row is not None:
@@ -122,10 +134,25 @@ class Renderer:
         if self.tokenizer is None:  # the server renders them with its own template
             return json.dumps(messages, ensure_ascii=False), None, messages
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, **self.chat_kwargs)
         except Exception as exc:  # jinja errors from a user's template are row errors, not job failures
             return None, f"bad_template: chat template: {type(exc).__name__}: {exc}", None
         return (*_check_prompt(text), messages)
+
+
+def chat_template_text(value: Optional[str]) -> Optional[str]:
+    """dataset.chat_template as Jinja text: a .jinja or .j2 file's content, else the value itself (config_text's
+    escapes applied)."""
+    if value is None:
+        return None
+    if not value.endswith((".jinja", ".j2")):
+        return config_text(value)
+    try:
+        return Path(value).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"dataset.chat_template={value!r}: cannot read the template file "
+                           f"({getattr(exc, 'strerror', None) or exc}); give a readable .jinja file or the "
+                           "template's text"]) from None
 
 
 def config_text(value: str) -> str:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import fsspec
 
@@ -26,6 +26,10 @@ class DatasetConfig:
     template: Optional[str] = None  # "Summarize:\n{text}", rendered with the row's columns
     messages_column: Optional[str] = None  # list of {role, content}, rendered with the chat template
     system_prompt: Optional[str] = None  # system message for chat rendering
+    chat_template: Optional[str] = None  # a Jinja chat template (its text, or a .jinja / .j2 file) instead of the
+    # tokenizer's; setting it turns on chat rendering
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra variables for the chat template
+    # ({enable_thinking: false}), as transformers' apply_chat_template and vLLM's chat_template_kwargs take them
     passthrough_columns: Optional[list[str]] = None  # null = every input column but id_column (it is `id`)
     limit: Optional[int] = None  # first N rows only
     max_new_tokens_column: Optional[str] = None  # per-row cap on generated tokens

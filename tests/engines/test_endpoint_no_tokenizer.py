@@ -82,3 +82,19 @@ def test_the_completions_endpoint_without_a_tokenizer_is_refused_naming_the_keys
                                       "engine.tokenizer=null")))
     assert "engine.endpoint=completions needs engine.tokenizer" in str(refused.value)
     assert "or engine.endpoint=chat" in str(refused.value) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("key", ["dataset.chat_template=own.jinja", "dataset.chat_template_kwargs={a: 1}"])
+@pytest.mark.parametrize("tokenizer", ["local", "none"])
+def test_a_local_chat_template_or_its_variables_with_the_chat_endpoint_are_refused(tiny_model, tmp_path, key,
+                                                                                   tokenizer):
+    """The chat endpoint's server renders the messages with its own template: a job's template or template
+    variables would be silently ignored, so the job stops before writing, naming the key and the way out."""
+    data = write_jsonl(tmp_path / "in.jsonl", rows(2, rejected=()))
+    (tmp_path / "own.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    key = key.replace("own.jinja", str(tmp_path / "own.jinja"))
+    extra = (*CHAT, key) + (("engine.tokenizer=null",) if tokenizer == "none" else ())
+    with pytest.raises(ConfigError) as refused:
+        run_job(compose_job(overrides(tiny_model, data, tmp_path / "out", "http://127.0.0.1:9/v1", *extra)))
+    assert f"{key.split('=')[0]}: with engine.endpoint=chat the server renders" in str(refused.value)
+    assert "engine.endpoint=completions" in str(refused.value) and not (tmp_path / "out").exists()

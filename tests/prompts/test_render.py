@@ -285,3 +285,71 @@ def test_the_quoted_template_the_docs_show_gives_a_newline(tiny_model, tmp_path)
     cfg = compose_checked(job_overrides(tiny_model, data, tmp_path / "o", 'dataset.template="Summarize:\\n{text}"'))
     out = Renderer(cfg.dataset, PlainTokenizer()).render(pa.table({"text": ["a"]}))
     assert out.texts == ["Summarize:\na"]
+
+
+# -- the job's own chat template and its variables ----------------------------------------------------------------
+
+OWN_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                "{% if add_generation_prompt %}<bot{% if enable_thinking is defined and not enable_thinking %} "
+                "nothink{% endif %}>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def test_dataset_chat_template_replaces_the_tokenizers_and_its_kwargs_reach_it(real_tokenizer, tmp_path):
+    """The job's template (text, or a .jinja file) and chat_template_kwargs go to transformers' own
+    apply_chat_template: the text equals what it renders with them."""
+    msgs = [[{"role": "user", "content": "hi"}]]
+    want = real_tokenizer.apply_chat_template(msgs[0], tokenize=False, add_generation_prompt=True,
+                                              chat_template=OWN_TEMPLATE, enable_thinking=False)
+    assert want == "<user>hi<bot nothink>"
+    out = render(messages_table(msgs), real_tokenizer, messages_column="msgs", chat_template=OWN_TEMPLATE,
+                 chat_template_kwargs={"enable_thinking": False})
+    assert out.texts == [want] and out.add_special_tokens is False
+    (tmp_path / "own.jinja").write_text(OWN_TEMPLATE)
+    out = render(messages_table(msgs), real_tokenizer, messages_column="msgs",
+                 chat_template=str(tmp_path / "own.jinja"))
+    assert out.texts == ["<user>hi<bot>"]
+    default = render(messages_table(msgs), real_tokenizer, messages_column="msgs",
+                     chat_template_kwargs={"enable_thinking": False})  # the tokenizer's own template, kwargs in
+    assert default.texts == [real_tokenizer.apply_chat_template(msgs[0], tokenize=False, add_generation_prompt=True)]
+
+
+def test_a_chat_template_alone_turns_on_chat_rendering_even_for_a_tokenizer_without_one(real_tokenizer):
+    import copy
+
+    base = copy.deepcopy(real_tokenizer)
+    base.chat_template = None  # a base model's tokenizer
+    out = render(pa.table({"prompt": ["x"]}), base, chat_template=OWN_TEMPLATE)
+    assert out.texts == ["<user>x<bot>"] and out.add_special_tokens is False
+
+
+def test_an_unreadable_template_file_and_a_template_without_a_tokenizer_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"dataset\.chat_template='.*missing\.jinja': cannot read"):
+        Renderer(DatasetConfig(path="unused", chat_template=str(tmp_path / "missing.jinja")), ChatTokenizer())
+    for kw, key in (({"chat_template": OWN_TEMPLATE}, "dataset.chat_template"),
+                    ({"chat_template_kwargs": {"enable_thinking": False}}, "dataset.chat_template_kwargs")):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.") + " is applied by a local tokenizer"):
+            Renderer(DatasetConfig(path="unused", messages_column="msgs", **kw), None)
+
+
+def test_the_chat_template_is_part_of_the_runs_fingerprint_by_its_text(tmp_path):
+    """An edited template file is another run (the resume guard refuses to mix them); an output written before
+    the key existed keeps its fingerprint."""
+    from batchgen.job import JobConfig
+    from batchgen.output.manifest import output_config
+
+    template = tmp_path / "own.jinja"
+    template.write_text(OWN_TEMPLATE)
+    before = output_config(JobConfig(name="x"))["dataset"]
+    assert "chat_template" not in before and "chat_template_kwargs" not in before
+    cfg = JobConfig(name="x")
+    cfg.dataset.chat_template = str(template)
+    first = output_config(cfg)["dataset"]["chat_template"]
+    template.write_text(OWN_TEMPLATE + " ")
+    assert first == OWN_TEMPLATE and output_config(cfg)["dataset"]["chat_template"] != first

@@ -120,7 +120,8 @@ def localized(command: str, model: str) -> list[str]:
             continue
         out.append(word)
     if out[0] == "batchgen":
-        sub = out[1] if len(out) > 1 and out[1] in ("status", "retry", "report", "plan", "finalize", "view") else None
+        sub = out[1] if len(out) > 1 and out[1] in ("status", "retry", "report", "plan", "finalize", "view",
+                                                    "head") else None
         if sub in (None, "plan", "retry"):
             keys = {w.split("=", 1)[0] for w in out}
             out += [f"{k}={v}" for k, v in SMALL.items() if k not in keys
@@ -173,3 +174,19 @@ def test_a_preset_template_with_an_openai_batch_input_is_one_error_naming_it(tin
     assert len(err.value.problems) == 1, err.value.problems
     assert err.value.problems[0].startswith("dataset.template='{instruction}\\n\\n{input}' (set on the command line "
                                             "or by a preset such as job=demo) with dataset.format=openai_batch")
+
+
+def test_the_recipes_python_runs_as_written(tiny_model, tmp_path):
+    """docs/recipes.md's Python (the notebook recipe), run whole in a fresh interpreter, the tiny model in place of
+    the model it names: what it prints is the output's rows."""
+    home = tmp_path / "recipes"
+    workspace(home, tiny_model)
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "recipes.md").read_text(), re.S)
+    assert blocks
+    for block in blocks:
+        code = re.sub(r"engine\.model=[^\"']+", f"engine.model={tiny_model}", block)
+        done = subprocess.run([sys.executable, "-c", code], cwd=home, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, (block, done.stderr[-3000:])
+        rows = eval(done.stdout.strip().splitlines()[-1])  # noqa: S307 - the printed list of the test's own rows
+        assert [r["id"] for r in rows] == ["0", "1"] or len(rows) == 2, rows
+        assert all(r["finish_reason"] in ("length", "stop") for r in rows)

@@ -74,6 +74,11 @@ def load_job(preset: Optional[str] = None, overrides: Optional[list[str]] = None
     cfg = composed(([f"job={preset}"] if preset else []) + list(overrides or []))
     if OmegaConf.is_missing(cfg, "name"):
         cfg.name = preset or "job"
+    # dataset.path and engine.model may be left open for the caller to set (generate sets dataset.path); run_job's
+    # check names the one that stays empty
+    for section, key in (("dataset", "path"), ("engine", "model")):
+        if OmegaConf.is_missing(cfg[section], key):
+            cfg[section][key] = ""
     return to_job_config(cfg, check=False)
 
 

@@ -4,10 +4,10 @@ reasons, error kinds with example rows, per-shard and per-worker progress, retri
 throughput figure is each shard's last run's, from its status file, said as the summary and `batchgen status` say it
 (output/throughput.py: generated tokens over generation time after load; rows and prompt tokens for a scoring task).
 
-The plots are inline SVG (matplotlib, `pip install 'batchgen[plot]'`; without it the page has the tables only) and
-the page loads nothing from the network. Written to OUTPUT_DIR/_report.html by default. The rows are read through
-the latest-attempt view, a column at a time (lengths, finish reasons and errors; the generations of the first ten
-rows only, for the example table).
+The plots are inline SVG (matplotlib, in the base install; where it cannot be imported the page has the tables
+only) and the page loads nothing from the network. Written to OUTPUT_DIR/_report.html by default. The rows are read
+through the latest-attempt view, a column at a time (lengths, finish reasons and errors; the generations of the
+first ten rows only, for the example table).
 An output on object storage (`s3://...`, through fsspec) is read the same way from a local copy of those columns,
 its manifest and status files (status.fetch_remote) and the history its staging directory holds on this machine;
 its page goes where --out says (nothing is written into the bucket). Knows the output layout, not engines.
@@ -233,7 +233,7 @@ def _throughput_section(facts: dict[str, Any], svg: dict[str, str]) -> str:
     tokens = sum(h.get("generated_tokens", 0) for h in hist)
     rates = "; ".join(f"{name}: {figure}" for name, figure in figures(facts["beats"])) or "not recorded"
     return (f"<p>{len(hist)} parts committed, {tokens} tokens generated over {span:.1f} s; throughput (the last "
-            f"run, after load) {html.escape(rates)}. The plots need matplotlib: pip install 'batchgen[plot]'</p>")
+            f"run, after load) {html.escape(rates)}. The plots need matplotlib: pip install matplotlib</p>")
 
 
 def figures(beats: list[tuple[str, Any]]) -> list[tuple[str, str]]:

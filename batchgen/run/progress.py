@@ -44,6 +44,7 @@ class Summary:
     generated_samples: int = 0  # results this run's engine produced (not reused from part journals)
     work: RunWork = field(default_factory=RunWork)  # what this run did after load: its throughput figure
     numerics: str = ""  # the model's dtype, activation dtype and quantization, as the engine reports them
+    token_source: str = ""  # where the token counts come from, when not a local tokenizer (tokens_said)
     duplicate_ids: int = 0  # input rows whose id repeats an earlier row's (each still gets its own output row)
     lookahead_parts: int = 0  # parts in flight beyond the oldest, at most (run.lookahead_parts, resolved)
     max_parts_in_flight: int = 0  # the most parts this run held at once
@@ -62,7 +63,8 @@ class Summary:
         lines = [
             f"batchgen: {self.state.replace('_', ' ')}: {self.output_dir}",
             f"  rows {t.rows} (samples {t.samples}), error rows {t.error_rows}: {errors}",
-            f"  tokens: prompt {t.prompt_tokens}, generated {t.generated_tokens}",
+            f"  tokens: prompt {t.prompt_tokens}, generated {t.generated_tokens}"
+            + (f" ({self.token_source})" if self.token_source else ""),
         ]
         if t.needs_review:
             lines.append(f"  needs review: {t.needs_review} rows (a top answer below its question's abstain_below)")
@@ -126,6 +128,14 @@ def numerics_said(identity: dict[str, Any]) -> str:
     if identity.get("quantization_scheme"):
         said.append(f"scheme {identity['quantization_scheme']}")
     return ", ".join(said)
+
+
+def tokens_said(engine: Any) -> str:
+    """Where the job's token counts come from when no local tokenizer counts them: engine=openai without
+    engine.tokenizer takes the server's usage (estimates from characters where an answer has none)."""
+    if engine.name == "openai" and engine.tokenizer_dir() is None:
+        return "the server's usage counts: no engine.tokenizer"
+    return ""
 
 
 @dataclass(slots=True)

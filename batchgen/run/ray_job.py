@@ -35,7 +35,7 @@ from batchgen.prompts.render import RenderRow
 from batchgen.run import respcache
 from batchgen.run.feed import Feed, Unreported, check_error_rate
 from batchgen.run.prepare import kept_passthrough, make_committer, open_input, open_output
-from batchgen.run.progress import Progress, Summary, find_resumed, numerics_said
+from batchgen.run.progress import Progress, Summary, find_resumed, numerics_said, tokens_said
 from batchgen.run.stopping import GracefulStop, Reaper, StopRequested
 
 log = logging.getLogger(__name__)
@@ -174,6 +174,7 @@ def _drive_workers(cfg: JobConfig, render_row: Optional[RenderRow], committer: C
         check_engine(committer.output_dir, identity)
     summary.load_s = time.perf_counter() - started
     summary.numerics = numerics_said(identity)
+    summary.token_source = tokens_said(cfg.engine)
     progress.loaded()
     progress.engine = _WorkerStats(pool.per_worker)
     watch = _JournalWatch(cfg, committer.output_dir, progress, parts)

@@ -26,7 +26,7 @@ from batchgen.prompts.render import RenderRow
 from batchgen.run import respcache
 from batchgen.run.feed import Feed, auto_lookahead, check_error_rate
 from batchgen.run.prepare import JobInput, JobOutput, open_input, open_output, output_place
-from batchgen.run.progress import Progress, Summary, find_resumed, numerics_said
+from batchgen.run.progress import Progress, Summary, find_resumed, numerics_said, tokens_said
 from batchgen.run.stopping import GracefulStop
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,7 @@ def _load_and_generate(cfg: JobConfig, job: JobInput, out: JobOutput, planner: P
             out.remote.push(MANIFEST)
     out.committer.metadata["batchgen.engine"] = json.dumps(engine.identity())  # resolved dtype, device, version
     summary.numerics = numerics_said(engine.identity())
+    summary.token_source = tokens_said(cfg.engine)
     progress.engine = engine
     try:
         _generate_parts(cfg, planner, engine, out.committer, summary, progress)

@@ -41,6 +41,7 @@ def test_a_chat_job_without_a_tokenizer_writes_every_row_with_the_servers_counts
     run_job(compose_job(overrides(tiny_model, data, tmp_path / "ref", server, *CHAT)))  # with a tokenizer
     got, want = by_id(tmp_path / "out"), by_id(tmp_path / "ref")
     assert set(got) == {(r["id"], 0) for r in asked} and summary.totals.errors == {"endpoint_rejected": 1}
+    assert "generated" in summary.render() and "(the server's usage counts: no engine.tokenizer)" in summary.render()
     rejected = got[("r005", 0)]
     assert rejected["error"].startswith("endpoint_rejected: HTTP 400") and rejected["generation"] is None
     for row in asked[:5]:

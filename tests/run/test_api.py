@@ -49,3 +49,18 @@ def test_load_job_names_mistakes_as_the_command_line_does(tiny_model):
     with pytest.raises(ConfigError, match=r"sampling.temprature: no such config key \(did you mean "
                                           r"sampling.temperature\?\)"):
         batchgen.load_job("demo", ["sampling.temprature=0.5"])
+
+
+def test_load_job_without_a_preset_leaves_the_input_to_generate_and_run_job_names_what_is_missing(tiny_model,
+                                                                                                  tmp_path):
+    """No preset: dataset.path is generate's to set; a model left unset is named when the job runs, not as
+    OmegaConf's 'missing mandatory value'."""
+    cfg = batchgen.load_job(overrides=[f"engine.model={tiny_model}", "sampling.max_new_tokens=3",
+                                       "engine.dtype=float32"])
+    table = batchgen.generate([{"prompt": "one"}, {"prompt": "two"}], cfg)
+    assert table.num_rows == 2 and table.column("num_generated_tokens").to_pylist() == [3, 3]
+    bare = batchgen.load_job()
+    bare.output_dir = str(tmp_path / "out")
+    with pytest.raises(ConfigError) as err:
+        batchgen.run_job(bare)
+    assert "dataset.path is required" in str(err.value) and "engine.model is required" in str(err.value)

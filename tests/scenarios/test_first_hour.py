@@ -76,7 +76,10 @@ def test_a_wheel_runs_a_preset_job_and_every_command_from_another_directory(inst
     assert rows["state"] == "done" and rows["rows_done"] == 12
     assert "rows 12/12" in run([batchgen, "status", "out"], home).stdout
     run([batchgen, "report", "out"], home)
-    assert (home / "out" / "_report.html").exists()
+    assert (home / "out" / "_report.html").read_text().count("<svg") >= 3  # the plots, on the base install
+    requires = run([str(installed / "bin" / "python"), "-c", "import importlib.metadata as m; "
+                    "print('\\n'.join(m.requires('batchgen')))"], home).stdout.splitlines()
+    assert any(r.startswith("matplotlib") and "extra" not in r for r in requires), requires
     assert "newline" in run([batchgen, "help", "dataset.template"], home).stdout  # the reference ships too
     for scheduled in ("nightly", "increment"):  # the scheduled jobs' commands ship (their example scripts need not)
         assert "docs/scheduled-jobs.md" in run([batchgen, scheduled, "--help"], home).stdout

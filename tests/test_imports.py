@@ -148,3 +148,17 @@ def test_the_job_config_names_no_engine():
     names = {"hf", "vllm", "dummy"}
     found = [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and node.value in names]
     assert not found, found
+
+
+def test_the_command_line_loads_neither_torch_nor_transformers_before_it_needs_a_model():
+    """The CPU runtime's settings (engines/hf/backends/cpu/runtime.py) are made when the command line is imported,
+    which must happen before torch loads (OpenMP reads them once); and a command that needs no model (--help, a
+    config error, status) answers in well under a second instead of paying torch's and transformers' imports."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, batchgen.commands.cli; "
+             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout

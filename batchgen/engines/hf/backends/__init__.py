@@ -5,45 +5,25 @@ quantized-weight packing, memory given back), and builds the stepper that prefil
 The scheduler, the cache's contract (kvcache.SlotKVCache) and the sampler's policy stay device-free;
 step.LlamaStepper is the plain torch reference every backend's stepper is tested against, and what runs on a device
 no backend knows (`TorchBackend`).
+
+Nothing is imported here: the CPU runtime's settings (cpu/runtime.py) must be made before torch loads, and the
+command line imports them on every call; `for_device` and the backend classes load with the engine.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from batchgen.engines.hf.backends.base import Backend, Prepared
-from batchgen.engines.hf.config import HFConfig
-from batchgen.engines.hf.step import LlamaStepper
-
 __all__ = ["Backend", "Prepared", "TorchBackend", "for_device"]
 
 
-class TorchBackend:
-    """A device no backend knows (MPS, XPU, ...): the model as loaded, the reference stepper."""
+def __getattr__(name: str) -> Any:  # lazy: importing backends.cpu.runtime must not load torch
+    if name in ("TorchBackend", "for_device"):
+        from batchgen.engines.hf.backends import choose
 
-    name = "torch"
+        return getattr(choose, name)
+    if name in ("Backend", "Prepared"):
+        from batchgen.engines.hf.backends import base
 
-    def load_dtype(self, cfg: HFConfig, dtype: torch.dtype) -> torch.dtype:
-        return dtype
-
-    def prepare(self, model: Any, cfg: HFConfig, dtype: torch.dtype, loaded: torch.dtype,
-                serves_all: bool) -> Prepared:
-        return Prepared(activation_dtype=loaded)
-
-    def stepper(self, model: Any, prepared: Prepared, dtype: torch.dtype, cfg: HFConfig) -> LlamaStepper:
-        return LlamaStepper(model, prepared.activation_dtype)
-
-
-def for_device(device: torch.device) -> Backend:
-    """The backend of `device`'s kind."""
-    if device.type == "cpu":
-        from batchgen.engines.hf.backends.cpu.backend import CpuBackend
-
-        return CpuBackend()
-    if device.type == "cuda":
-        from batchgen.engines.hf.backends.cuda.backend import CudaBackend
-
-        return CudaBackend()
-    return TorchBackend()
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

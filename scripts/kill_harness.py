@@ -1,5 +1,5 @@
 """Random-kill harness: SIGKILL a job at random moments, resume it after each kill until it is done, and
-check that nothing was lost, duplicated or torn (DESIGN section 6, rule 2).
+check that nothing was lost, duplicated or torn (docs/contract.md section 6, rule 2).
 
     python scripts/kill_harness.py --kills 20          # the documented run (tests run it with --kills 5)
 

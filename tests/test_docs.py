@@ -110,3 +110,20 @@ def test_the_docs_reference_is_the_one_batchgen_help_shows():
     from batchgen.commands.keys import docs_block
 
     assert docs_block() in (ROOT / "docs" / "configuration.md").read_text()
+
+
+def test_the_module_map_is_generated_from_the_modules_docstrings_and_complete():
+    """docs/development.md's module map is what scripts/module_map.py prints now: every module of batchgen/ in it,
+    each with its docstring's first sentence (regenerate with `python scripts/module_map.py --write`)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("module_map", ROOT / "scripts" / "module_map.py")
+    module_map = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module_map)
+    documented = module_map.documented()
+    modules = [p for p in (ROOT / "batchgen").rglob("*.py") if "__pycache__" not in p.parts]
+    missing = [p.relative_to(ROOT).as_posix() for p in modules
+               if p.name != "__init__.py" and f"- `{p.name}`:" not in documented]
+    assert not missing, f"not in the module map: {missing}; run python scripts/module_map.py --write"
+    assert "(no docstring)" not in documented
+    assert documented == module_map.module_map(), "the module map is stale: run python scripts/module_map.py --write"

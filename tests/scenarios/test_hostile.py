@@ -1,6 +1,6 @@
 """A hostile dataset: every kind of bad row costs one row (an error row with its reason), duplicate ids are
-kept and counted, over-long prompts follow run.too_long, and unreadable or empty inputs behave (DESIGN 7). On
-engine=dummy: every case is the reader's, the planner's or the runner's, none a model's."""
+kept and counted, over-long prompts follow run.too_long, and unreadable or empty inputs behave (docs/contract.md
+section 7). On engine=dummy: every case is the reader's, the planner's or the runner's, none a model's."""
 
 from __future__ import annotations
 

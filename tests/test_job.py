@@ -6,7 +6,7 @@ import pytest
 
 from batchgen.errors import BatchgenError, ConfigError
 from batchgen.job import JobConfig, validate
-from batchgen.output.committer import assemble
+from batchgen.output.rows.assemble import assemble
 from batchgen.records import Part, PlannedPart
 
 

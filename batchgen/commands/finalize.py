@@ -13,8 +13,8 @@ from typing import Optional
 
 from batchgen.errors import ConfigError
 from batchgen.fsutil import fsync_dir
-from batchgen.output.committer import PART_RE, SUCCESS
 from batchgen.output.manifest import MANIFEST, parse_manifest, read_manifest
+from batchgen.output.rows.schema import PART_RE, SUCCESS
 
 
 def finalize(where: str, manifest: Optional[dict], committed: set[int], write_success: Callable[[], None]) -> int:

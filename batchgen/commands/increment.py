@@ -25,9 +25,9 @@ from typing import Optional
 from batchgen.commands.nightly import RunAsJob, input_changed, parser, scheduled
 from batchgen.errors import BatchgenError, ConfigError
 from batchgen.job import JobConfig
-from batchgen.output.committer import SUCCESS
 from batchgen.output.manifest import MANIFEST, read_manifest
 from batchgen.output.remote import is_remote
+from batchgen.output.rows.schema import SUCCESS
 
 ABOUT = """A scheduled job over a growing input (a table that gets new rows): each night a dated output under the
 job's output_dir (OUTPUT_DIR/YYYY-MM-DD) with only the ids no earlier night generated (run.skip_existing, chained).

@@ -36,8 +36,8 @@ from batchgen.engines.base import model_max_len
 from batchgen.errors import ConfigError, TooLongError
 from batchgen.fsutil import write_json_atomic
 from batchgen.job import JobConfig
-from batchgen.output.committer import error_kind
 from batchgen.output.outdir import save_input_index
+from batchgen.output.rows.stats import error_kind
 from batchgen.prompts.planner import Measured, Planner
 from batchgen.run.preflight import load_tokenizer
 from batchgen.run.prepare import open_input

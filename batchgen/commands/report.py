@@ -341,8 +341,8 @@ def _copy_row_columns(remote: RemoteOutput, into: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from batchgen.output.committer import OUTPUT_COLUMNS, PART_RE
     from batchgen.output.parts import open_part
+    from batchgen.output.rows.schema import OUTPUT_COLUMNS, PART_RE
 
     for key in remote.fs.ls(remote.root, detail=False, refresh=True):
         name = key.rsplit("/", 1)[-1]

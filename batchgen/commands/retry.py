@@ -30,9 +30,10 @@ import pyarrow.parquet as pq
 from batchgen.errors import BatchgenError, ConfigError
 from batchgen.fsutil import replace_durably, write_json_atomic
 from batchgen.job import JobConfig
-from batchgen.output.committer import ATTEMPT_FIELD, OPTIONAL_FIELDS, OUTPUT_COLUMNS, SUCCESS, error_kind
 from batchgen.output.manifest import MANIFEST, diff, read_manifest
 from batchgen.output.parts import part_schema
+from batchgen.output.rows.schema import ATTEMPT_FIELD, OPTIONAL_FIELDS, OUTPUT_COLUMNS, SUCCESS
+from batchgen.output.rows.stats import error_kind
 from batchgen.output.view import OCCURRENCE, attempt_dir, attempts, keyed_batches, latest_batches, part_files
 
 log = logging.getLogger(__name__)

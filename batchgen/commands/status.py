@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchgen.errors import ConfigError
-from batchgen.output.committer import PART_RE, SUCCESS, PartStats
 from batchgen.output.heartbeat import Heartbeat, read_heartbeats, writer_is_gone
 from batchgen.output.journal import read_journals
 from batchgen.output.lock import live_writers
 from batchgen.output.manifest import MANIFEST, parse_manifest, read_manifest
 from batchgen.output.remote import RemoteOutput, is_remote
+from batchgen.output.rows.schema import PART_RE, SUCCESS
+from batchgen.output.rows.stats import PartStats
 from batchgen.output.tables import table_line
 from batchgen.output.throughput import throughput, work_from
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchgen.errors import ConfigError
-from batchgen.output.committer import SUCCESS
 from batchgen.output.manifest import MANIFEST, diff, model_identity, output_config, read_manifest
+from batchgen.output.rows.schema import SUCCESS
 
 log = logging.getLogger(__name__)
 INPUT_KEYS = ("path", "limit")  # dataset keys that may differ between nights: the input itself

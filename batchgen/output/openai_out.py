@@ -23,8 +23,8 @@ from typing import Any
 
 from batchgen.constraints import INVALID
 from batchgen.fsutil import replace_durably
-from batchgen.output.committer import error_kind
 from batchgen.output.manifest import read_manifest
+from batchgen.output.rows.stats import error_kind
 from batchgen.output.view import latest_batches
 
 RESULTS = "_openai_batch_output.jsonl"

@@ -13,8 +13,9 @@ from typing import Any, Optional
 from batchgen.errors import ConfigError
 from batchgen.fsutil import write_json_atomic
 from batchgen.job import JobConfig, owns
-from batchgen.output.committer import Committer, PartStats
+from batchgen.output.committer import Committer
 from batchgen.output.manifest import build_manifest, check_or_write, config_hash, job_id, model_identity, record_layout
+from batchgen.output.rows.stats import PartStats
 from batchgen.output.trust import refuse_strays
 from batchgen.reader import Reader
 

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.errors import BadPartError
-from batchgen.output.committer import OUTPUT_COLUMNS
+from batchgen.output.rows.schema import OUTPUT_COLUMNS
 
 FIX = "move it out of the output directory (or delete it and rerun the job to write that part again)"
 

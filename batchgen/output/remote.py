@@ -28,9 +28,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from batchgen.output.committer import PART_RE, SUCCESS, Committer, OutputWriteError, PartStats
+from batchgen.output.committer import Committer, OutputWriteError
 from batchgen.output.journal import kill_point
 from batchgen.output.manifest import MANIFEST
+from batchgen.output.rows.schema import PART_RE, SUCCESS
+from batchgen.output.rows.stats import PartStats
 
 log = logging.getLogger(__name__)
 PUSHED = (MANIFEST, SUCCESS)  # besides parts and status files, the only objects a run writes

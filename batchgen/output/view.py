@@ -29,8 +29,8 @@ from typing import Optional
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from batchgen.output.committer import PART_RE
 from batchgen.output.parts import open_part, part_schema
+from batchgen.output.rows.schema import PART_RE
 
 ATTEMPT_RE = re.compile(r"^attempt-(\d{3,})$")
 

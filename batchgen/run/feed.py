@@ -23,9 +23,11 @@ from typing import Optional, Protocol
 
 from batchgen.errors import BatchgenError, ErrorRateExceeded
 from batchgen.job import JobConfig
-from batchgen.output.committer import Committer, PartStats, assemble, writing
+from batchgen.output.committer import Committer, writing
 from batchgen.output.journal import Journal, crash_window, journal_key, journal_path, kill_point
 from batchgen.output.manifest import config_hash
+from batchgen.output.rows.assemble import assemble
+from batchgen.output.rows.stats import PartStats
 from batchgen.prompts.planner import Planner
 from batchgen.records import Part, PlannedPart, Request, Result
 from batchgen.run.progress import Summary

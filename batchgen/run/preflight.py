@@ -10,7 +10,7 @@ from typing import Any, Optional
 from batchgen.engines.base import HUB_ID
 from batchgen.errors import ConfigError
 from batchgen.job import JobConfig
-from batchgen.output.committer import OUTPUT_COLUMNS, PROMPT_COLUMN, optional_columns
+from batchgen.output.rows.schema import OUTPUT_COLUMNS, PROMPT_COLUMN, optional_columns
 from batchgen.prompts.render import Renderer, template_fields
 from batchgen.reader import Reader
 from batchgen.sampling import PROCESSOR_COLUMNS

@@ -12,14 +12,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchgen.job import JobConfig
-from batchgen.output.committer import Committer, optional_columns, writing
-from batchgen.output.decide import question_names as decide_names
+from batchgen.output.committer import Committer, writing
 from batchgen.output.existing import Existing
 from batchgen.output.heartbeat import status_name
 from batchgen.output.lock import OutputLock
 from batchgen.output.manifest import MANIFEST, config_hash, job_id, read_manifest
 from batchgen.output.outdir import file_metadata, load_input_index, prepare_output_dir
 from batchgen.output.remote import RemoteCommitter, RemoteOutput, is_remote
+from batchgen.output.rows.decide import question_names as decide_names
+from batchgen.output.rows.schema import optional_columns
 from batchgen.output.tables import open_sink
 from batchgen.output.trust import refuse_links
 from batchgen.prompts.render import Renderer, RenderRow
@@ -113,16 +114,15 @@ def open_output(cfg: JobConfig, job: JobInput, resolved: Optional[dict[str, Any]
 
 
 def make_committer(cfg: JobConfig, output_dir: Path, passthrough: list[str], metadata: dict[str, str],
-                   remote: Optional[RemoteOutput] = None) -> Committer:
+                   remote: Optional[RemoteOutput] = None, exclusive: bool = False) -> Committer:
     """The job's committer over output_dir (or an object-storage output's staging), with what the config adds to
-    each part: optional columns, prices, decide's questions, the table output (its job id from the manifest)."""
+    each part: optional columns, prices, decide's questions, the table output (its job id from the manifest).
+    exclusive: the first writer of a part wins (Ray workers)."""
     kwargs = {"passthrough": passthrough, "metadata": metadata, "attempt": cfg.run.attempt,
-              "optional": optional_columns(cfg.sampling, cfg.dataset, cfg.output, cfg.task)}
-    committer = RemoteCommitter(remote, **kwargs) if remote else Committer(output_dir, **kwargs)
-    committer.prices = cfg.output.priced()
-    committer.questions = decide_names(cfg)
-    committer.sink = open_sink(cfg.output, job_id(output_dir)) if cfg.output.sink != "parquet" else None
-    return committer
+              "optional": optional_columns(cfg.sampling, cfg.dataset, cfg.output, cfg.task),
+              "prices": cfg.output.priced(), "questions": decide_names(cfg), "exclusive": exclusive,
+              "sink": open_sink(cfg.output, job_id(output_dir)) if cfg.output.sink != "parquet" else None}
+    return RemoteCommitter(remote, **kwargs) if remote else Committer(output_dir, **kwargs)
 
 
 def _reconcile_table(cfg: JobConfig, output_dir: Path, committer: Committer) -> None:

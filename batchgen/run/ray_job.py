@@ -27,10 +27,12 @@ from typing import Any, Optional
 
 from batchgen.errors import BatchgenError, ConfigError
 from batchgen.job import JobConfig, LauncherConfig
-from batchgen.output.committer import SUCCESS, Committer, PartStats
+from batchgen.output.committer import Committer
 from batchgen.output.lock import OutputLock
 from batchgen.output.manifest import model_identity
 from batchgen.output.outdir import committed_totals
+from batchgen.output.rows.schema import SUCCESS
+from batchgen.output.rows.stats import PartStats
 from batchgen.prompts.render import RenderRow
 from batchgen.run import respcache
 from batchgen.run.feed import Feed, Unreported, check_error_rate
@@ -52,8 +54,8 @@ class PartWorker:
         self.cfg = cfg
         self.output_dir = Path(cfg.output_dir)
         job = open_input(cfg, self.output_dir, render_row)  # a JSONL input: the driver's pass, saved beside output
-        self.committer = make_committer(cfg, self.output_dir, kept_passthrough(self.output_dir, job), dict(metadata))
-        self.committer.exclusive = True
+        self.committer = make_committer(cfg, self.output_dir, kept_passthrough(self.output_dir, job), dict(metadata),
+                                        exclusive=True)
         self.planner = Planner(cfg, job.reader, job.renderer, job.tokenizer, job.existing)
         self.engine = respcache.wrap(build_engine(task_engine(cfg), job.tokenizer), cfg,
                                    model_identity(cfg.engine.model))

@@ -15,12 +15,14 @@ from batchgen.engines import build_engine, task_engine
 from batchgen.engines.base import stream_windows
 from batchgen.errors import BatchgenError
 from batchgen.job import JobConfig, validate
-from batchgen.output.committer import SUCCESS, Committer, PartStats
+from batchgen.output.committer import Committer
 from batchgen.output.heartbeat import status_name
 from batchgen.output.manifest import MANIFEST, check_engine, model_identity
 from batchgen.output.openai_out import RESULTS, write_if_wanted
 from batchgen.output.outdir import committed_totals
 from batchgen.output.remote import is_remote
+from batchgen.output.rows.schema import SUCCESS
+from batchgen.output.rows.stats import PartStats
 from batchgen.prompts.planner import Planner, shard_holds
 from batchgen.prompts.render import RenderRow
 from batchgen.run import respcache

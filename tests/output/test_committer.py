@@ -12,7 +12,10 @@ import pytest
 
 from batchgen.errors import BatchgenError
 from batchgen.output import committer as committer_mod
-from batchgen.output.committer import OUTPUT_COLUMNS, Committer, OutputWriteError, PartStats, assemble, stats_of
+from batchgen.output.committer import Committer, OutputWriteError
+from batchgen.output.rows.assemble import assemble
+from batchgen.output.rows.schema import OUTPUT_COLUMNS
+from batchgen.output.rows.stats import PartStats, stats_of
 from batchgen.reader.values import JSON_TEXT
 from batchgen.records import Part, PlannedPart, Result
 

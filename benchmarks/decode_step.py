@@ -54,12 +54,12 @@ def timed(parts: dict, key, fn):
 
 def instrument(parts: dict) -> None:
     """Timers around each GEMM (by its shape) and each of batchgen's kernels between them."""
-    from batchgen.engines.hf.backends.cpu import kernels, onednn
+    from batchgen.engines.hf.backends.cpu import onednn, ops
     from batchgen.engines.hf.quant import w8a8
 
     for name in KERNELS:
-        if hasattr(kernels, name):
-            setattr(kernels, name, timed(parts, name, getattr(kernels, name)))
+        if hasattr(ops, name):
+            setattr(ops, name, timed(parts, name, getattr(ops, name)))
     w8a8.Int8DynamicLinear.matmul = timed(parts, lambda m, *_: f"int8 GEMM {m.in_features}x{m.out_features}",
                                           w8a8.Int8DynamicLinear.matmul)
     onednn.PackedLinear.forward = timed(parts, lambda m, *_: f"GEMM {m.in_features}x{m.out_features}",
@@ -126,6 +126,7 @@ def timed_steps(stepper, cache, rows: int, steps: int, vocab: int, gen) -> tuple
     import torch
 
     from batchgen.engines.hf.backends.cpu import kernels
+    from batchgen.engines.hf.backends.cpu import ops as cpu_ops
 
     device = cache.k.device
     tokens = torch.randint(min(100, vocab // 2), min(20000, vocab), (rows,), generator=gen).to(device)
@@ -136,7 +137,7 @@ def timed_steps(stepper, cache, rows: int, steps: int, vocab: int, gen) -> tuple
         t = time.perf_counter()
         logits, picks = stepper.decode_picks(cache, tokens)
         if picks is None and device.type == "cpu":
-            kernels.argmax_rows(kernels.load(), logits.float().contiguous())
+            cpu_ops.argmax_rows(kernels.load(), logits.float().contiguous())
         elif picks is None:
             logits.argmax(dim=-1)
         sync(device)

@@ -70,25 +70,25 @@ def test_the_job_side_knows_engines_only_through_the_registry():
 
 
 def test_the_engines_folder_and_module_sizes():
-    """engines/ holds the registry, base, the hf package, vllm, the endpoint package, dummy and the stand-in model;
-    no module is over about 400 lines."""
+    """engines/ holds the registry, base, the hf package, vllm (its engine and its config), the endpoint package,
+    dummy and the stand-in model; no module is over 380 lines."""
     engines = PACKAGE / "engines"
     assert sorted(p.name for p in engines.iterdir() if p.name != "__pycache__") == [
-        "__init__.py", "base.py", "dummy.py", "endpoint", "hf", "toymodel.py", "vllm.py"]
+        "__init__.py", "base.py", "dummy.py", "endpoint", "hf", "toymodel.py", "vllm.py", "vllm_config.py"]
     sizes = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
-    long = {name: lines for name, lines in sizes.items() if lines > 420}
+    long = {name: lines for name, lines in sizes.items() if lines > 380}
     assert not long, long
 
 
 def test_functions_read_as_steps():
-    """No function in batchgen/ over 50 lines (a long sequence that must stay together is split into named steps,
+    """No function in batchgen/ over 40 lines (a long sequence that must stay together is split into named steps,
     or numbered in comments within the limit)."""
     import ast
 
     long = {}
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 50:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 40:
                 long[f"{path.relative_to(PACKAGE)}:{node.name}"] = node.end_lineno - node.lineno + 1
     assert not long, long
 
@@ -110,10 +110,10 @@ def test_hydra_is_known_in_one_place():
 
 # The rooms in data-flow order: a module imports from its own room or from rooms further down, never up. The shared
 # vocabulary (records, sampling, constraints, errors, fsutil, version) is the ground floor; the job's root config
-# (job.py) composes the rooms' configs, and the package's __init__ / __main__ are its front doors: those three may
-# look up.
+# (job.py) composes the rooms' configs and checks.py checks them across rooms, and the package's __init__ / __main__
+# are its front doors: those four may look up.
 FLOORS = {"vocabulary": 0, "reader": 1, "engines": 1, "prompts": 2, "output": 2, "run": 3, "commands": 4}
-FRONT_DOORS = {"batchgen", "batchgen.__main__", "batchgen.job"}
+FRONT_DOORS = {"batchgen", "batchgen.__main__", "batchgen.job", "batchgen.checks"}
 
 
 def room(module: str) -> str:

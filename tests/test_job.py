@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from batchgen.checks import validate
 from batchgen.errors import BatchgenError, ConfigError
-from batchgen.job import JobConfig, validate
+from batchgen.job import JobConfig
 from batchgen.output.rows.assemble import assemble
 from batchgen.records import Part, PlannedPart
 

@@ -26,7 +26,6 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from batchgen.commands.compose import (  # noqa: E402
     CONF_DIR,
-    GROUPS,
     USER_CONF_ENV,
     compose_checked,
     config_from,
@@ -35,6 +34,7 @@ from batchgen.commands.compose import (  # noqa: E402
     to_job_config,
     with_search_path,
 )
+from batchgen.commands.keynames import GROUPS  # noqa: E402
 from batchgen.errors import BatchgenError, ConfigError  # noqa: E402
 from batchgen.job import JobConfig  # noqa: E402
 from batchgen.output.remote import RemoteOutput, is_remote  # noqa: E402

@@ -29,6 +29,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -94,54 +95,69 @@ def open_planner(cfg: JobConfig) -> tuple[Planner, int]:
     return Planner(whole, job.reader, job.renderer, job.tokenizer), limit
 
 
+@dataclass
+class Tally:
+    """What the plan counts over the rows as it streams them."""
+
+    lengths: list[int] = field(default_factory=list)  # each generable row's prompt tokens
+    errors: Counter[str] = field(default_factory=Counter)  # error rows by kind
+    over: list[str] = field(default_factory=list)  # ids of the rows past max_model_len - max_new_tokens
+    rows: list[Probe] = field(default_factory=list)  # every generable row as the probe sends it
+    max_generated: int = 0
+    fitted: int = 0  # prompt tokens after run.too_long: what the job's num_prompt_tokens will sum to
+
+
 def measure(cfg: JobConfig, show: int = 0) -> tuple[dict[str, Any], list[Probe]]:
     """The plan's figures (with `show`, the first rows' prompts: shown_row), and every generable row as the probe
     sends it."""
     planner, limit = open_planner(cfg)
-    lengths: list[int] = []
-    errors: Counter[str] = Counter()
-    over: list[str] = []
-    rows: list[Probe] = []
-    max_generated = fitted = 0  # fitted: prompt tokens after run.too_long, what num_prompt_tokens will sum to
-    shown: list[dict[str, Any]] = []
+    tally, shown = Tally(), []
     for part in planner.parts(skip=set()):
         m = planner.measure(part)
-        for i, (error, setting, ids) in enumerate(zip(m.errors, m.settings, m.ids)):
+        for i in range(len(m.errors)):
             if len(shown) < show:
                 shown.append(shown_row(planner, part.ids[i], m, i, limit))
-            if error is not None:
-                errors[error_kind(error)] += 1
-                continue
-            lengths.append(len(ids))
-            if len(ids) > limit - setting.max_new_tokens:
-                over.append(part.ids[i])
-            try:  # the job's own run.too_long policy (planner.fit): what its num_prompt_tokens will sum to
-                kept, too_long = planner.fit(ids, setting.max_new_tokens, limit, part.ids[i],
-                                             cuttable=not planner.sends_messages)
-            except TooLongError:
-                continue  # run.too_long=fail: the job stops at this row
-            if too_long is not None:
-                continue  # a too_long error row in the job
-            fitted += len(kept)
-            max_generated += setting.max_new_tokens * cfg.sampling.n if cfg.task == "generate" else 0
-            rows.append((setting.max_new_tokens, ids, sent_messages(planner, m, i)))
-    total = planner.total_rows
-    parts = planner.total_parts
-    shards = cfg.run.num_shards
-    plan = {
-        "rows": total, "generable_rows": len(lengths), "error_rows": dict(errors),
-        "prompt_tokens": sum(lengths), "prompt_tokens_after_fit": fitted, "max_generated_tokens": max_generated,
-        "prompt_length": _summary(lengths), "histogram": histogram(lengths),
-        "max_model_len": limit, "too_long": {"rows": len(over), "policy": cfg.run.too_long, "first_ids": over[:10],
-                                             "what_happens": _too_long_effect(cfg.run.too_long, len(over),
-                                                                              planner.tokenizer is None)},
+            _count(cfg, planner, tally, part.ids[i], m, i, limit)
+    return _figures(cfg, planner, tally, limit, shown if show else None), tally.rows
+
+
+def _count(cfg: JobConfig, planner: Any, tally: Tally, row_id: str, m: Any, i: int, limit: int) -> None:
+    """Row i of a measured part into the tally, as the job would treat it under its own run.too_long."""
+    error, setting, ids = m.errors[i], m.settings[i], m.ids[i]
+    if error is not None:
+        tally.errors[error_kind(error)] += 1
+        return
+    tally.lengths.append(len(ids))
+    if len(ids) > limit - setting.max_new_tokens:
+        tally.over.append(row_id)
+    try:  # the job's own run.too_long policy (planner.fit): what its num_prompt_tokens will sum to
+        kept, too_long = planner.fit(ids, setting.max_new_tokens, limit, row_id, cuttable=not planner.sends_messages)
+    except TooLongError:
+        return  # run.too_long=fail: the job stops at this row
+    if too_long is not None:
+        return  # a too_long error row in the job
+    tally.fitted += len(kept)
+    tally.max_generated += setting.max_new_tokens * cfg.sampling.n if cfg.task == "generate" else 0
+    tally.rows.append((setting.max_new_tokens, ids, sent_messages(planner, m, i)))
+
+
+def _figures(cfg: JobConfig, planner: Any, tally: Tally, limit: int, shown: Optional[list[dict[str, Any]]]
+             ) -> dict[str, Any]:
+    """The plan as _plan.json holds it."""
+    lengths, parts, shards = tally.lengths, planner.total_parts, cfg.run.num_shards
+    too_long = {"rows": len(tally.over), "policy": cfg.run.too_long, "first_ids": tally.over[:10],
+                "what_happens": _too_long_effect(cfg.run.too_long, len(tally.over), planner.tokenizer is None)}
+    return {
+        "rows": planner.total_rows, "generable_rows": len(lengths), "error_rows": dict(tally.errors),
+        "prompt_tokens": sum(lengths), "prompt_tokens_after_fit": tally.fitted,
+        "max_generated_tokens": tally.max_generated, "prompt_length": _summary(lengths),
+        "histogram": histogram(lengths), "max_model_len": limit, "too_long": too_long,
         **({"prompt_tokens_estimated": True} if planner.tokenizer is None else {}),
-        **_cost(cfg, fitted, max_generated),
+        **_cost(cfg, tally.fitted, tally.max_generated),
         "parts": parts, "rows_per_part": cfg.rows_per_part,
         "shards": {"num_shards": shards, "parts_per_shard": [len(range(k, parts, shards)) for k in range(shards)]},
-        **({"shown": shown} if show else {}),
+        **({"shown": shown} if shown is not None else {}),
     }
-    return plan, rows
 
 
 def sent_messages(planner: Planner, m: Measured, i: int) -> Optional[list[dict]]:

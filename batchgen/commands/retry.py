@@ -54,26 +54,32 @@ SET_BY_RETRY = ("output_dir", "dataset.path", "dataset.format", "dataset.limit",
 SAMPLE_COUNT_KEYS = ("sampling.n", "dataset.n_column")
 
 
-def prepare(output_dir: Path, kinds: Optional[list[str]], overrides: list[str],
-            config_from: Callable[[dict[str, Any], list[str]], JobConfig]) -> Optional[tuple[JobConfig, dict]]:
-    """The retry job to run (its config and resolved dict), or None when no row erred with these kinds."""
+def _finished_manifest(output_dir: Path) -> dict[str, Any]:
+    """The manifest of a complete output that recorded its job's config; else a ConfigError saying what to do."""
     manifest = read_manifest(output_dir)  # a torn one is a ConfigError naming it
     if manifest is None:
         raise ConfigError([f"{output_dir}: no batchgen output here (no {MANIFEST})"])
     if not (output_dir / SUCCESS).exists():
         raise ConfigError([f"{output_dir} is not complete (no {SUCCESS}): rerun its job to finish it first, then "
                            f"retry (batchgen status {output_dir} tells what is left)"])
-    original = manifest.get("config") or {}
-    if not original:
+    if not manifest.get("config"):
         raise ConfigError([f"{output_dir}/{MANIFEST} records no config (a job run from Python without `resolved`); "
                            f"retry needs the job's config"])
+    return manifest
+
+
+def prepare(output_dir: Path, kinds: Optional[list[str]], overrides: list[str],
+            config_from: Callable[[dict[str, Any], list[str]], JobConfig]) -> Optional[tuple[JobConfig, dict]]:
+    """The retry job to run (its config and resolved dict), or None when no row erred with these kinds."""
+    manifest = _finished_manifest(output_dir)
+    original = manifest["config"]
     refused = _refused(overrides) + _code_named(original, overrides, output_dir)
-    if refused:
-        raise ConfigError(refused)
     unknown = [k for k in kinds or () if k not in RETRYABLE]
     if unknown:
-        raise ConfigError([f"--kinds: {', '.join(unknown)} cannot be retried (retryable kinds: {', '.join(RETRYABLE)};"
-                           f" the reader's own errors need the input fixed)"])
+        refused.append(f"--kinds: {', '.join(unknown)} cannot be retried (retryable kinds: {', '.join(RETRYABLE)}; "
+                       f"the reader's own errors need the input fixed)")
+    if refused:
+        raise ConfigError(refused)
     last = attempts(output_dir)[-1]
     recorded = _recorded(output_dir, last) if last else None
     if last and not (attempt_dir(output_dir, last) / SUCCESS).exists() and recorded is not None:

@@ -13,7 +13,7 @@ from batchgen.engines.base import Engine, EngineConfig
 from batchgen.engines.dummy import DummyConfig
 from batchgen.engines.endpoint.config import OpenAIConfig
 from batchgen.engines.hf.config import HFConfig
-from batchgen.engines.vllm import VLLMConfig
+from batchgen.engines.vllm_config import VLLMConfig
 
 
 def _load_hf(cfg: EngineConfig, tokenizer: Any) -> Engine:
@@ -77,7 +77,7 @@ def _hf_quantization(cfg: HFConfig) -> list[str]:
 
 
 def _vllm_structured_outputs() -> Optional[str]:
-    from batchgen.engines.vllm import structured_outputs_problem
+    from batchgen.engines.vllm_config import structured_outputs_problem
 
     return structured_outputs_problem()
 

@@ -352,7 +352,7 @@ class Planner:
 
 
 def share(cfg: JobConfig) -> tuple[int, int]:
-    """(run.shard, run.num_shards); 0 of 1 where a config made in Python was never validated (job.validate resolves
+    """(run.shard, run.num_shards); 0 of 1 where a config made in Python was never validated (checks.validate resolves
     them, from the Slurm environment too)."""
     return cfg.run.shard or 0, cfg.run.num_shards or 1
 

@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from collections import Counter, deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -44,6 +45,24 @@ log = logging.getLogger(__name__)
 FAIL_PART_ENV = "BATCHGEN_TEST_RAY_FAIL_PART"  # test hook only: a worker's engine raises in this part, first attempt
 
 
+@dataclass(frozen=True)
+class PartDone:
+    """What a worker hands back for a part: its counts, and what this run of it generated or reused."""
+
+    index: int
+    stats: PartStats
+    generated_tokens: int = 0
+    reused_samples: int = 0  # taken from the part's journal (an earlier, failed attempt's)
+    generated_samples: int = 0
+    pid: int = field(default_factory=os.getpid)
+
+    def into(self, summary: Summary) -> None:
+        summary.totals.add(self.stats)
+        summary.generated_tokens += self.generated_tokens
+        summary.reused_samples += self.reused_samples
+        summary.generated_samples += self.generated_samples
+
+
 class PartWorker:
     """A Ray actor's body: one engine, loaded once; parts run one at a time."""
 
@@ -64,10 +83,10 @@ class PartWorker:
     def identity(self) -> dict[str, Any]:
         return self.engine.identity()
 
-    def run_part(self, index: int, attempt: int) -> dict[str, Any]:
-        """Generate and commit part `index` (nothing if it is committed already); its stats."""
+    def run_part(self, index: int, attempt: int) -> PartDone:
+        """Generate and commit part `index` (nothing if it is committed already); what it did."""
         if index in self.committer.committed():
-            return {"index": index, "stats": self.committer.read_stats(index), "generated": 0, "pid": os.getpid()}
+            return PartDone(index, self.committer.read_stats(index))
         committed: list[tuple[PartStats, int]] = []
         self.planner.only = {index}
         summary = Summary(self.output_dir, "partial", PartStats())
@@ -85,8 +104,7 @@ class PartWorker:
         if not committed:
             raise BatchgenError(f"part {index}: the worker committed nothing (no such part?)")
         stats, generated = committed[0]
-        return {"index": index, "stats": stats, "generated": generated, "reused": summary.reused_samples,
-                "generated_samples": summary.generated_samples, "pid": os.getpid()}
+        return PartDone(index, stats, generated, summary.reused_samples, summary.generated_samples)
 
 
 def _fail_after_first(on_result: Any) -> Any:
@@ -192,11 +210,8 @@ def _drive_workers(cfg: JobConfig, render_row: Optional[RenderRow], committer: C
                 if done is None:
                     continue
                 i, k, out = done
-                summary.totals.add(out["stats"])
-                summary.generated_tokens += out["generated"]
-                summary.reused_samples += out.get("reused", 0)
-                summary.generated_samples += out.get("generated_samples", 0)
-                progress.committed(k, out["stats"], out["generated"], worker=f"ray worker {i}")
+                out.into(summary)
+                progress.committed(k, out.stats, out.generated_tokens, worker=f"ray worker {i}")
                 check_error_rate(cfg, summary.totals)
             if not ready:
                 progress.write("running")
@@ -239,7 +254,7 @@ class _Pool:
             self.attempts[k] += 1
             self.running[self.workers[i].run_part.remote(k, self.attempts[k])] = (i, k)
 
-    def collect(self, ref: Any, todo: deque[int]) -> Optional[tuple[int, int, dict[str, Any]]]:
+    def collect(self, ref: Any, todo: deque[int]) -> Optional[tuple[int, int, PartDone]]:
         """A finished task: (worker, part, its result), or None when it failed (the part requeued, a dead worker
         replaced; too many failures of one part raise)."""
         from ray.exceptions import RayActorError, RayTaskError
@@ -257,7 +272,7 @@ class _Pool:
             return None
         self.idle.append(i)
         self.per_worker[i]["parts"] += 1
-        self.per_worker[i]["rows"] += out["stats"].rows
+        self.per_worker[i]["rows"] += out.stats.rows
         return i, k, out
 
 

@@ -11,10 +11,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
+from batchgen.checks import validate
 from batchgen.engines import build_engine, task_engine
 from batchgen.engines.base import stream_windows
 from batchgen.errors import BatchgenError
-from batchgen.job import JobConfig, validate
+from batchgen.job import JobConfig
 from batchgen.output.committer import Committer
 from batchgen.output.heartbeat import status_name
 from batchgen.output.manifest import MANIFEST, check_engine, model_identity

@@ -13,7 +13,7 @@ from batchgen.engines.base import EngineConfig
 from batchgen.engines.dummy import DummyConfig
 from batchgen.engines.endpoint.config import OpenAIConfig
 from batchgen.engines.hf.config import HFConfig
-from batchgen.engines.vllm import VLLMConfig
+from batchgen.engines.vllm_config import VLLMConfig
 from batchgen.errors import ConfigError
 from tests.conftest import job_overrides, write_parquet
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.backends.cpu import ops as cpu_ops
 
 ISAS = cpu_kernels.supported_isas()
 every_isa = pytest.mark.parametrize("isa", ISAS or ["none"])
@@ -144,7 +145,7 @@ def test_decode_layer_attention_matches_torch(isa, kv, out_dtype):
         values = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
         k_ref, v_ref = k.clone(), v.clone()
         k_ref[torch.arange(n), :, pos], v_ref[torch.arange(n), :, pos] = k_want[:, :, 0].to(kv), values.to(kv)
-        out = cpu_kernels.decode_layer_attention(lib, qkv.clone(), cos, sin, k, v, pos, heads, 0.1, out_dtype)
+        out = cpu_ops.decode_layer_attention(lib, qkv.clone(), cos, sin, k, v, pos, heads, 0.1, out_dtype)
         assert out.dtype == out_dtype
         assert torch.equal(k[torch.arange(n), :, pos], k_ref[torch.arange(n), :, pos])  # rounded as torch rounds
         assert torch.equal(v[torch.arange(n), :, pos], v_ref[torch.arange(n), :, pos])
@@ -171,7 +172,7 @@ def test_decode_layer_attention_reads_a_bf16_projection_as_its_widened_values(is
         for given in (qkv, qkv.float()):
             k = torch.zeros(n, kv_heads, 40, d, dtype=torch.bfloat16)
             v = torch.zeros_like(k)
-            out = cpu_kernels.decode_layer_attention(lib, given.clone(), cos, sin, k, v, pos, heads, 0.125,
+            out = cpu_ops.decode_layer_attention(lib, given.clone(), cos, sin, k, v, pos, heads, 0.125,
                                                      torch.bfloat16)
             outs.append((out, k, v))
         for got, want in zip(*outs):
@@ -190,8 +191,8 @@ def test_add_rms_norm_is_the_residual_add_then_the_norm(isa, delta_dtype, out_dt
         x, weight = torch.randn(rows, hidden), torch.randn(hidden)
         delta = torch.randn(rows, hidden).to(delta_dtype)
         want_x = x + delta.float()
-        want = cpu_kernels.rms_norm(lib, want_x, weight, 1e-6, out_dtype)
-        got = cpu_kernels.add_rms_norm(lib, x, delta, weight, 1e-6, out_dtype)
+        want = cpu_ops.rms_norm(lib, want_x, weight, 1e-6, out_dtype)
+        got = cpu_ops.add_rms_norm(lib, x, delta, weight, 1e-6, out_dtype)
         assert torch.equal(x, want_x) and torch.equal(got, want), (isa, rows, hidden)
 
 
@@ -205,7 +206,7 @@ def test_rms_norm_and_silu_match_torch_in_either_dtype(isa, out_dtype):
     for rows, hidden in [(5, 100), (3, 64), (300, 768)]:
         x, weight = torch.randn(rows, hidden), torch.randn(hidden)
         want = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
-        got = cpu_kernels.rms_norm(lib, x, weight, 1e-6, out_dtype)
+        got = cpu_ops.rms_norm(lib, x, weight, 1e-6, out_dtype)
         assert got.dtype == out_dtype
         if out_dtype == torch.float32:
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -215,7 +216,7 @@ def test_rms_norm_and_silu_match_torch_in_either_dtype(isa, out_dtype):
             gate_up = (torch.randn(rows, 2 * hidden) * 10).to(in_dtype)
             g, u = gate_up.float().chunk(2, dim=-1)
             want = torch.nn.functional.silu(g) * u
-            got = cpu_kernels.silu_mul(lib, gate_up, out_dtype)
+            got = cpu_ops.silu_mul(lib, gate_up, out_dtype)
             assert got.dtype == out_dtype
             tol = 1e-5 if out_dtype == torch.float32 else 1e-2
             assert torch.allclose(got.float(), want, rtol=tol, atol=tol), (isa, rows, hidden, in_dtype)
@@ -234,7 +235,7 @@ def test_bf16_rounding_is_torchs_round_to_nearest_even(isa):
     qkv = torch.cat([torch.randn(n, (heads + kv_heads) * d), values], dim=1)
     k = torch.zeros(n, kv_heads, 4, d, dtype=torch.bfloat16)
     v = torch.zeros_like(k)
-    cpu_kernels.decode_layer_attention(lib, qkv, torch.ones(n, d), torch.zeros(n, d), k, v,
+    cpu_ops.decode_layer_attention(lib, qkv, torch.ones(n, d), torch.zeros(n, d), k, v,
                                        torch.zeros(n, dtype=torch.long), heads, 0.1)
     assert torch.equal(v[:, 0, 0], values.to(torch.bfloat16))
 
@@ -245,10 +246,10 @@ def test_a_layout_the_kernels_do_not_expect_is_refused_even_under_python_O(isa):
     vanish under -O), e.g. a non-contiguous input or a cache of another dtype for v than for k."""
     lib = kernels(isa)
     with pytest.raises(ValueError, match="rms_norm"):
-        cpu_kernels.rms_norm(lib, torch.randn(8, 4).t(), torch.randn(8), 1e-6)
+        cpu_ops.rms_norm(lib, torch.randn(8, 4).t(), torch.randn(8), 1e-6)
     k = torch.zeros(1, 1, 8, 16)
     with pytest.raises(ValueError, match="decode_layer_attention"):
-        cpu_kernels.decode_layer_attention(lib, torch.randn(1, 48), torch.randn(1, 16), torch.randn(1, 16), k,
+        cpu_ops.decode_layer_attention(lib, torch.randn(1, 48), torch.randn(1, 16), torch.randn(1, 16), k,
                                            k.to(torch.bfloat16), torch.tensor([0]), 1, 0.25)
 
 
@@ -357,16 +358,16 @@ def test_split_gemms_give_the_pre_split_bits(compare):
     for m, k, n in [(1, 64, 4), (1, 100, 7), (2, 256, 12), (3, 23, 5), (5, 1000, 9), (8, 768, 64), (17, 130, 33)]:
         x, q = compare.randn(m, k), compare.randint(-127, 128, (n, k), torch.int8)
         scale, bias = compare.randn(n).abs() / 64, compare.randn(n)
-        compare.both(cpu_kernels.int8_gemm, x, q, scale, bias)
-        compare.both(cpu_kernels.int8_gemm, x, q, scale, None)
+        compare.both(cpu_ops.int8_gemm, x, q, scale, bias)
+        compare.both(cpu_ops.int8_gemm, x, q, scale, None)
     for m, k, n, group in [(1, 64, 4, 64), (1, 256, 7, 64), (1, 512, 9, 128), (2, 128, 5, 64), (3, 256, 12, 128),
                            (7, 384, 13, 64), (32, 768, 16, 128)]:
         x, packed = compare.randn(m, k), compare.randint(0, 256, (n, k // 2), torch.uint8)
         scale = (compare.randn(n, k // group).abs() / 8).to(torch.bfloat16)
         mins = (compare.randn(n, k // group) / 4).to(torch.bfloat16)
-        compare.both(cpu_kernels.int4_gemm, x, packed, scale, mins, group, compare.randn(n))
-        compare.both(cpu_kernels.int4_gemm, x, packed, scale, mins, group, None)
-        compare.both(cpu_kernels.int4_dequantize, packed, scale, mins, group)
+        compare.both(cpu_ops.int4_gemm, x, packed, scale, mins, group, compare.randn(n))
+        compare.both(cpu_ops.int4_gemm, x, packed, scale, mins, group, None)
+        compare.both(cpu_ops.int4_dequantize, packed, scale, mins, group)
 
 
 def test_split_norms_and_activations_give_the_pre_split_bits(compare):
@@ -374,12 +375,12 @@ def test_split_norms_and_activations_give_the_pre_split_bits(compare):
     for rows, hidden in [(1, 8), (3, 13), (5, 100), (64, 768), (130, 200), (300, 64)]:
         x, weight = compare.randn(rows, hidden, scale=3.0), compare.randn(hidden)
         for out in (torch.float32, torch.bfloat16):
-            compare.both(cpu_kernels.rms_norm, x, weight, 1e-6, out)
+            compare.both(cpu_ops.rms_norm, x, weight, 1e-6, out)
             for delta in (torch.float32, torch.bfloat16):
-                compare.both(cpu_kernels.add_rms_norm, x, compare.randn(rows, hidden).to(delta), weight, 1e-5, out,
+                compare.both(cpu_ops.add_rms_norm, x, compare.randn(rows, hidden).to(delta), weight, 1e-5, out,
                              mutated=(0,))
             for gate_up in (torch.float32, torch.bfloat16):
-                compare.both(cpu_kernels.silu_mul, compare.randn(rows, 2 * hidden, scale=8.0).to(gate_up), out)
+                compare.both(cpu_ops.silu_mul, compare.randn(rows, 2 * hidden, scale=8.0).to(gate_up), out)
 
 
 def test_split_attention_gives_the_pre_split_bits(compare):
@@ -391,7 +392,7 @@ def test_split_attention_gives_the_pre_split_bits(compare):
                                            (3, 12, 4, 128, [3, 31, 64]), (1, 4, 1, 48, [100])]:
         cache = max(lengths) + 4
         k, v = compare.randn(n, kv_heads, cache, d), compare.randn(n, kv_heads, cache, d)
-        compare.both(cpu_kernels.decode_attention, compare.randn(n, heads, d), k, v, torch.tensor(lengths),
+        compare.both(cpu_ops.decode_attention, compare.randn(n, heads, d), k, v, torch.tensor(lengths),
                      1 / d ** 0.5)
         if d % 16:
             continue
@@ -399,5 +400,5 @@ def test_split_attention_gives_the_pre_split_bits(compare):
         for qkv_dtype in (torch.float32, torch.bfloat16):
             for kv in (torch.float32, torch.bfloat16):
                 for out in (torch.float32, torch.bfloat16):
-                    compare.both(cpu_kernels.decode_layer_attention, qkv.to(qkv_dtype), cos, sin, k.to(kv), v.to(kv),
+                    compare.both(cpu_ops.decode_layer_attention, qkv.to(qkv_dtype), cos, sin, k.to(kv), v.to(kv),
                                  torch.tensor(lengths) - 1, heads, 0.125, out, mutated=(0, 3, 4))

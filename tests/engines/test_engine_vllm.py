@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from batchgen.engines.vllm import VLLMConfig, llm_kwargs, sampling_kwargs
+from batchgen.engines.vllm import sampling_kwargs
+from batchgen.engines.vllm_config import VLLMConfig, llm_kwargs
 from batchgen.records import Request
 from batchgen.sampling import SampleParams
 from tests.conftest import job_overrides, run_cli, write_parquet
@@ -52,7 +53,7 @@ def test_missing_vllm_exits_2_with_the_install_hint(tiny_model, tmp_path):
 def test_vllm_on_cpu_sizes_its_kv_cache_to_free_memory_unless_told(tmp_path, monkeypatch):
     """vLLM's CPU worker reserves 0.9 of the node's total memory by default and refuses to start unless that much is
     free; batchgen gives it a KV cache that fits what is free now, and any explicit setting wins."""
-    from batchgen.engines import vllm as engine
+    from batchgen.engines import vllm_config as engine
 
     GiB = engine.GiB
     (tmp_path / "model.safetensors").touch()  # an empty checkpoint: the sums below are round
@@ -83,7 +84,7 @@ def test_vllm_on_cpu_sizes_its_kv_cache_to_free_memory_unless_told(tmp_path, mon
 
 
 def test_the_kv_cache_ceiling_is_what_the_sequences_can_fill(tiny_model):
-    from batchgen.engines import vllm as engine
+    from batchgen.engines import vllm_config as engine
 
     # tiny: 2 layers, 2 KV heads of 16, 2048 positions; K and V in 2 bytes; 256 sequences (vLLM's default) or 8
     assert engine.kv_cache_ceiling(VLLMConfig(model=tiny_model)) == 2 * 2 * 2 * 16 * 2 * 2048 * 256

@@ -12,12 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchgen.checks import validate
 from batchgen.engines.hf import quant
 from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
 from batchgen.engines.hf.backends.cpu import onednn as cpu_linear
+from batchgen.engines.hf.backends.cpu import ops as cpu_ops
 from batchgen.engines.hf.quant import int4, int8, w4a8, w8a8
 from batchgen.errors import ConfigError
-from batchgen.job import validate
 from batchgen.run.runner import run_job
 from tests.conftest import REPO, compose_job, corpus, job_overrides, read_output, run_cli, write_parquet
 
@@ -214,7 +215,7 @@ def test_native_int8_kernel_matches_a_float_reference(isa):
     for m, k, n, biased in [(1, 768, 768, False), (3, 100, 13, True), (7, 2048, 770, True), (1, 12, 5, False)]:
         x, w = torch.randn(m, k), torch.randint(-127, 128, (n, k), dtype=torch.int8)
         scale, bias = torch.rand(n) / 100, torch.randn(n) if biased else None
-        got = cpu_kernels.int8_gemm(lib, x, w, scale, bias)
+        got = cpu_ops.int8_gemm(lib, x, w, scale, bias)
         want = x @ w.float().t() * scale + (0 if bias is None else bias)
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item()), (m, k, n)
 
@@ -406,9 +407,9 @@ def test_native_int4_kernel_matches_a_float_reference(isa):
         x, bias = torch.randn(m, k), torch.randn(n) if biased else None
         weights = (q.float().view(n, -1, group) * scale.float()[..., None] + mins.float()[..., None]).view(n, k)
         want = x @ weights.t() + (0 if bias is None else bias)
-        got = cpu_kernels.int4_gemm(lib, x, int4.pack_int4(q), scale, mins, group, bias)
+        got = cpu_ops.int4_gemm(lib, x, int4.pack_int4(q), scale, mins, group, bias)
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item()), (m, k, n, group)
-        assert torch.equal(cpu_kernels.int4_dequantize(lib, int4.pack_int4(q), scale, mins, group), weights)
+        assert torch.equal(cpu_ops.int4_dequantize(lib, int4.pack_int4(q), scale, mins, group), weights)
 
 
 def test_int4_decode_path_agrees_with_its_prefill_path_on_the_benchmark_model(bench_model):

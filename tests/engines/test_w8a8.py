@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.backends.cpu import ops as cpu_ops
 from batchgen.engines.hf.quant import w8a8
 from tests.conftest import REPO
 
@@ -42,7 +43,7 @@ def test_the_quantize_kernel_is_the_documented_arithmetic_on_every_variant(isa):
     if lib is None:
         pytest.skip("batchgen's CPU kernels are not built here (x86-64 with AVX2 and FMA, a C compiler)")
     for x in rows_to_quantize():
-        q, scale = cpu_kernels.quantize_rows(lib, x.contiguous())
+        q, scale = cpu_ops.quantize_rows(lib, x.contiguous())
         want_q, want_scale = reference_quantize(x)
         assert torch.equal(q, want_q) and torch.equal(scale, want_scale), tuple(x.shape)
 
@@ -175,19 +176,19 @@ def test_the_fused_producers_write_the_bytes_of_the_unfused_passes_on_every_vari
         delta[rows // 2, -1] = float("nan") if rows > 1 else delta[0, -1]
         for d, s in ((delta, row_scale), (delta, None), (None, None)):
             fused_x, plain_x = x.clone(), x.clone()
-            got = cpu_kernels.add_rms_norm_u8(lib, fused_x, None if d is None else d.clone(), s, weight, 1e-6)
+            got = cpu_ops.add_rms_norm_u8(lib, fused_x, None if d is None else d.clone(), s, weight, 1e-6)
             if d is None:
-                h = cpu_kernels.rms_norm(lib, plain_x, weight, 1e-6)
+                h = cpu_ops.rms_norm(lib, plain_x, weight, 1e-6)
             else:
-                scaled = d.clone() if s is None else cpu_kernels.scale_rows(lib, d.clone(), s, None)
-                h = cpu_kernels.add_rms_norm(lib, plain_x, scaled, weight, 1e-6)
-            want = cpu_kernels.quantize_rows(lib, h)
+                scaled = d.clone() if s is None else cpu_ops.scale_rows(lib, d.clone(), s, None)
+                h = cpu_ops.add_rms_norm(lib, plain_x, scaled, weight, 1e-6)
+            want = cpu_ops.quantize_rows(lib, h)
             assert same_bits(fused_x, plain_x) and all(map(same_bits, got, want)), (isa, rows, hidden, s is None)
         gate_up = torch.randn(rows, 2 * inter, generator=gen) * 300
         for s in (row_scale, None):
-            got = cpu_kernels.silu_mul_u8(lib, gate_up.clone(), s)
-            scaled = gate_up.clone() if s is None else cpu_kernels.scale_rows(lib, gate_up.clone(), s, None)
-            want = cpu_kernels.quantize_rows(lib, cpu_kernels.silu_mul(lib, scaled))
+            got = cpu_ops.silu_mul_u8(lib, gate_up.clone(), s)
+            scaled = gate_up.clone() if s is None else cpu_ops.scale_rows(lib, gate_up.clone(), s, None)
+            want = cpu_ops.quantize_rows(lib, cpu_ops.silu_mul(lib, scaled))
             assert all(map(same_bits, got, want)), (isa, rows, inter, s is None)
 
 
@@ -306,7 +307,7 @@ def test_the_argmax_kernel_picks_what_torch_max_does_on_every_variant(isa):
     odd[5, 2] = odd[5, 11] = 50.0
     for x in (wide, ties, odd, torch.randn(3, 1, generator=gen), torch.randn(2, 7, generator=gen),
               torch.randn(1, 8, generator=gen), torch.full((2, 16), float("-inf"))):
-        got = cpu_kernels.argmax_rows(lib, x.contiguous())
+        got = cpu_ops.argmax_rows(lib, x.contiguous())
         assert torch.equal(got, x.max(dim=-1).indices), (isa, tuple(x.shape))
 
 
@@ -327,11 +328,11 @@ def test_scaling_and_picking_in_one_pass_equals_the_two_kernels_on_every_variant
         scale = torch.rand(x.shape[0], generator=gen) * 1e-3
         scale[0] = 1e-38  # neighbours rounded together (and to subnormals)
         for bias in (None, torch.randn(x.shape[1], generator=gen)):
-            want = cpu_kernels.scale_rows(lib, x.clone(), scale, bias)
+            want = cpu_ops.scale_rows(lib, x.clone(), scale, bias)
             y = x.clone()
-            picks = cpu_kernels.scale_rows_argmax(lib, y, scale, bias)
+            picks = cpu_ops.scale_rows_argmax(lib, y, scale, bias)
             assert same_bits(y, want), (isa, tuple(x.shape), bias is None)
-            assert torch.equal(picks, cpu_kernels.argmax_rows(lib, want)), (isa, tuple(x.shape), bias is None)
+            assert torch.equal(picks, cpu_ops.argmax_rows(lib, want)), (isa, tuple(x.shape), bias is None)
 
 
 @pytest.mark.parametrize("which", ["amx", "vnni"])
@@ -358,7 +359,7 @@ def test_batchgens_int8_gemms_give_onednns_bits(which):
         for m in (1, 2, 3, 4, 5, 6, 7, 12, 15, 16, 17, 33, 64, 130):
             q = torch.randint(0, 256, (m, k), generator=gen, dtype=torch.uint8)
             q[0] = 255
-            for rows in (q, cpu_kernels.u8_rows(m, k).copy_(q)):  # storage of m rows (copied inside), of 16-row tiles
+            for rows in (q, cpu_ops.u8_rows(m, k).copy_(q)):  # storage of m rows (copied inside), of 16-row tiles
                 got = int8_gemm.gemm(lib, which, rows, packed, comp, scale)
                 want = w8a8._gemm(q, onednn, scale, torch.zeros(n, dtype=torch.int64))
                 exact = ((q.int() - 128) @ weight.int().t()).float() * scale

@@ -38,15 +38,7 @@ class Hypothesis:
 def search(model: Any, prompt_ids: list[int], *, num_beams: int, max_new_tokens: int, eos_ids: set[int],
            length_penalty: float, early_stopping: Union[bool, str], device: torch.device) -> list[Hypothesis]:
     """The row's num_beams best hypotheses, best first."""
-    import inspect
-
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.2x renamed it
-    out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, **{kw: cache})
-    logits = out.logits[:, -1, :].float().expand(num_beams, -1)  # the prompt once; its cache then per beam
-    cache.batch_repeat_interleave(num_beams)
+    logits, cache, kw = _start(model, prompt_ids, num_beams, device)
     eos = torch.tensor(sorted(eos_ids), device=device)
     keep = max(2, 1 + len(eos_ids)) * num_beams
     running = torch.zeros((num_beams, max_new_tokens), dtype=torch.long, device=device)
@@ -80,6 +72,20 @@ def search(model: Any, prompt_ids: list[int], *, num_beams: int, max_new_tokens:
         out = model(input_ids=running[:, t:t + 1], use_cache=True, **{kw: cache})
         logits = out.logits[:, -1, :].float()
     return done.hypotheses(eos_ids)
+
+
+def _start(model: Any, prompt_ids: list[int], num_beams: int, device: torch.device) -> tuple[torch.Tensor, Any, str]:
+    """The prompt run once: its last token's logits for each beam [num_beams, V], its cache repeated per beam, and
+    the name the model's forward takes that cache by (transformers 5.2x renamed it)."""
+    import inspect
+
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(input_ids=torch.tensor([prompt_ids], device=device), use_cache=True, **{kw: cache})
+    cache.batch_repeat_interleave(num_beams)
+    return out.logits[:, -1, :].float().expand(num_beams, -1), cache, kw
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,8 @@ def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
     for row in range(part.num_rows):
         if row in planned.skipped:
             continue  # generated in run.skip_existing's output already
-        error = planned.errors[row]
         for s in range(n if planned.counts is None else planned.counts[row]):
-            seed = planned.seeds[row * n + s]
+            seed, error = planned.seeds[row * n + s], planned.errors[row]
             if error is not None:
                 rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=None,
                                       finish_reason="error", num_prompt_tokens=0, num_generated_tokens=0,
@@ -39,26 +38,30 @@ def assemble(planned: PlannedPart, results: list[Result]) -> list[OutputRow]:
             if res is None:
                 raise BatchgenError(f"part {part.index}: the engine returned no result for row {part.ids[row]!r} "
                                     f"sample {s}; nothing of this part was committed, rerun to resume")
-            usage = {"cached_prompt_tokens": res.cached_prompt_tokens, "reasoning_tokens": res.reasoning_tokens,
-                     "latency_s": res.latency_s}
-            if res.error is not None or res.loglik is not None or res.embedding is not None:
-                rows.append(_ungenerated(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=None,
-                                                   finish_reason=res.finish_reason, seed=seed, error=res.error,
-                                                   num_prompt_tokens=res.num_prompt_tokens,
-                                                   num_generated_tokens=res.num_generated_tokens, **usage), res))
-                continue
-            constraint = constraints.get(row * n + s)
-            parsed, invalid = check(constraint, res.text, res.finish_reason) if constraint else (None, None)
-            rows.append(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=res.text,
-                                  finish_reason=res.finish_reason, num_prompt_tokens=res.num_prompt_tokens,
-                                  num_generated_tokens=res.num_generated_tokens, seed=seed, error=invalid,
-                                  parsed=parsed, choice_scores=_labelled(constraint, res.choice_scores),
-                                  token_logprobs=res.token_logprobs, top_logprobs=_top(res.top_logprobs),
-                                  reasoning=res.reasoning, **usage))
+            rows.append(_sample_row(OutputRow(row=row, id=part.ids[row], sample_index=s, generation=None,
+                                              finish_reason=res.finish_reason, seed=seed, error=None,
+                                              num_prompt_tokens=res.num_prompt_tokens,
+                                              num_generated_tokens=res.num_generated_tokens), res,
+                                    constraints.get(row * n + s)))
     if by_key:
         raise BatchgenError(f"part {part.index}: the engine returned results for unknown requests "
                             f"{sorted(by_key)[:5]}; nothing of this part was committed, rerun to resume")
     return rows
+
+
+def _sample_row(row: OutputRow, res: Result, constraint: Optional[Constraint]) -> OutputRow:
+    """A sample's row from its result: its usage, then its generation (checked against its constraint:
+    `parsed`, or an invalid_output error), or its error or score where the engine generated nothing."""
+    row.cached_prompt_tokens, row.reasoning_tokens = res.cached_prompt_tokens, res.reasoning_tokens
+    row.latency_s = res.latency_s
+    if res.error is not None or res.loglik is not None or res.embedding is not None:
+        row.error = res.error
+        return _ungenerated(row, res)
+    row.generation, row.reasoning = res.text, res.reasoning
+    row.parsed, row.error = check(constraint, res.text, res.finish_reason) if constraint else (None, None)
+    row.choice_scores = _labelled(constraint, res.choice_scores)
+    row.token_logprobs, row.top_logprobs = res.token_logprobs, _top(res.top_logprobs)
+    return row
 
 
 def _top(top: Optional[list[list[list]]]) -> Optional[list[list[dict[str, Any]]]]:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.backends.cpu import ops as cpu_ops
 from batchgen.engines.hf.backends.cpu.onednn import CastLinear, replace_linears
 from batchgen.engines.hf.quant.common import INT4_CPU_GROUP, INT4_GROUP, INT4_NATIVE_ROWS, TORCHAO_HINT, import_or_hint
 from batchgen.engines.hf.quant.int8 import Int8WeightOnlyLinear, quantize_embeddings_int8
@@ -101,13 +102,13 @@ class Int4WeightOnlyLinear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The layer's weights as float32, [N, K]."""
-        return cpu_kernels.int4_dequantize(self.native, self.qweight, self.scale, self.mins, self.group)
+        return cpu_ops.int4_dequantize(self.native, self.qweight, self.scale, self.mins, self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., K] -> [..., N]
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if 0 < x2.shape[0] < self.native_rows:
-            y = cpu_kernels.int4_gemm(self.native, x2.float().contiguous(), self.qweight, self.scale, self.mins,
+            y = cpu_ops.int4_gemm(self.native, x2.float().contiguous(), self.qweight, self.scale, self.mins,
                                       self.group, self.bias)
             return y.to(x.dtype).view(*lead, self.out_features)
         dtype = self.gemm_dtype or x.dtype

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.backends.cpu import ops as cpu_ops
 from batchgen.engines.hf.backends.cpu.onednn import replace_linears
 from batchgen.engines.hf.backends.cpu.runtime import CheckpointPages
 from batchgen.engines.hf.quant import w8a8
@@ -103,7 +104,7 @@ class Int8WeightOnlyLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
         if 0 < rows < self.native_rows:
-            y = cpu_kernels.int8_gemm(self.native, x2.float().contiguous(), self.qweight, self.scale_f32,
+            y = cpu_ops.int8_gemm(self.native, x2.float().contiguous(), self.qweight, self.scale_f32,
                                    None if self.bias is None else self.bias.float())
             return y.to(x.dtype).view(*lead, self.out_features)
         if rows >= self.dequant_rows or rows == 0 or self.in_features % INT8_K_MULTIPLE:

@@ -19,6 +19,7 @@ from torch import nn
 
 from batchgen.engines.hf.backends.cpu import int8_gemm
 from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.backends.cpu import ops as cpu_ops
 from batchgen.engines.hf.backends.cpu.onednn import replace_linears
 from batchgen.engines.hf.quant import int4, int8, w8a8
 from batchgen.engines.hf.quant.common import INT4_CPU_GROUP
@@ -100,7 +101,7 @@ class Int4DynamicLinear(Int8DynamicLinear):
     def matmul(self, rows: QuantizedRows) -> torch.Tensor:
         """The W4A8 product of quantized rows before their own scales and the bias: [M, N] float32."""
         q = rows.q
-        cpu_kernels._require(q.dtype == torch.uint8 and q.dim() == 2 and q.is_contiguous()
+        cpu_ops.require(q.dtype == torch.uint8 and q.dim() == 2 and q.is_contiguous()
                              and q.shape[1] == self.in_features, "Int4DynamicLinear.matmul: q [M, K] uint8 contiguous")
         y = torch.empty((q.shape[0], self.out_features), dtype=torch.float32)
         if self.lib.batchgen_vnni_int4_gemm(q.data_ptr(), q.shape[0], self.in_features, self.packed.data_ptr(),

@@ -26,6 +26,7 @@ from torch import nn
 
 from batchgen.engines.hf.backends.cpu import int8_gemm
 from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.backends.cpu import ops as cpu_ops
 from batchgen.engines.hf.backends.cpu.onednn import replace_linears
 from batchgen.engines.hf.quant.common import quantize_by_rows
 
@@ -56,7 +57,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     built, else torch operations with the same arithmetic (x times 127 / max, rounded half to even)."""
     lib = cpu_kernels.load()
     if lib is not None:
-        return cpu_kernels.quantize_rows(lib, x)
+        return cpu_ops.quantize_rows(lib, x)
     peak = x.abs().amax(dim=1) if x.shape[1] else x.new_zeros(x.shape[0])
     finite = torch.isfinite(x).all(dim=1)
     inv = torch.where(peak > 0, 127.0 / peak, torch.zeros_like(peak))
@@ -69,7 +70,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def scale_rows(y: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     lib = cpu_kernels.load()
     if lib is not None:
-        return cpu_kernels.scale_rows(lib, y, scale, bias)
+        return cpu_ops.scale_rows(lib, y, scale, bias)
     y.mul_(scale[:, None])
     return y if bias is None else y.add_(bias)
 
@@ -166,7 +167,7 @@ class Int8DynamicLinear(nn.Module):
             # batchgen's kernel called directly: a decode step of a 0.5B model makes ~100 of these calls per token,
             # and the checked wrappers (cpu/kernels.py) cost ~10 us each; x2 is contiguous float32, q and the scales
             # are allocated here.
-            rows = QuantizedRows(cpu_kernels.u8_rows(x2.shape[0], self.in_features),
+            rows = QuantizedRows(cpu_ops.u8_rows(x2.shape[0], self.in_features),
                                  torch.empty(x2.shape[0], dtype=torch.float32))
             lib.batchgen_quantize_rows(x2.data_ptr(), x2.shape[0], self.in_features, rows.q.data_ptr(),
                                        rows.scale.data_ptr(), torch.get_num_threads())

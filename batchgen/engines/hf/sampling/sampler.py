@@ -18,6 +18,7 @@ import torch
 
 from batchgen.engines.base import answer_text, reasoning_tokens, split_answer, with_tokens
 from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
+from batchgen.engines.hf.backends.cpu import ops as cpu_ops
 from batchgen.engines.hf.sampling import processors
 from batchgen.records import Request, Result
 from batchgen.sampling import SampleParams, find_stop
@@ -214,7 +215,7 @@ def pick_tokens(logits: torch.Tensor, params: list[SampleParams], generators: li
     else:
         lib = cpu_kernels.load() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
         if lib is not None and hasattr(lib, "batchgen_argmax_rows") and logits.is_contiguous() and logits.shape[-1]:
-            tokens = cpu_kernels.argmax_rows(lib, logits).tolist()
+            tokens = cpu_ops.argmax_rows(lib, logits).tolist()
         else:
             tokens = logits.max(dim=-1).indices.tolist()
     for j, (p, gen) in enumerate(zip(params, generators)):

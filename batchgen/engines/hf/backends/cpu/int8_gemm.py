@@ -12,7 +12,7 @@ from typing import Literal, Optional
 
 import torch
 
-from batchgen.engines.hf.backends.cpu import kernels
+from batchgen.engines.hf.backends.cpu import ops as cpu_ops
 from batchgen.engines.hf.backends.cpu.runtime import cpu_flags
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def gemm(lib: ctypes.CDLL, which: Kernel, q: torch.Tensor, packed: torch.Tensor,
     kernel reads whole 16-row tiles: q is copied into a padded buffer where its storage ends before that."""
     m, k = q.shape
     n = packed.shape[0] * 16
-    kernels._require(q.dtype == torch.uint8 and q.is_contiguous() and packed.shape[1] * 4 == k,
+    cpu_ops.require(q.dtype == torch.uint8 and q.is_contiguous() and packed.shape[1] * 4 == k,
                      "int8_gemm.gemm: q [M, K] uint8 contiguous")
     y = torch.empty((m, n), dtype=torch.float32)
     if which == "vnni":
@@ -68,7 +68,7 @@ def gemm(lib: ctypes.CDLL, which: Kernel, q: torch.Tensor, packed: torch.Tensor,
                                     y.data_ptr(), torch.get_num_threads())
         return y
     if q.untyped_storage().nbytes() - q.storage_offset() < -(-m // 16) * 16 * k:
-        q = kernels.u8_rows(m, k).copy_(q)
+        q = cpu_ops.u8_rows(m, k).copy_(q)
     lib.batchgen_amx_int8_gemm(q.data_ptr(), m, k, packed.data_ptr(), n, comp.data_ptr(), scale.data_ptr(),
                                y.data_ptr(), torch.get_num_threads())
     return y

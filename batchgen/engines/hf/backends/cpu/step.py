@@ -1,7 +1,7 @@
 """The CPU backend's stepper: step.LlamaStepper with batchgen's C kernels where they run.
 
 In a float32 model on CPU, decode attention reads the cache through batchgen's kernel (each row over its own
-length, `kernels.decode_attention`). With fused projections (fusion.fuse_projections), a decode step runs batchgen's
+length, `cpu_ops.decode_attention`). With fused projections (fusion.fuse_projections), a decode step runs batchgen's
 kernels between the GEMMs as well (RMSNorm; rotary embedding, cache write and attention in one call;
 SiLU-and-multiply): `_decode_native`, the same arithmetic in a few calls per layer instead of ~50 torch operations,
 and the prefill normalises and activates with the same kernels. Around W8A8 (W4A8) linears (engine.quantization=
@@ -20,6 +20,7 @@ from torch import nn
 
 from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
 from batchgen.engines.hf.backends.cpu import onednn
+from batchgen.engines.hf.backends.cpu import ops as cpu_ops
 from batchgen.engines.hf.kvcache import SlotKVCache
 from batchgen.engines.hf.quant.w8a8 import Int8DynamicLinear, QuantizedRows
 from batchgen.engines.hf.step import Attend, LlamaStepper, PrefillBatch
@@ -118,7 +119,7 @@ class CpuStepper(LlamaStepper):
         lengths = cache.lengths[:n] + 1  # with the token appended this step
 
         def attend(layer: int, q: torch.Tensor) -> torch.Tensor:  # q: [n, heads, 1, d]
-            out = cpu_kernels.decode_attention(self.native, q.reshape(n, self.heads, self.head_dim).contiguous(),
+            out = cpu_ops.decode_attention(self.native, q.reshape(n, self.heads, self.head_dim).contiguous(),
                                                cache.k[layer], cache.v[layer], lengths, self.scaling)
             return out.view(n, self.heads * self.head_dim)
 
@@ -139,10 +140,10 @@ class CpuStepper(LlamaStepper):
             attn, mlp = layer.self_attn, layer.mlp
             _, o_in, gate_up_in, down_in = self.gemm_inputs[i]  # bf16 GEMMs get bf16 inputs (no conversion)
             qkv = _linear(attn.qkv_proj, h).contiguous()  # bf16 out of a bf16 GEMM: the kernel widens it as it reads
-            out = cpu_kernels.decode_layer_attention(self.native, qkv, cos, sin, cache.k[i], cache.v[i], positions,
+            out = cpu_ops.decode_layer_attention(self.native, qkv, cos, sin, cache.k[i], cache.v[i], positions,
                                                      self.heads, self.scaling, _float_kind(o_in))
             if o_in == torch.uint8:
-                out = QuantizedRows(*cpu_kernels.quantize_rows(self.native, out))
+                out = QuantizedRows(*cpu_ops.quantize_rows(self.native, out))
             h = self._add_norm(x, *_linear_unscaled(attn.o_proj, out), layer.post_attention_layernorm, gate_up_in)
             down, down_scale = self._mlp_native(mlp, h, down_in)
             last = i + 1 == len(self.layers)  # then the final norm, for the LM head
@@ -152,7 +153,7 @@ class CpuStepper(LlamaStepper):
         logits, scale = _linear_unscaled(self.model.lm_head, h)
         if scale is None:
             return logits.float(), None
-        return logits, cpu_kernels.scale_rows_argmax(self.native, logits, scale, None)
+        return logits, cpu_ops.scale_rows_argmax(self.native, logits, scale, None)
 
     def _mlp_native(self, mlp: Any, h: Activations,
                     down_in: torch.dtype) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -160,29 +161,29 @@ class CpuStepper(LlamaStepper):
         Returns down's output and, for a W8A8 down projection, the row scales still to apply (else None)."""
         gate_up, scale = _linear_unscaled(mlp.gate_up_proj, h)
         if down_in == torch.uint8:
-            act: Activations = QuantizedRows(*cpu_kernels.silu_mul_u8(self.native, gate_up.contiguous(), scale))
+            act: Activations = QuantizedRows(*cpu_ops.silu_mul_u8(self.native, gate_up.contiguous(), scale))
         else:
-            act = cpu_kernels.silu_mul(self.native, _scaled(mlp.gate_up_proj, gate_up, scale).contiguous(), down_in)
+            act = cpu_ops.silu_mul(self.native, _scaled(mlp.gate_up_proj, gate_up, scale).contiguous(), down_in)
         return _linear_unscaled(mlp.down_proj, act)
 
     def _norm(self, norm: Any, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> Activations:
         if out_dtype == torch.uint8:
-            return QuantizedRows(*cpu_kernels.add_rms_norm_u8(self.native, x, None, None, norm.weight,
+            return QuantizedRows(*cpu_ops.add_rms_norm_u8(self.native, x, None, None, norm.weight,
                                                               norm.variance_epsilon))
-        return cpu_kernels.rms_norm(self.native, x, norm.weight, norm.variance_epsilon, out_dtype)
+        return cpu_ops.rms_norm(self.native, x, norm.weight, norm.variance_epsilon, out_dtype)
 
     def _add_norm(self, x: torch.Tensor, delta: torch.Tensor, delta_scale: Optional[torch.Tensor], norm: Any,
                   out_dtype: torch.dtype) -> Activations:
         """x += delta (times delta_scale per row where given: a W8A8 GEMM's output), the residual stream, in place;
         then norm(x) in out_dtype (uint8: quantized rows for a W8A8 GEMM): one kernel pass."""
         if out_dtype == torch.uint8 and delta.dtype == torch.float32:
-            return QuantizedRows(*cpu_kernels.add_rms_norm_u8(self.native, x, delta.contiguous(), delta_scale,
+            return QuantizedRows(*cpu_ops.add_rms_norm_u8(self.native, x, delta.contiguous(), delta_scale,
                                                               norm.weight, norm.variance_epsilon))
         if delta_scale is not None:
-            delta = cpu_kernels.scale_rows(self.native, delta.contiguous(), delta_scale, None)
-        h = cpu_kernels.add_rms_norm(self.native, x, delta.contiguous(), norm.weight, norm.variance_epsilon,
+            delta = cpu_ops.scale_rows(self.native, delta.contiguous(), delta_scale, None)
+        h = cpu_ops.add_rms_norm(self.native, x, delta.contiguous(), norm.weight, norm.variance_epsilon,
                                      _float_kind(out_dtype))
-        return QuantizedRows(*cpu_kernels.quantize_rows(self.native, h)) if out_dtype == torch.uint8 else h
+        return QuantizedRows(*cpu_ops.quantize_rows(self.native, h)) if out_dtype == torch.uint8 else h
 
 
 def _native_layer(layer: Any) -> bool:

@@ -30,6 +30,32 @@ BLOCK_N = 32  # cache positions per inner iteration
 
 
 @_jit
+def _causal_block(q, k_base, v_base, pos, end, positions, offs_d, d_mask, m_i, l_i, acc, stride_kt, stride_kd,
+                  stride_vt, stride_vd, qk_scale, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
+    """The block of BLOCK_N slot positions from `pos` (those from `end` on never loaded) folded into the queries'
+    running max `m_i`, sum `l_i` and weighted value sum `acc`, each query over the positions up to its own."""
+    offs_n = pos + tl.arange(0, BLOCK_N)
+    kv_mask = (offs_n < end)[:, None] & d_mask[None, :]
+    k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    if DOT_F32:
+        s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    # causal over the slot: a query sees positions up to its own (position 0 always: m_new stays finite)
+    s = tl.where(offs_n[None, :] <= positions[:, None], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_F32:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@_jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, qstart_ptr, count_ptr, start_ptr, slot_ptr,
                     stride_qn, stride_qh, stride_qd, stride_kn, stride_kh, stride_kt, stride_kd,
                     stride_vn, stride_vh, stride_vt, stride_vd, stride_on, stride_oh, stride_od,
@@ -39,47 +65,27 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, qstart_ptr, count_ptr, start_p
     count = tl.load(count_ptr + row)
     q_first = tl.load(qstart_ptr + row)
     start = tl.load(start_ptr + row)
-    slot = tl.load(slot_ptr + row)
-    kv_head = head // group
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)  # the queries' indices among the row's new tokens
     offs_d = tl.arange(0, BLOCK_D)
-    m_mask = offs_m < count
-    d_mask = offs_d < head_dim
+    io_mask = (offs_m < count)[:, None] & (offs_d < head_dim)[None, :]
     q = tl.load(q_ptr + (q_first + offs_m)[:, None] * stride_qn + head * stride_qh + offs_d[None, :] * stride_qd,
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+                mask=io_mask, other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-    positions = start + offs_m  # each query's position in its slot
     # keys [0, end): up to the block's last real query (none where the block is past the row's tokens)
     end = tl.where(block * BLOCK_M < count, start + tl.minimum(count, (block + 1) * BLOCK_M), 0)
-    k_base = k_ptr + slot * stride_kn + kv_head * stride_kh
-    v_base = v_ptr + slot * stride_vn + kv_head * stride_vh
+    slot, kv_head = tl.load(slot_ptr + row), head // group
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for pos in range(0, end, BLOCK_N):
-        offs_n = pos + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n < end)[:, None] & d_mask[None, :]
-        k = tl.load(k_base + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        if DOT_F32:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        # causal over the slot: a query sees positions up to its own (position 0 always: m_new stays finite)
-        s = tl.where(offs_n[None, :] <= positions[:, None], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _causal_block(q, k_ptr + slot * stride_kn + kv_head * stride_kh,
+                                      v_ptr + slot * stride_vn + kv_head * stride_vh, pos, end, start + offs_m,
+                                      offs_d, offs_d < head_dim, m_i, l_i, acc, stride_kt, stride_kd, stride_vt,
+                                      stride_vd, qk_scale, BLOCK_N, DOT_F32)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_first + offs_m)[:, None] * stride_on + head * stride_oh + offs_d[None, :] * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+             out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, counts: list[int],

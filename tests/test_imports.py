@@ -162,3 +162,12 @@ def test_the_command_line_loads_neither_torch_nor_transformers_before_it_needs_a
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_no_global_rebinding():
+    """Module state lives in one named object (cli.Invocation) or a cached function, never behind `global`."""
+    import ast
+
+    rebinding = [f"{path.relative_to(PACKAGE)}:{node.lineno}" for path in PACKAGE.rglob("*.py")
+                 for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Global)]
+    assert not rebinding, rebinding

@@ -18,6 +18,7 @@ import os  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Optional  # noqa: E402
 
@@ -42,21 +43,30 @@ from batchgen.redact import redact_logs, redact_text  # noqa: E402
 from batchgen.run.stopping import StopRequested  # noqa: E402
 
 log = logging.getLogger("batchgen")
-_entered_job = False  # set once Hydra has composed the config and handed it to us
 LOGS = "_logs"  # Hydra's run folders, in output_dir (conf/config.yaml: hydra.run.dir)
-_logs_home: Optional[tuple[Path, Optional[set[str]]]] = None  # where they go, and what was there before the run
-_command = "batchgen"  # the command as typed (main() records it): the line that resumes a stopped run
 Advice = Callable[[BatchgenError], Optional[str]]  # a command's line of advice on its job's error (nightly, increment)
-_advice: Optional[Advice] = None
+
+
+@dataclass
+class Invocation:
+    """This process's command line, as the job under hydra.main needs it (Hydra calls _hydra_main without
+    arguments, so what main() and run_as_job() learned waits here)."""
+
+    command: str = "batchgen"  # the command as typed: the line that resumes a stopped run
+    entered_job: bool = False  # Hydra composed the config and handed it over
+    logs_home: Optional[tuple[Path, Optional[set[str]]]] = None  # where the run's logs go, and what was there before
+    advice: Optional[Advice] = None  # the calling command's advice on its job's error (nightly, increment)
+
+
+invocation = Invocation()
 
 
 def resume_line() -> str:
-    return f"rerun the same command to resume: {redact_text(_command)}"
+    return f"rerun the same command to resume: {redact_text(invocation.command)}"
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
-    global _entered_job
-    _entered_job = True
+    invocation.entered_job = True
     _keep_secrets_out(cfg)
     try:
         job = to_job_config(cfg)
@@ -67,7 +77,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     except BatchgenError as exc:
         _to_log_file(logging.ERROR, f"{exc}")  # the console gets it once, from the line below
         print(f"batchgen: error: {redact_text(str(exc))}", file=sys.stderr)
-        advice = _advice(exc) if _advice is not None else None
+        advice = invocation.advice(exc) if invocation.advice is not None else None
         if advice:
             print(f"batchgen: {redact_text(advice)}", file=sys.stderr)
         if exc.exit_code == 2:
@@ -123,9 +133,9 @@ def _forget_refused_run() -> None:
     behind: Hydra made it, with this run's log folder (`_logs/<time>`), before the job's own checks ran. Kept where
     output_dir was there before (each run its own log folder, refused or not), where the job wrote anything beside
     the logs, or where hydra.run.dir is the user's own place."""
-    if _logs_home is None or _logs_home[1] is not None:
+    if invocation.logs_home is None or invocation.logs_home[1] is not None:
         return
-    home = _logs_home[0]
+    home = invocation.logs_home[0]
     from hydra.core.hydra_config import HydraConfig
 
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
@@ -199,10 +209,9 @@ Exit codes: 0 done, 1 runtime failure, 2 config or input error, 143/130 stopped 
 
 
 def main() -> None:
-    global _command
     import shlex
 
-    _command = shlex.join(["batchgen", *sys.argv[1:]])
+    invocation.command = shlex.join(["batchgen", *sys.argv[1:]])
     sys.argv[1:] = take_config_dirs(sys.argv[1:])  # --config-dir DIR: the user's presets, for every command
     first = sys.argv[1] if len(sys.argv) > 1 else None
     if first in ("-h", "--help") or sys.argv[1:] == ["help"]:
@@ -221,7 +230,7 @@ def main() -> None:
         import importlib
 
         command = importlib.import_module(f"batchgen.commands.{first}")
-        handed = {"plan": (compose_checked,), "retry": (config_from,), "nightly": (run_as_job, _command),
+        handed = {"plan": (compose_checked,), "retry": (config_from,), "nightly": (run_as_job, invocation.command),
                   "increment": (compose_checked, run_as_job)}.get(first, ())
         try:
             code = command.main(sys.argv[2:], *handed)
@@ -238,8 +247,7 @@ def run_as_job(args: list[str], advice: Optional[Advice] = None) -> int:
     the summary printed, the contract's exit codes. Also how a command runs the job it made (nightly, increment),
     whose `advice` may add a line to the job's error. Returns 0 once the job is done (or complete already); any
     other outcome exits with its code."""
-    global _logs_home, _advice
-    _advice = advice
+    invocation.advice = advice
     sys.argv[1:] = args
     if not any(arg.startswith("-") for arg in sys.argv[1:]):  # Hydra's own flags (--help, -m) go straight to it
         cfg = preflight(sys.argv[1:])
@@ -247,12 +255,12 @@ def run_as_job(args: list[str], advice: Optional[Advice] = None) -> int:
         if is_remote(cfg.output_dir) and not any(a.startswith("hydra.run.dir=") for a in sys.argv):
             # Hydra's logs are local files: for an output on object storage, in its staging directory
             sys.argv.append(f"hydra.run.dir={home}/{LOGS}/" + "${now:%Y-%m-%d_%H-%M-%S-%f}")
-        _logs_home = (home.resolve(), _entries(home))  # before Hydra makes its run folder there
+        invocation.logs_home = (home.resolve(), _entries(home))  # before Hydra makes its run folder there
     sys.argv[1:] = with_search_path(sys.argv[1:])
     try:
         _hydra_main()
     except SystemExit as exc:
-        if exc.code not in (0, None) and not _entered_job:
+        if exc.code not in (0, None) and not invocation.entered_job:
             sys.exit(2)  # Hydra could not compose the config: an unknown key, group or value
         raise
     return 0

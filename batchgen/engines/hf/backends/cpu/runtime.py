@@ -33,7 +33,6 @@ log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
 KEEP_BYTES = 1 << 30
-_done = False
 # Spin iterations before a waiting OpenMP thread sleeps: about 0.1-0.2 ms, longer than the gaps between a decode
 # step's parallel regions. Measured on a 2-core Zen 5 EPYC, a 64-row decode step of the benchmark model: 26.0 ms
 # with PASSIVE, 22.6 with 1000, 21.0 with 10000; at 1 row 10.2, 6.4, 6.1 ms (benchmarks/threads.py for a job).
@@ -96,17 +95,15 @@ class CheckpointPages:
         return last - first
 
 
+@lru_cache(maxsize=1)
 def keep_freed_memory() -> bool:
-    """Raise glibc's mmap/trim thresholds so large freed blocks are reused; False where not glibc."""
-    global _done
-    if _done:
-        return True
+    """Raise glibc's mmap/trim thresholds so large freed blocks are reused (once a process); False where not glibc."""
     mallopt = _glibc("mallopt")
     if mallopt is None:
         return False
-    _done = bool(mallopt(M_MMAP_THRESHOLD, KEEP_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_BYTES))
-    log.debug("glibc malloc thresholds raised to %d bytes: %s", KEEP_BYTES, _done)
-    return _done
+    done = bool(mallopt(M_MMAP_THRESHOLD, KEEP_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_BYTES))
+    log.debug("glibc malloc thresholds raised to %d bytes: %s", KEEP_BYTES, done)
+    return done
 
 
 @lru_cache(maxsize=1)

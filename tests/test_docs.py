@@ -85,7 +85,7 @@ def test_the_readme_links_every_docs_page():
 
 def test_every_config_key_is_in_the_config_reference():
     """Every key of every config section and of every engine's own config class appears in the reference
-    (batchgen/conf/reference.md; the launcher's in the table docs/scaling-out.md holds, which the reference links)."""
+    (conf/reference.md; the launcher's in the table docs/scaling-out.md holds, which the reference links)."""
     import dataclasses
 
     from batchgen.engines import ENGINES
@@ -93,7 +93,7 @@ def test_every_config_key_is_in_the_config_reference():
     from batchgen.reader import DatasetConfig
     from batchgen.sampling import SamplingConfig
 
-    reference = (ROOT / "batchgen" / "conf" / "reference.md").read_text()
+    reference = (ROOT / "conf" / "reference.md").read_text()
     scaling = (ROOT / "docs" / "scaling-out.md").read_text()
     sections = [("dataset", DatasetConfig, reference), ("sampling", SamplingConfig, reference),
                 ("run", RunConfig, reference), ("output", OutputConfig, reference),
@@ -105,7 +105,7 @@ def test_every_config_key_is_in_the_config_reference():
 
 
 def test_the_docs_reference_is_the_one_batchgen_help_shows():
-    """docs/configuration.md's "Config reference" is generated from batchgen/conf/reference.md, which `batchgen help`
+    """docs/configuration.md's "Config reference" is generated from conf/reference.md, which `batchgen help`
     reads: regenerate it (python -m batchgen.commands.keys --write-docs docs/configuration.md) after editing."""
     from batchgen.commands.keys import docs_block
 

@@ -171,3 +171,14 @@ def test_no_global_rebinding():
     rebinding = [f"{path.relative_to(PACKAGE)}:{node.lineno}" for path in PACKAGE.rglob("*.py")
                  for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Global)]
     assert not rebinding, rebinding
+
+
+def test_the_config_is_edited_at_the_top_and_imported_from_there():
+    """conf/ sits at the top of the checkout, as the design card lays the project out; the package reads it as
+    batchgen.conf (setup.py maps it), so an edit in conf/ is what the editable install composes."""
+    import batchgen.conf
+
+    from batchgen.commands.compose import CONF_DIR
+
+    assert not (PACKAGE / "conf").exists() and (PACKAGE.parent / "conf" / "config.yaml").exists()
+    assert Path(batchgen.conf.__file__).resolve().parent == PACKAGE.parent / "conf" == Path(CONF_DIR)

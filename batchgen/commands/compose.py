@@ -1,5 +1,5 @@
 """The job's config from Hydra: the one module that composes it (cli.py runs the job under hydra.main). It holds
-where the config lives (batchgen/conf/, shipped in the package, and the user's own directories named by --config-dir
+where the config lives (conf/, shipped in the package, and the user's own directories named by --config-dir
 or BATCHGEN_CONF_DIR), registers the dataclasses as Hydra's schemas, checks overrides and the presets they pick before
 Hydra sees them (unknown keys with their likely spelling and `batchgen help KEY`, another engine's keys, misspelt
 group options, values its grammar cannot read) and converts the composed config to JobConfig once (to_job_config).
@@ -18,13 +18,14 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+import batchgen.conf
 from batchgen.checks import validate
 from batchgen.commands.keynames import GROUPS, unknown_keys
 from batchgen.engines import ENGINES
 from batchgen.errors import ConfigError
 from batchgen.job import JobConfig
 
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")  # the root config, the groups, the presets
+CONF_DIR = str(Path(batchgen.conf.__file__).resolve().parent)  # the root config, the groups, the presets
 USER_CONF_ENV = "BATCHGEN_CONF_DIR"  # directories of the user's own presets (DIR/job/NAME.yaml), os.pathsep-separated
 _config_dirs: list[str] = []  # from --config-dir DIR on the command line (main() takes them out of argv)
 

@@ -1,5 +1,5 @@
 """`batchgen help [KEY | SECTION]`: what a config key means, its default, from the one source that documents the
-keys: batchgen/conf/reference.md, shipped in the package. docs/configuration.md's "Config reference" is generated
+keys: conf/reference.md, shipped in the package. docs/configuration.md's "Config reference" is generated
 from the same file (`python -m batchgen.commands.keys --write-docs`; tests/test_docs.py fails when they differ), so
 the help and the docs cannot drift.
 """
@@ -13,8 +13,10 @@ import textwrap
 from pathlib import Path
 from typing import NamedTuple
 
-REFERENCE = Path(__file__).resolve().parents[1] / "conf" / "reference.md"
-DOCS_BEGIN = "<!-- generated from batchgen/conf/reference.md: python -m batchgen.commands.keys --write-docs -->"
+import batchgen.conf
+
+REFERENCE = Path(batchgen.conf.__file__).resolve().parent / "reference.md"
+DOCS_BEGIN = "<!-- generated from conf/reference.md: python -m batchgen.commands.keys --write-docs -->"
 DOCS_END = "<!-- end of the generated reference -->"
 
 

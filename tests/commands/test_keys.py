@@ -1,4 +1,4 @@
-"""`batchgen help KEY`: a key's default and meaning from the shipped reference (batchgen/conf/reference.md)."""
+"""`batchgen help KEY`: a key's default and meaning from the shipped reference (conf/reference.md)."""
 
 from __future__ import annotations
 

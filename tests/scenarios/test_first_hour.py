@@ -61,6 +61,9 @@ def test_a_wheel_runs_a_preset_job_and_every_command_from_another_directory(inst
     batchgen = str(installed / "bin" / "batchgen")
     located = run([str(installed / "bin" / "python"), "-c", "import batchgen; print(batchgen.__file__)"], home)
     assert str(installed) in located.stdout and str(REPO) not in located.stdout, located.stdout
+    presets = run([str(installed / "bin" / "python"), "-c", "import batchgen.conf; print(batchgen.conf.__file__)"],
+                  home).stdout  # the checkout's top-level conf/, shipped inside the package
+    assert str(installed) in presets and str(REPO) not in presets, presets
     data = REPO / "data" / "demo" / "prompts.jsonl"
     job = [f"engine.model={tiny_model}", "engine.dtype=float32", f"dataset.path={data}", "dataset.limit=12",
            "run.rows_per_part=4", "output_dir=out"]

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 BASE_STAMP := $(VENV)/.installed-base
 
-.PHONY: demo test test-docs test-vllm lint venv clean bench bench-quick
+.PHONY: demo test test-slow test-docs test-vllm lint venv clean bench bench-quick
 
 # The base install: what a job needs (the demo too). Extras add features (docs/engines.md); dev adds the tests'.
 $(BASE_STAMP): pyproject.toml
@@ -28,7 +28,12 @@ demo: $(BASE_STAMP)
 	$(BIN)/batchgen head data/outputs/demo -n 5 --expect-rows $$(grep -c . data/demo/prompts.jsonl)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not vllm and not docs"
+	$(BIN)/python -m pytest -q -m "not vllm and not docs and not slow"
+
+# The slow tier (about 4 min): the random-kill harness, the quick throughput and quantization benchmarks, the
+# 2,000,000-row streaming memory check and the other tests marked `slow`; CI runs it after the main tier
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m "slow and not vllm and not docs"
 
 # The docs tier: every command the README and docs/ show, run as written, and the built wheel installed elsewhere
 test-docs: $(STAMP)

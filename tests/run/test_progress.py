@@ -18,8 +18,8 @@ from tests.conftest import REPO, compose_job, dummy_overrides, job_overrides, ke
 
 @pytest.mark.parametrize("launcher", ["local", pytest.param("ray", marks=pytest.mark.ray)])
 def test_progress_moves_before_the_first_part_commits(tiny_model, tmp_path, launcher):
-    """One 24-row part on the dummy engine at 25 ms a token (about 1 s of decoding: at 4 ms the part was done in
-    0.16 s, too soon for the Ray driver's status to show it in flight on a fast CPU): while it is in flight,
+    """One 24-row part on the dummy engine at 4 ms a generated token (960 tokens: about 4 s in flight; under Ray,
+    whose driver looks at its worker's journal once a heartbeat, 15 ms: about 15 s): while it is in flight,
     _status.json counts journaled
     samples and gives an ETA with no row committed; the bar (on stderr) shows row counts between 0 and 24 before
     the part commits; `batchgen status` shows the ETA and the samples journaled. Under launcher=ray the driver
@@ -29,7 +29,8 @@ def test_progress_moves_before_the_first_part_commits(tiny_model, tmp_path, laun
     data = write_parquet(tmp_path / "in.parquet", keyed_rows(24, "r", 5))
     out = tmp_path / "out"
     ray = ["launcher=ray", "launcher.num_workers=1"] if launcher == "ray" else []
-    args = [*job_overrides(tiny_model, data, out, "engine=dummy", "+engine.extra_args.delay_s=0.025",
+    delay = 0.015 if ray else 0.004
+    args = [*job_overrides(tiny_model, data, out, "engine=dummy", f"+engine.extra_args.delay_s={delay}",
                            "+engine.extra_args.eos_rate=0.0", "sampling.max_new_tokens=40", "run.rows_per_part=24",
                            "dataset.id_column=uid", *ray), "run.progress=true"]
     job = subprocess.Popen([sys.executable, "-m", "batchgen", *args], cwd=REPO, stdout=subprocess.PIPE,

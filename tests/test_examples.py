@@ -38,13 +38,13 @@ NOT_HERE = {
     "30 2 * * *": ("a crontab line: batchgen increment and nightly, and jobs/increment.sh, nightly.sh under env -i, "
                    "run in tests/commands/test_scheduled.py"),
     "duckdb -c": ("the duckdb CLI: the queries run through duckdb's Python API in tests/scenarios/test_increments.py "
-                  "and tests/engines/test_decide.py"),
+                  "and tests/engines/hf/test_decide.py"),
     "sbatch": "a Slurm cluster: jobs/slurm/*.sh run in tests/scenarios/test_jobs.py",
     "batchgen job=annotate launcher=ray launcher.address=auto": "an existing Ray cluster; the local one runs here",
     "vllm serve": "a vLLM server: the vLLM tier starts one (tests/vllm_tier/test_vllm_server.py)",
-    "batchgen job=annotate engine=openai": ("an endpoint: tests/engines/test_engine_openai.py runs the engine "
-                                            "against a real model behind an OpenAI-compatible server, the vLLM "
-                                            "tier against vllm serve"),
+    "batchgen job=annotate engine=openai": ("an endpoint: tests/engines/endpoint/test_engine_openai.py runs the "
+                                            "engine against a real model behind an OpenAI-compatible server, the "
+                                            "vLLM tier against vllm serve"),
     "export OPENAI_API_KEY": "a hosted API's key",
 }
 

@@ -85,6 +85,7 @@ Source = Callable[[], Optional[list[Request]]]
 
 class Engine(Protocol):
     max_model_len: int  # prompt + generation limit in tokens
+    max_batch_size: Optional[int]  # rows decoded together at most (sizes the job's look-ahead); None: not said
 
     def identity(self) -> dict[str, Any]:
         """What identifies the model and numerics: goes into the manifest and part metadata."""

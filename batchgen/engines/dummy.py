@@ -39,6 +39,7 @@ class DummyEngine:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.max_model_len = cfg.max_model_len or 2048
+        self.max_batch_size = cfg.max_batch_size  # every request is answered alone: no batch of its own
         self.delay_s = float(cfg.extra_args.get("delay_s", 0.0))
         self.eos_rate = float(cfg.extra_args.get("eos_rate", 0.05))
         special = set(getattr(tokenizer, "all_special_ids", []) or [])

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from batchgen.checks import validate
 from batchgen.engines import build_engine, task_engine
-from batchgen.engines.base import stream_windows
+from batchgen.engines.base import Engine
 from batchgen.errors import BatchgenError
 from batchgen.job import JobConfig
 from batchgen.output.committer import Committer
@@ -114,7 +114,7 @@ def _load_and_generate(cfg: JobConfig, job: JobInput, out: JobOutput, planner: P
         engine.close()
 
 
-def _generate_parts(cfg: JobConfig, planner: Planner, engine: Any, committer: Committer, summary: Summary,
+def _generate_parts(cfg: JobConfig, planner: Planner, engine: Engine, committer: Committer, summary: Summary,
                     progress: Progress) -> None:
     """Stream this shard's uncommitted parts through the engine (feed.Feed: a bounded look-ahead of parts in
     flight, each committed as soon as its last sample is in), then write _SUCCESS if every part exists."""
@@ -125,13 +125,11 @@ def _generate_parts(cfg: JobConfig, planner: Planner, engine: Any, committer: Co
 
     lookahead = cfg.run.lookahead_parts
     if lookahead is None:
-        lookahead = auto_lookahead(getattr(engine, "max_batch_size", None) or DEFAULT_BATCH_SLOTS, cfg.rows_per_part,
-                                   cfg.sampling.n)
+        lookahead = auto_lookahead(engine.max_batch_size or DEFAULT_BATCH_SLOTS, cfg.rows_per_part, cfg.sampling.n)
     feed = Feed(cfg, planner, committer, progress, summary, max_model_len=engine.max_model_len, lookahead=lookahead,
                 on_committed=on_committed)
-    stream = getattr(engine, "stream", None) or partial(stream_windows, engine.generate)  # an engine of the old API
     try:
-        stream(feed.source, feed.on_result)
+        engine.stream(feed.source, feed.on_result)
         feed.finish()
     finally:
         feed.close()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from batchgen.run.runner import run_job
 from tests.conftest import compose_job, corpus, job_overrides, read_output, write_jsonl
-from tests.engines.test_engine_openai import endpoint
+from tests.engines.endpoint.test_engine_openai import endpoint
 
 ROWS = 30
 

@@ -12,7 +12,7 @@ from batchgen.commands.plan import run_plan
 from batchgen.errors import ResumeMismatchError
 from batchgen.run.runner import run_job
 from tests.conftest import compose_job, corpus, dummy_overrides, job_overrides, read_output, write_jsonl
-from tests.engines.test_engine_openai import endpoint
+from tests.engines.endpoint.test_engine_openai import endpoint
 
 PRICES = "output.prices={input: 0.15, cached_input: 0.075, output: 0.6}"
 SYSTEM = ("dataset.system_prompt='You label support tickets for a small shop. Read the ticket, decide what it is "

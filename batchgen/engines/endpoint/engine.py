@@ -55,6 +55,7 @@ class OpenAIEngine:
         self.path = "chat/completions" if self.chat else "completions"
         self.served = served_model(cfg, self.client, self.httpx)
         self.max_model_len = int(cfg.max_model_len or self.served.get("max_model_len") or DEFAULT_MAX_LEN)
+        self.max_batch_size: Optional[int] = None  # the server's batch is its own
         self.dispatcher = Dispatcher(self.send, most=cfg.max_concurrency, max_retries=cfg.max_retries,
                                      stop_grace_s=cfg.stop_grace_s)
         self.estimates_said = False  # without a tokenizer: whether an answer without usage counts was logged

@@ -5,7 +5,8 @@ Gumbel-max, argmax(logits + g), where g's uniforms come from a counter-based has
 There is no generator state, so a seeded row draws the same token alone or in any batch, in any slot, and after a
 resume that replays its steps. Per-row parameters live in preallocated tensors (SlotParams), written on the host
 when a row is admitted, outside the step. No op here reads a value on the host or has a value-dependent shape
-(tests/engines/syncguard.py checks it), and everything is plain torch, so it runs, and is tested, on CPU tensors.
+(tests/engines/hf/backends/cuda/syncguard.py checks it), and everything is plain torch, so it runs, and is tested,
+on CPU tensors.
 
 The penalties, logit_bias and min_tokens are not applied here: the Sampler applies them to the logits it passes
 in (engines/hf/sampling/processors.py), once, before this draw and before a greedy row's argmax, so they hold for

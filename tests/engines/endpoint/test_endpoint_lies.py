@@ -15,7 +15,7 @@ from batchgen.engines.endpoint.engine import EndpointError
 from batchgen.errors import ConfigError
 from batchgen.run.runner import run_job
 from tests.conftest import compose_job, corpus, run_cli, write_jsonl
-from tests.engines.test_engine_openai import by_id, endpoint, overrides
+from tests.engines.endpoint.test_engine_openai import by_id, endpoint, overrides
 
 LIES = {1: "usage_str", 3: "usage_huge", 5: "usage_negative", 7: "two_choices", 9: "bad_index", 11: "bad_ids"}
 WHY = {"usage_str": "usage prompt_tokens='", "usage_huge": "usage completion_tokens=1099511627776",

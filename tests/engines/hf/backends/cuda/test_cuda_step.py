@@ -1,7 +1,7 @@
 """The CUDA backend's decode step (backends/cuda/step.py), checked on CPU tensors: its static-shape body equals the
 reference stepper (float32 logits within 1e-4, greedy picks the logits' argmax) with live rows fewer than the bucket,
-runs without a host sync or a value-dependent shape (tests/engines/syncguard.py), gives the same twice from the same
-buffers, and generates through the scheduler what the reference generates. On CUDA (the `gpu` tests) the captured
+runs without a host sync or a value-dependent shape (syncguard.py beside this file), gives the same twice from the
+same buffers, and generates through the scheduler what the reference generates. On CUDA (the `gpu` tests) the captured
 graphs give what the eager body gives."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from batchgen.engines.hf.backends.cuda.step import CudaStepper, masked_attention
 from batchgen.engines.hf.fusion import concatenate_linears, fuse_projections
 from batchgen.engines.hf.step import LlamaStepper
-from tests.engines.syncguard import no_host_sync
+from tests.engines.hf.backends.cuda.syncguard import no_host_sync
 
 PROMPT_LENGTHS = (40, 3, 17, 1, 29)  # 5 live rows: bucket 8 of a 6-slot cache is 6 rows, one padding row
 
@@ -199,7 +199,7 @@ from batchgen.engines.hf.backends.cuda import attention
 from batchgen.engines.hf.backends.cuda.step import CudaStepper
 from batchgen.engines.hf.fusion import concatenate_linears, fuse_projections
 from batchgen.engines.hf.step import LlamaStepper
-from tests.engines.test_cuda_step import decode_steps
+from tests.engines.hf.backends.cuda.test_cuda_step import decode_steps
 
 assert attention.interpreted()
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()

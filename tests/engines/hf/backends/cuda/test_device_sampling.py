@@ -13,7 +13,7 @@ import torch
 
 from batchgen.engines.hf.backends.cuda.sampling import SlotParams, as_int64, gumbel, hash_bits, logprobs, pick
 from batchgen.sampling import SampleParams
-from tests.engines.syncguard import no_host_sync
+from tests.engines.hf.backends.cuda.syncguard import no_host_sync
 
 CPU = torch.device("cpu")
 PROBS = torch.tensor([0.3, 0.2, 0.15, 0.12, 0.1, 0.08, 0.04, 0.01])  # sorted; spread over the vocab by PERM

@@ -15,7 +15,7 @@ from batchgen.engines.base import estimate_tokens
 from batchgen.errors import ConfigError
 from batchgen.run.runner import run_job
 from tests.conftest import compose_job, write_jsonl
-from tests.engines.test_engine_openai import by_id, endpoint, overrides, rows
+from tests.engines.endpoint.test_engine_openai import by_id, endpoint, overrides, rows
 
 SYSTEM = "Answer briefly."
 CHAT = (f"dataset.system_prompt={SYSTEM}", "engine.endpoint=chat")

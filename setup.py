@@ -6,6 +6,5 @@ from setuptools import find_packages, setup
 
 setup(
     packages=[*find_packages(include=["batchgen", "batchgen.*"]), "batchgen.conf"],
-    package_dir={"batchgen.conf": "conf"},
-    package_data={"batchgen.conf": ["*.yaml", "*/*.yaml", "reference.md"]},
+    package_dir={"batchgen.conf": "conf"},  # its files: pyproject.toml's package-data (which replaces setup()'s)
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import site
 import subprocess
 import sys
@@ -41,8 +42,14 @@ def installed(tmp_path_factory) -> Path:
     the test's own environment through a .pth line (nothing is downloaded, and the checkout's editable install is
     not on that path: a .pth line adds a directory without running the .pth files in it)."""
     where = tmp_path_factory.mktemp("wheel")
+    source = where / "source"  # the checkout's files only: a stale build/ there must not reach the wheel
+    listed = run(["git", "-C", str(REPO), "ls-files", "--cached", "--others", "--exclude-standard"], where)
+    for name in listed.stdout.splitlines():
+        if (REPO / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, source / name)
     run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(where / "dist"),
-         str(REPO)], where)
+         str(source)], where)
     wheel = next((where / "dist").glob("batchgen-*.whl"))
     venv = where / "venv"
     run([sys.executable, "-m", "venv", str(venv)], where)

@@ -182,3 +182,14 @@ def test_the_config_is_edited_at_the_top_and_imported_from_there():
 
     assert not (PACKAGE / "conf").exists() and (PACKAGE.parent / "conf" / "config.yaml").exists()
     assert Path(batchgen.conf.__file__).resolve().parent == PACKAGE.parent / "conf" == Path(CONF_DIR)
+
+
+def test_a_source_tree_on_pythonpath_finds_the_top_level_conf(monkeypatch):
+    """Without an install (the GPU check runs the checkout through PYTHONPATH) batchgen.conf is not importable: the
+    checkout's conf/ is the config."""
+    import sys
+
+    from batchgen.confdir import conf_dir
+
+    monkeypatch.setitem(sys.modules, "batchgen.conf", None)  # import batchgen.conf now raises ModuleNotFoundError
+    assert conf_dir() == PACKAGE.parent / "conf"

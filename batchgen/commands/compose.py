@@ -18,14 +18,14 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-import batchgen.conf
 from batchgen.checks import validate
 from batchgen.commands.keynames import GROUPS, unknown_keys
+from batchgen.confdir import conf_dir
 from batchgen.engines import ENGINES
 from batchgen.errors import ConfigError
 from batchgen.job import JobConfig
 
-CONF_DIR = str(Path(batchgen.conf.__file__).resolve().parent)  # the root config, the groups, the presets
+CONF_DIR = str(conf_dir())  # the root config, the groups, the presets
 USER_CONF_ENV = "BATCHGEN_CONF_DIR"  # directories of the user's own presets (DIR/job/NAME.yaml), os.pathsep-separated
 _config_dirs: list[str] = []  # from --config-dir DIR on the command line (main() takes them out of argv)
 

@@ -13,9 +13,9 @@ import textwrap
 from pathlib import Path
 from typing import NamedTuple
 
-import batchgen.conf
+from batchgen.confdir import conf_dir
 
-REFERENCE = Path(batchgen.conf.__file__).resolve().parent / "reference.md"
+REFERENCE = conf_dir() / "reference.md"
 DOCS_BEGIN = "<!-- generated from conf/reference.md: python -m batchgen.commands.keys --write-docs -->"
 DOCS_END = "<!-- end of the generated reference -->"
 

@@ -87,8 +87,11 @@ class CudaStepper(LlamaStepper):
             return super()._prefill_batch(cache, first_slot, lengths, starts, x)
         starts = starts or [0] * len(lengths)
         slots = list(range(first_slot, first_slot + len(lengths)))
-        index = [(slot, start + t) for slot, start, count in zip(slots, starts, lengths) for t in range(count)]
-        slot_index, positions = torch.tensor(index, dtype=torch.long).T.to(self.device)
+        counts = torch.tensor(lengths)  # each token's slot and position from per-row tensors, not a Python loop
+        first = torch.cumsum(counts, 0) - counts  # each row's first token among the packed ones
+        offsets = torch.arange(int(counts.sum())) - first.repeat_interleave(counts)
+        slot_index = torch.tensor(slots).repeat_interleave(counts).to(self.device)
+        positions = (torch.tensor(starts).repeat_interleave(counts) + offsets).to(self.device)
         return Packed(cache, lengths, starts, slots, slot_index, positions,
                       self.inner.rotary_emb(x, positions[None]))
 

@@ -163,7 +163,7 @@ def test_a_constrained_row_and_a_free_row_in_one_decode_step_each_give_what_they
     together = engine.generate(reqs)
     alone = [engine.generate([r])[0] for r in reqs]
     assert [r.text for r in together] == [r.text for r in alone]
-    assert engine.stats.decode_steps > 0
+    assert engine.counters.decode_steps > 0
     engine.fast = False  # the generic path (any architecture: the model's own forward) constrains the same way
     try:
         assert [r.text for r in engine.generate(reqs)] == [r.text for r in together]

@@ -193,3 +193,15 @@ def test_a_source_tree_on_pythonpath_finds_the_top_level_conf(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "batchgen.conf", None)  # import batchgen.conf now raises ModuleNotFoundError
     assert conf_dir() == PACKAGE.parent / "conf"
+
+
+def test_the_summary_is_filled_in_one_place():
+    """A run's Summary is filled by the run's steps (run/lifecycle.py) and its own methods (run/progress.py); every
+    other module hands them typed records (lifecycle.Driven, PartStats, ray_job.PartDone)."""
+    import re
+
+    assigned = re.compile(r"\bsummary\.\w+(\.\w+)* *(\+|-)?= ")
+    allowed = {PACKAGE / "run" / "lifecycle.py", PACKAGE / "run" / "progress.py"}
+    found = [f"{path.relative_to(PACKAGE.parent)}:{i}" for path in sorted(PACKAGE.rglob("*.py")) if path not in allowed
+             for i, line in enumerate(path.read_text().splitlines(), 1) if assigned.search(line)]
+    assert not found, f"Summary fields set outside run/lifecycle.py: {found}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Protocol
 
 from batchgen.errors import BatchgenError
@@ -83,6 +83,28 @@ def at_least_one(cfg: Any, *keys: str) -> list[str]:
 Source = Callable[[], Optional[list[Request]]]
 
 
+@dataclass(frozen=True)
+class ResponseCacheCounts:
+    """What run.dedupe and run.cache_dir did (run/respcache.py's wrapper counts them)."""
+
+    hits: int = 0  # answers read from run.cache_dir
+    deduplicated: int = 0  # requests answered by an identical one of this job
+    stored: int = 0  # answers written to run.cache_dir
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What an engine reports of its work so far (Engine.stats()): its own counters, shown as they are in
+    _status.json's "engine", and the few figures the run's summary names."""
+
+    counters: dict[str, Any] = field(default_factory=dict)  # e.g. decode_steps, oom_backoffs (hf), steps (vllm)
+    prefix_tokens_reused: int = 0  # prompt tokens taken from a prefix cache instead of prefilled
+    kv_slots: int = 0  # the KV cache as last allocated: rows decoded together at most (0: the engine keeps none)
+    kv_positions: int = 0  # positions per slot
+    kv_cache_bytes: int = 0  # its keys and values, every layer
+    response_cache: Optional[ResponseCacheCounts] = None  # run.dedupe / run.cache_dir (None: both off)
+
+
 class Engine(Protocol):
     max_model_len: int  # prompt + generation limit in tokens
     max_batch_size: Optional[int]  # rows decoded together at most (sizes the job's look-ahead); None: not said
@@ -98,6 +120,9 @@ class Engine(Protocol):
     def stream(self, source: Source, on_result: Callable[[Result], None]) -> None:
         """Generate every request `source` gives, asking it for more whenever there is room, until it has
         returned None and every request is finished; each Result goes to `on_result` as soon as it is final."""
+
+    def stats(self) -> EngineStats:
+        """Its counters so far (read while it runs, for the status, and once at the end, for the summary)."""
 
     def close(self) -> None: ...
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
-from batchgen.engines.base import EngineConfig, Source, starved, take
+from batchgen.engines.base import EngineConfig, EngineStats, Source, starved, take
 from batchgen.records import Request, Result
 from batchgen.sampling import find_stop
 
@@ -45,6 +45,9 @@ class DummyEngine:
         special = set(getattr(tokenizer, "all_special_ids", []) or [])
         self.vocab = [i for i in range(len(tokenizer)) if i not in special]
         self.eos_id = tokenizer.eos_token_id
+
+    def stats(self) -> EngineStats:
+        return EngineStats()
 
     def identity(self) -> dict[str, Any]:
         return {"engine": "dummy", "dtype": None, "eos_rate": self.eos_rate}

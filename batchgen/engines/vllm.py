@@ -18,11 +18,12 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
 from batchgen.constraints import Constraint
 from batchgen.engines.base import (
+    EngineStats,
     Source,
     answer_text,
     generate_by_stream,
@@ -70,11 +71,14 @@ class VLLMEngine:
         self.model_config = self.llm.llm_engine.model_config
         self.max_model_len = self.model_config.max_model_len
         self.max_batch_size = cfg.max_batch_size or VLLM_MAX_NUM_SEQS  # sequences one step may hold (max_num_seqs)
-        self.stats = StepStats()
+        self.counters = StepStats()
         self._ids = itertools.count()
         self.top_k_off = self.vllm.SamplingParams().top_k  # "top-k off": 0 in recent vLLM, -1 in older ones
         log.info("vllm engine %s: %s in %s, max_model_len=%d", self.vllm.__version__, cfg.model,
                  self.model_config.dtype, self.max_model_len)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(asdict(self.counters))
 
     def identity(self) -> dict[str, Any]:
         return {"engine": "vllm", "vllm": self.vllm.__version__,
@@ -122,8 +126,8 @@ class VLLMEngine:
                     if exhausted:
                         return
                     raise starved()
-                self.stats.steps += 1
-                self.stats.queued_row_steps += min(len(pending), self.max_batch_size)
+                self.counters.steps += 1
+                self.counters.queued_row_steps += min(len(pending), self.max_batch_size)
                 for out in engine.step():
                     if out.finished:
                         result = self._result(pending.pop(out.request_id), out.outputs[0])
@@ -170,7 +174,7 @@ class VLLMEngine:
                     [TokensPrompt(prompt_token_ids=list(reqs[0].prompt_ids)) for reqs in rows],
                     BeamSearchParams(beam_width=p.num_beams, max_tokens=p.max_new_tokens, ignore_eos=p.ignore_eos,
                                      length_penalty=p.length_penalty))
-                self.stats.steps += 1
+                self.counters.steps += 1
                 for reqs, out in zip(rows, outs, strict=True):
                     for req in reqs:
                         seq = out.sequences[min(req.params.beam_rank, len(out.sequences) - 1)]

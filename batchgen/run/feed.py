@@ -155,7 +155,7 @@ class Feed:
             kill_point("samples journaled")
         tokens = sum(r.num_generated_tokens for r in done)
         self.progress.journaled(op.planned.part.index, len(done), tokens, sum(r.num_prompt_tokens for r in done))
-        self.summary.generated_samples += len(done)
+        self.summary.took_samples(generated=len(done))
         op.results += done
         op.generated_tokens += tokens
         op.left -= len(done)
@@ -181,7 +181,7 @@ class Feed:
         with writing(path):
             journal, results = Journal.open(path, key, valid_keys={r.key for r in planned.requests})
         results = _whole_beam_rows(planned, results)
-        self.summary.reused_samples += len(results)
+        self.summary.took_samples(reused=len(results))
         reused = {r.key for r in results}
         todo = [r for r in planned.requests if r.key not in reused]
         op = OpenPart(planned, journal, path, results, left=len(todo))

@@ -1,7 +1,8 @@
 """The one set-up of a job, shared by every way of running it (the local runner, the Ray driver and its workers,
 `batchgen plan`): its input side opened and checked (`open_input`, before anything is written or a model loads),
-and its output directory locked, checked against the manifest and given a committer (`open_output`). Returns typed
-records; knows the reader, the renderer and output_dir's files, not engines."""
+its output directory locked, checked against the manifest and given a committer (`open_output`), and its engine
+behind the response cache (`open_engine`). Returns typed records; knows the reader, the renderer and output_dir's
+files, and engines only by their registry."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from batchgen.engines.base import Engine
 from batchgen.job import JobConfig
 from batchgen.output.committer import Committer, writing
 from batchgen.output.existing import Existing
 from batchgen.output.heartbeat import status_name
 from batchgen.output.lock import OutputLock
-from batchgen.output.manifest import MANIFEST, config_hash, job_id, read_manifest
+from batchgen.output.manifest import MANIFEST, config_hash, job_id, model_identity, read_manifest
 from batchgen.output.outdir import file_metadata, load_input_index, prepare_output_dir
 from batchgen.output.remote import RemoteCommitter, RemoteOutput, is_remote
 from batchgen.output.rows.decide import question_names as decide_names
@@ -55,6 +57,15 @@ def open_input(cfg: JobConfig, index_dir: Path, render_row: Optional[RenderRow] 
     passthrough = check_columns(cfg, reader, renderer)
     existing = Existing(cfg.run.skip_existing, cfg) if skip_existing and cfg.run.skip_existing else None
     return JobInput(reader, tokenizer, renderer, passthrough, existing, old_passthrough(cfg, reader, renderer))
+
+
+def open_engine(cfg: JobConfig, tokenizer: Any) -> Engine:
+    """The job's engine for its task, behind the response cache where run.dedupe or run.cache_dir is on: the one
+    engine set-up of a local run and of a Ray worker."""
+    from batchgen.engines import build_engine, task_engine
+    from batchgen.run import respcache
+
+    return respcache.wrap(build_engine(task_engine(cfg), tokenizer), cfg, model_identity(cfg.engine.model))
 
 
 def kept_passthrough(output_dir: Path, job: JobInput) -> list[str]:

@@ -13,12 +13,14 @@ import socket
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from tqdm import tqdm
 
+from batchgen.engines.base import EngineStats, ResponseCacheCounts
 from batchgen.errors import BatchgenError
 from batchgen.job import JobConfig
 from batchgen.output.committer import Committer
@@ -53,10 +55,20 @@ class Summary:
     kv_cache: str = ""  # the hf engine's KV cache as last sized ("" where the engine keeps none)
     rows_read: int = 0  # input rows this run decoded (a shard of a seekable input: its own parts' only)
     rows_typed: int = 0  # lines a JSONL input's typing pass parsed (once per input: saved for shards and resumes)
-    cache: Any = None  # respcache.CacheStats: answers from run.cache_dir, duplicates generated once (None: off)
+    cache: Optional[ResponseCacheCounts] = None  # answers from run.cache_dir, duplicates generated once (None: off)
     table: str = ""  # output.sink's table, described ("" for the Parquet output)
     table_commits: int = 0  # parts this run committed to it
     table_commit_s: float = 0.0  # the time those commits took
+
+    def committed(self, stats: PartStats, generated_tokens: int) -> None:
+        """A part this run committed: its counts, and the tokens generating it took."""
+        self.totals.add(stats)
+        self.generated_tokens += generated_tokens
+
+    def took_samples(self, generated: int = 0, reused: int = 0) -> None:
+        """Results this run's engine produced, and results taken from part journals instead."""
+        self.generated_samples += generated
+        self.reused_samples += reused
 
     def render(self) -> str:
         t = self.totals
@@ -205,7 +217,8 @@ class Progress:
         self.run_progress = 0.0  # rows this run, committed or advanced per journaled sample
         self.written_at = 0.0
         self.opened: dict[int, float] = {}  # parts in flight: when this run opened them (their time in the history)
-        self.engine: Any = None  # once loaded: its counters (OOM backoffs, decode steps) go into the status
+        # once loaded: the engine's counters (decode steps, OOM backoffs; Ray's per-worker breakdown) in the status
+        self.engine_stats: Optional[Callable[[], EngineStats]] = None
         self.preshown = dict(resumed.journaled_rows)  # journaled rows the bar starts with, until their parts open
         if resumed.parts or resumed.samples:
             said = resumed.said(self.total)
@@ -315,7 +328,8 @@ class Progress:
             tokens_per_s=round(work.tokens_per_s(), 2), eta_s=None if eta is None else round(eta, 1),
             current_part=dict(self.parts[min(self.parts)]) if self.parts else None,
             parts_in_flight=[dict(self.parts[k]) for k in sorted(self.parts)], duplicate_ids=self.duplicate_ids,
-            engine=_engine_stats(self.engine), shard=self.cfg.run.shard, num_shards=self.cfg.run.num_shards,
+            engine=(self.engine_stats().counters or None) if self.engine_stats else None,
+            shard=self.cfg.run.shard, num_shards=self.cfg.run.num_shards,
             pid=os.getpid(), host=socket.gethostname(), error=error, parts_done=self.parts_done,
             this_run=dataclasses.asdict(work))
         with self.stop.shielded():
@@ -332,11 +346,3 @@ class Progress:
             if state in ("done", "partial"):
                 raise
             log.error("could not write the final status: %s", exc)
-
-
-def _engine_stats(engine: Any) -> Optional[dict[str, Any]]:
-    """The engine's counters (e.g. `oom_backoffs`: prefills retried with a halved token budget), if it keeps any."""
-    stats = getattr(engine, "stats", None)
-    if isinstance(stats, dict):  # launcher=ray: the driver's per-worker breakdown
-        return stats
-    return dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else None

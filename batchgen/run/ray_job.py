@@ -26,19 +26,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from batchgen.engines.base import EngineStats
 from batchgen.errors import BatchgenError, ConfigError
 from batchgen.job import JobConfig, LauncherConfig
 from batchgen.output.committer import Committer
 from batchgen.output.lock import OutputLock
-from batchgen.output.manifest import model_identity
-from batchgen.output.outdir import committed_totals
-from batchgen.output.rows.schema import SUCCESS
 from batchgen.output.rows.stats import PartStats
 from batchgen.prompts.render import RenderRow
-from batchgen.run import respcache
+from batchgen.run import lifecycle
 from batchgen.run.feed import Feed, Unreported, check_error_rate
-from batchgen.run.prepare import kept_passthrough, make_committer, open_input, open_output
-from batchgen.run.progress import Progress, Summary, find_resumed, numerics_said, tokens_said
+from batchgen.run.lifecycle import Driven, Loaded
+from batchgen.run.prepare import JobOutput, kept_passthrough, make_committer, open_engine, open_input
+from batchgen.run.progress import Progress, Summary
 from batchgen.run.stopping import GracefulStop, Reaper, StopRequested
 
 log = logging.getLogger(__name__)
@@ -57,17 +56,14 @@ class PartDone:
     pid: int = field(default_factory=os.getpid)
 
     def into(self, summary: Summary) -> None:
-        summary.totals.add(self.stats)
-        summary.generated_tokens += self.generated_tokens
-        summary.reused_samples += self.reused_samples
-        summary.generated_samples += self.generated_samples
+        summary.committed(self.stats, self.generated_tokens)
+        summary.took_samples(self.generated_samples, self.reused_samples)
 
 
 class PartWorker:
     """A Ray actor's body: one engine, loaded once; parts run one at a time."""
 
     def __init__(self, cfg: JobConfig, render_row: Optional[RenderRow], metadata: dict[str, str]):
-        from batchgen.engines import build_engine, task_engine
         from batchgen.prompts.planner import Planner
 
         self.cfg = cfg
@@ -76,8 +72,7 @@ class PartWorker:
         self.committer = make_committer(cfg, self.output_dir, kept_passthrough(self.output_dir, job), dict(metadata),
                                         exclusive=True)
         self.planner = Planner(cfg, job.reader, job.renderer, job.tokenizer, job.existing)
-        self.engine = respcache.wrap(build_engine(task_engine(cfg), job.tokenizer), cfg,
-                                   model_identity(cfg.engine.model))
+        self.engine = open_engine(cfg, job.tokenizer)
         self.stop = GracefulStop()  # never entered: the driver stops the job; shielded sections still nest
 
     def identity(self) -> dict[str, Any]:
@@ -129,42 +124,70 @@ def run_on_ray(cfg: JobConfig, resolved: Optional[dict[str, Any]], render_row: O
     if total_rows is None:
         raise ConfigError(["launcher=ray needs an input whose rows can be counted before the run (Parquet, JSONL, "
                            "a saved `datasets` directory); a streamed hub dataset is not"])
-    with GracefulStop() as stop, open_output(cfg, job, resolved) as out:
-        committer = out.committer
-        summary = Summary(out.shown, "partial", committed_totals(committer, cfg))
-        if (out.output_dir / SUCCESS).exists():
-            summary.state = "already_done"
-            return summary
-        parts = -(-total_rows // cfg.rows_per_part)
-        summary.rows_already_committed = summary.totals.rows
-        resumed = find_resumed(cfg, committer, out.shown, summary.totals, cfg.sampling.n)
-        progress = Progress(cfg, committer, total_rows, summary.totals, stop, resumed=resumed)
+    with GracefulStop() as stop:
+        return lifecycle.run(cfg, job, resolved, stop, RayDriver(cfg, render_row, stop, total_rows), started)
+
+
+class RayDriver:
+    """The Ray run's parts: a worker per launcher.num_workers, each free one handed the next uncommitted part."""
+
+    def __init__(self, cfg: JobConfig, render_row: Optional[RenderRow], stop: GracefulStop, total_rows: int):
+        self.cfg, self.render_row, self.stop, self.total_rows = cfg, render_row, stop, total_rows
+        self.samples_per_row = cfg.sampling.n
+        self.parts = -(-total_rows // cfg.rows_per_part)
+
+    def drive(self, out: JobOutput, summary: Summary, progress: Progress) -> Driven:
+        """Join launcher.address or start a local cluster (shut down when the job ends), and run the parts on it."""
+        import ray
+
+        reaper = _init_ray(self.cfg.launcher, self.stop) if not ray.is_initialized() else None
         try:
-            _drive(cfg, render_row, committer, parts, summary, progress, stop, started)
-        except BaseException as exc:
-            summary.state = "failed" if isinstance(exc, Exception) else "stopped"
-            progress.close(summary.state, None, error=str(exc))
-            raise
-        if total_rows == 0:
-            committer.write_empty()
-        summary.state = "done" if committer.finish(max(parts, 1 if total_rows == 0 else 0)) else "partial"
-        progress.close(summary.state, total_rows)
-        summary.wall_s, summary.work = time.perf_counter() - started, progress.last_work
-        return summary
+            return self._drive_workers(out.committer, summary, progress)
+        finally:
+            if reaper is not None:  # the cluster is this job's: its processes go with it
+                ray.shutdown()
+                reaper.close()
 
+    def _drive_workers(self, committer: Committer, summary: Summary, progress: Progress) -> Driven:
+        """Start the workers, hand each free one the next part, requeue a failed part elsewhere, until all are in."""
+        import ray
 
-def _drive(cfg: JobConfig, render_row: Optional[RenderRow], committer: Committer, parts: int, summary: Summary,
-           progress: Progress, stop: GracefulStop, started: float) -> None:
-    """Join launcher.address or start a local cluster (shut down when the job ends), and run the parts on it."""
-    import ray
+        from batchgen.output.manifest import check_engine
 
-    reaper = _init_ray(cfg.launcher, stop) if not ray.is_initialized() else None
-    try:
-        _drive_workers(cfg, render_row, committer, parts, summary, progress, stop, started)
-    finally:
-        if reaper is not None:  # the cluster is this job's: its processes go with it
-            ray.shutdown()
-            reaper.close()
+        cfg, stop = self.cfg, self.stop
+        pool = _Pool(cfg, self.render_row, dict(committer.metadata), stop)
+        todo = deque(k for k in range(self.parts) if k not in committer.committed())
+        loaded = Loaded(_get(stop, pool.workers[0].identity.remote()), time.perf_counter())
+        with OutputLock.for_shard(committer.output_dir, 0, 1).layout():
+            check_engine(committer.output_dir, loaded.identity)
+        progress.loaded()
+        progress.engine_stats = pool.stats
+        watch = _JournalWatch(cfg, committer.output_dir, progress, self.parts)
+        try:
+            while todo or pool.running:
+                if stop.signum is not None:
+                    raise StopRequested(stop.signum)
+                pool.dispatch(todo)
+                watch.look({k for _, k in pool.running.values()})
+                ready = _wait(stop, list(pool.running))
+                for ref in ready:
+                    self._collect(pool, ref, todo, summary, progress)
+                if not ready:
+                    progress.write("running")
+        finally:
+            for w in pool.workers:
+                ray.kill(w)
+        return Driven(self.parts, self.total_rows, loaded, pool.stats())
+
+    def _collect(self, pool: _Pool, ref: Any, todo: deque[int], summary: Summary, progress: Progress) -> None:
+        """A finished task's part into the summary and the status (a failed one is requeued by the pool)."""
+        done = pool.collect(ref, todo)
+        if done is None:
+            return
+        i, k, out = done
+        out.into(summary)
+        progress.committed(k, out.stats, out.generated_tokens, worker=f"ray worker {i}")
+        check_error_rate(self.cfg, summary.totals)
 
 
 def _init_ray(launcher: LauncherConfig, stop: GracefulStop) -> Optional[Reaper]:
@@ -178,46 +201,6 @@ def _init_ray(launcher: LauncherConfig, stop: GracefulStop) -> Optional[Reaper]:
         ray.init(address=launcher.address, include_dashboard=False, log_to_driver=False, **local)
     stop.rearm()  # ray.init's SIGTERM handler exits at once (then aborts, 134): a stop journals and exits 143
     return reaper
-
-
-def _drive_workers(cfg: JobConfig, render_row: Optional[RenderRow], committer: Committer, parts: int,
-                   summary: Summary, progress: Progress, stop: GracefulStop, started: float) -> None:
-    """Start the workers, hand each free one the next part, requeue a failed part elsewhere, until all are in."""
-    import ray
-
-    from batchgen.output.manifest import check_engine
-
-    pool = _Pool(cfg, render_row, dict(committer.metadata), stop)
-    todo = deque(k for k in range(parts) if k not in committer.committed())
-    identity = _get(stop, pool.workers[0].identity.remote())
-    with OutputLock.for_shard(committer.output_dir, 0, 1).layout():
-        check_engine(committer.output_dir, identity)
-    summary.load_s = time.perf_counter() - started
-    summary.numerics = numerics_said(identity)
-    summary.token_source = tokens_said(cfg.engine)
-    progress.loaded()
-    progress.engine = _WorkerStats(pool.per_worker)
-    watch = _JournalWatch(cfg, committer.output_dir, progress, parts)
-    try:
-        while todo or pool.running:
-            if stop.signum is not None:
-                raise StopRequested(stop.signum)
-            pool.dispatch(todo)
-            watch.look({k for _, k in pool.running.values()})
-            ready = _wait(stop, list(pool.running))
-            for ref in ready:
-                done = pool.collect(ref, todo)
-                if done is None:
-                    continue
-                i, k, out = done
-                out.into(summary)
-                progress.committed(k, out.stats, out.generated_tokens, worker=f"ray worker {i}")
-                check_error_rate(cfg, summary.totals)
-            if not ready:
-                progress.write("running")
-    finally:
-        for w in pool.workers:
-            ray.kill(w)
 
 
 class _Pool:
@@ -236,6 +219,10 @@ class _Pool:
         self.attempts: Counter[int] = Counter()
         self.failed_on: dict[int, int] = {}
         self.per_worker = {i: {"parts": 0, "rows": 0, "failures": 0} for i in range(len(self.workers))}
+
+    def stats(self) -> EngineStats:
+        """The per-worker breakdown, as the counters that go into _status.json's "engine"."""
+        return EngineStats({"workers": self.per_worker})
 
     def start(self, i: int) -> Any:
         """Worker i (named batchgen-worker-i, its replacements batchgen-worker-i-2, -3, ...)."""
@@ -341,10 +328,3 @@ def _requeue(k: int, worker: int, exc: BaseException, attempts: Counter[int], fa
                 max_attempts, why)
     failed_on[k] = worker
     todo.appendleft(k)
-
-
-class _WorkerStats:
-    """The per-worker breakdown, as an 'engine' whose counters go into _status.json."""
-
-    def __init__(self, per_worker: dict[int, dict[str, int]]):
-        self.stats = {"workers": per_worker}

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Optional
 
-from batchgen.engines.base import Source, generate_by_stream
+from batchgen.engines.base import Engine, EngineStats, ResponseCacheCounts, Source, generate_by_stream
 from batchgen.records import Request, Result
 from batchgen.sampling import PROCESSORS
 
@@ -148,6 +148,8 @@ def _digest(body: dict[str, Any]) -> str:
 
 @dataclasses.dataclass
 class CacheStats:
+    """CachedEngine's counters as they run (stats() hands them on as base.ResponseCacheCounts)."""
+
     hits: int = 0  # answers read from run.cache_dir
     deduplicated: int = 0  # requests answered by an identical one of this job
     stored: int = 0  # answers written to run.cache_dir
@@ -157,12 +159,16 @@ class CachedEngine:
     """An engine whose `stream` generates each distinct request once (run.dedupe) and reads and writes run.cache_dir;
     everything else is the wrapped engine's."""
 
-    def __init__(self, engine: Any, space: str, store: Optional[ResponseStore], dedupe: bool):
+    def __init__(self, engine: Engine, space: str, store: Optional[ResponseStore], dedupe: bool):
         self.engine, self.space, self.store, self.dedupe = engine, space, store, dedupe
         self.cache_stats = CacheStats()
 
-    def __getattr__(self, name: str) -> Any:  # identity, close, max_model_len, stats, ...
+    def __getattr__(self, name: str) -> Any:  # identity, close, max_model_len, max_batch_size, ...
         return getattr(self.engine, name)
+
+    def stats(self) -> EngineStats:
+        return dataclasses.replace(self.engine.stats(),
+                                   response_cache=ResponseCacheCounts(**dataclasses.asdict(self.cache_stats)))
 
     def generate(self, requests: list[Request], on_result: Optional[Callable[[Result], None]] = None
                  ) -> list[Result]:
@@ -224,7 +230,7 @@ class CachedEngine:
         return True
 
 
-def wrap(engine: Any, cfg: Any, model: dict[str, Any]) -> Any:
+def wrap(engine: Engine, cfg: Any, model: dict[str, Any]) -> Engine:
     """The engine behind run.dedupe and run.cache_dir (itself where both are off). `model`: the manifest's model
     identity (model_identity)."""
     if not cfg.run.dedupe and not cfg.run.cache_dir:

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from batchgen.engines.base import Source, take
+import batchgen.engines
+from batchgen.engines.base import EngineStats, Source, take
 from batchgen.output import committer as committer_module
 from batchgen.records import Request, Result
 from batchgen.run import runner
@@ -40,6 +41,9 @@ class LastInFirstOut:
     def close(self) -> None:
         pass
 
+    def stats(self) -> EngineStats:
+        return EngineStats()
+
     def stream(self, source: Source, on_result: Callable[[Result], None]) -> None:
         stack: list[Request] = []
         exhausted = False
@@ -61,7 +65,7 @@ class LastInFirstOut:
 
 
 def lifo_job(monkeypatch, engine: LastInFirstOut, tiny_model, data, out, *extra: str):
-    monkeypatch.setattr(runner, "build_engine", lambda cfg, tokenizer: engine)
+    monkeypatch.setattr(batchgen.engines, "build_engine", lambda cfg, tokenizer: engine)
     return runner.run_job(compose_job(job_overrides(tiny_model, data, out, "engine=dummy", "sampling=sample",
                                                     "sampling.n=2", *extra)))
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from email.utils import parsedate_to_datetime
 from typing import Any, Optional
 
-from batchgen.engines.base import CHARS_PER_TOKEN, Source, generate_by_stream
+from batchgen.engines.base import CHARS_PER_TOKEN, EngineStats, Source, generate_by_stream
 from batchgen.engines.endpoint import wire
 from batchgen.engines.endpoint.config import OpenAIConfig
 from batchgen.engines.endpoint.dispatch import Dispatcher, EndpointDown, Outcome
@@ -65,6 +65,9 @@ class OpenAIEngine:
             log.info("openai engine: no engine.tokenizer: the token counts (num_prompt_tokens, num_generated_tokens) "
                      "are the server's usage; prompt lengths are estimated from characters, so run.too_long is not "
                      "checked before sending (a prompt too long for the server is its row's endpoint_rejected error)")
+
+    def stats(self) -> EngineStats:
+        return EngineStats()
 
     def identity(self) -> dict[str, Any]:
         return {"engine": "openai", "dtype": None, "endpoint": self.cfg.endpoint,

@@ -9,6 +9,7 @@ rows, files or parts.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import pickle
@@ -19,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from batchgen.engines.base import Source, generate_by_stream, stream_windows
+from batchgen.engines.base import EngineStats, Source, generate_by_stream, stream_windows
 from batchgen.engines.hf import backends, device, loglik, prefix, quant
 from batchgen.engines.hf.beam import BeamSearcher, with_beams
 from batchgen.engines.hf.config import HFConfig
@@ -60,7 +61,7 @@ class HFEngine:
         self.sampler = Sampler(tokenizer, self.eos_ids, self.device, vocab_size=vocab)
         self.fast = True  # continuous batching on the pre-allocated cache where the architecture allows
         self._stepper: Optional[LlamaStepper] = None
-        self.stats = SchedulerStats()  # summed over every window and stream, live
+        self.counters = SchedulerStats()  # summed over every window and stream, live (stats())
         self.prefixes = prefix.for_config(cfg.prefix_cache, cfg.prefix_cache_mb)  # kept across windows
         self.pad_id = _first(tokenizer.pad_token_id, *sorted(self.eos_ids), 0)
         # built on first use: choice scores, beam search, task=loglik and task=embed
@@ -74,6 +75,10 @@ class HFEngine:
     def quantization_scheme(self) -> Optional[str]:
         """What engine.quantization resolved to here (w8a8 or None), worked out once: the identity reports it."""
         return quant.scheme_in_use(self.model)
+
+    def stats(self) -> EngineStats:
+        c = self.counters
+        return EngineStats(dataclasses.asdict(c), c.prefix_tokens_reused, c.kv_slots, c.kv_positions, c.kv_cache_bytes)
 
     def identity(self) -> dict[str, Any]:
         quantization = {"quantization": self.cfg.quantization} if self.cfg.quantization else {}
@@ -100,7 +105,7 @@ class HFEngine:
         max_len = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
         if self.fast and supports(self.model, max_len):
             return self._continuous(lambda scheduler: scheduler.run(requests, on_result))
-        generic = GenericGenerator(self.model, self.sampler, pad_id=self.pad_id, stats=self.stats,
+        generic = GenericGenerator(self.model, self.sampler, pad_id=self.pad_id, stats=self.counters,
                                    max_batch_tokens=self.max_batch_tokens, max_batch_size=self.max_batch_size)
         results = generic.run(requests, on_result)
         self.max_batch_tokens = generic.max_batch_tokens
@@ -150,7 +155,7 @@ class HFEngine:
     def _continuous(self, run: Callable[[Scheduler], Any]) -> Any:
         scheduler = Scheduler(self.sampler, self.stepper, max_batch_tokens=self.max_batch_tokens,
                               max_batch_size=self.max_batch_size, prefixes=self.prefixes,
-                              stats=self.stats,  # the engine's counters, counted as they happen (the status)
+                              stats=self.counters,  # the engine's counters, counted as they happen (the status)
                               governor=self.governor)
         try:
             return run(scheduler)

@@ -239,11 +239,11 @@ def test_prompts_past_the_token_budget_are_chunked_and_generate_what_one_prefill
 
     chunked.stepper.prefill = counting
     got = chunked.generate(reqs[:-1])
-    reused = chunked.stats.prefix_tokens_reused
+    reused = chunked.counters.prefix_tokens_reused
     got += chunked.generate(reqs[-1:])
     want = whole.generate(reqs)
-    assert len(reqs[-1].prompt_ids) > 96 and chunked.stats.prefix_tokens_reused > reused > 0
-    assert max(passes) <= 96 and chunked.stats.prefill_chunks >= 2 + 2 + 1
+    assert len(reqs[-1].prompt_ids) > 96 and chunked.counters.prefix_tokens_reused > reused > 0
+    assert max(passes) <= 96 and chunked.counters.prefill_chunks >= 2 + 2 + 1
     for req, res, ref in zip(reqs, got, want):
         if req.params is GREEDY:
             expected = generate_alone(reference, req.prompt_ids, GREEDY.max_new_tokens)
@@ -260,8 +260,8 @@ def test_no_decode_step_is_spent_on_a_finished_row(tiny_model, tokenizer):
     results = eng.generate(reqs)
     assert [r.num_generated_tokens for r in results] == caps
     # the first token of each row comes from its prefill; every decode row-step yields one more useful token
-    assert eng.stats.decode_row_steps == sum(c - 1 for c in caps)
-    assert eng.stats.decode_steps < sum(caps)  # rows shared steps: 4 slots, waiting rows joined as others left
+    assert eng.counters.decode_row_steps == sum(c - 1 for c in caps)
+    assert eng.counters.decode_steps < sum(caps)  # rows shared steps: 4 slots, waiting rows joined as others left
 
 
 def test_out_of_memory_in_prefill_halves_the_budget_and_retries(engine, tokenizer, monkeypatch):
@@ -278,14 +278,14 @@ def test_out_of_memory_in_prefill_halves_the_budget_and_retries(engine, tokenize
         return real(self, cache, first_slot, prompts)
 
     monkeypatch.setattr(LlamaStepper, "prefill", tight_memory)
-    before = engine.stats.oom_backoffs
+    before = engine.counters.oom_backoffs
     budget = engine.max_batch_tokens
     try:
         got = engine.generate(reqs)
     finally:
         engine.max_batch_tokens = budget
     assert [r.text for r in got] == [r.text for r in expected]
-    assert engine.stats.oom_backoffs > before
+    assert engine.counters.oom_backoffs > before
 
 
 def test_out_of_memory_allocating_the_cache_or_in_the_generic_path_backs_off(tiny_model, tokenizer, monkeypatch):
@@ -304,7 +304,7 @@ def test_out_of_memory_allocating_the_cache_or_in_the_generic_path_backs_off(tin
 
     monkeypatch.setattr(LlamaStepper, "new_cache", small_memory)
     assert [r.text for r in eng.generate(reqs)] == expected
-    assert eng.stats.oom_backoffs == 2 and eng.max_batch_size <= 2  # 6 slots -> 3 -> 1
+    assert eng.counters.oom_backoffs == 2 and eng.max_batch_size <= 2  # 6 slots -> 3 -> 1
 
     from batchgen.engines.hf.generic import GenericGenerator
 
@@ -318,7 +318,7 @@ def test_out_of_memory_allocating_the_cache_or_in_the_generic_path_backs_off(tin
     monkeypatch.setattr(GenericGenerator, "_bucket", tight_generic)
     eng.fast, eng.max_batch_size = False, 8
     assert [r.text for r in eng.generate(reqs)] == expected
-    assert eng.stats.oom_backoffs > 2
+    assert eng.counters.oom_backoffs > 2
 
 
 def test_prepacked_linears_compute_what_nn_linear_computes():

@@ -50,11 +50,11 @@ def test_greedy_output_with_the_prefix_cache_equals_output_without_it(tiny_model
     expected = off.generate(reqs)
     got = on.generate(reqs)
     assert [(r.text, r.num_generated_tokens) for r in got] == [(r.text, r.num_generated_tokens) for r in expected]
-    s = on.stats
-    assert off.stats.prefix_tokens_reused == 0
+    s = on.counters
+    assert off.counters.prefix_tokens_reused == 0
     assert s.prefix_tokens_reused >= (len(prompts) - len(merged) - 1) * (len(system_ids) // BLOCK) * BLOCK
-    assert s.prefill_tokens + s.prefix_tokens_reused == off.stats.prefill_tokens + s.prefix_tokens_computed
-    assert s.prefill_tokens < 0.6 * off.stats.prefill_tokens
+    assert s.prefill_tokens + s.prefix_tokens_reused == off.counters.prefill_tokens + s.prefix_tokens_computed
+    assert s.prefill_tokens < 0.6 * off.counters.prefill_tokens
     assert 0 < s.prefix_cache_bytes <= 1024 << 20
 
 
@@ -66,7 +66,7 @@ def test_samples_of_a_row_share_its_prompt_and_sample_as_without_the_cache(tiny_
     expected = engine(tiny_model, tokenizer, "off").generate(reqs)
     on = engine(tiny_model, tokenizer, "on")
     assert [r.text for r in on.generate(reqs)] == [r.text for r in expected]
-    assert on.stats.prefix_tokens_reused > 3 * 3 * (len(prompts[0]) // BLOCK - 1) * BLOCK
+    assert on.counters.prefix_tokens_reused > 3 * 3 * (len(prompts[0]) // BLOCK - 1) * BLOCK
 
 
 def test_the_cache_is_kept_across_windows_and_a_prefix_under_one_block_is_not_cached(tiny_model, tokenizer):
@@ -74,13 +74,13 @@ def test_the_cache_is_kept_across_windows_and_a_prefix_under_one_block_is_not_ca
     eng = engine(tiny_model, tokenizer, "auto")
     reqs = [Request(key=i, prompt_ids=p, params=GREEDY, seed=None) for i, p in enumerate(prompts)]
     eng.generate(reqs[:4])
-    computed = eng.stats.prefix_tokens_computed
+    computed = eng.counters.prefix_tokens_computed
     eng.generate(reqs[4:])  # the next window finds the system prompt's blocks cached
-    assert eng.stats.prefix_tokens_computed - computed < computed
+    assert eng.counters.prefix_tokens_computed - computed < computed
     short = [[5, 6, 7] + [9] * 25 + [i] * 10 for i in range(4)]  # 28 shared tokens: not one whole block
-    before = eng.stats.prefix_tokens_reused
+    before = eng.counters.prefix_tokens_reused
     eng.generate([Request(key=i, prompt_ids=p, params=GREEDY, seed=None) for i, p in enumerate(short)])
-    assert eng.stats.prefix_tokens_reused == before
+    assert eng.counters.prefix_tokens_reused == before
 
 
 def test_prefix_cache_lookup_sharing_and_its_memory_bound():
@@ -144,7 +144,7 @@ def test_int8_weights_with_the_prefix_cache(tiny_model, tokenizer):
     off = engine(tiny_model, tokenizer, "off", quantization="int8")
     on = engine(tiny_model, tokenizer, "on", quantization="int8")
     expected, got = off.generate(reqs), on.generate(reqs)
-    assert on.stats.prefix_tokens_reused > 0
+    assert on.counters.prefix_tokens_reused > 0
     assert [r.text for r in got] == [r.text for r in expected]
 
 

@@ -27,8 +27,11 @@ demo: $(BASE_STAMP)
 	$(BIN)/batchgen job=demo
 	$(BIN)/batchgen head data/outputs/demo -n 5 --expect-rows $$(grep -c . data/demo/prompts.jsonl)
 
+# The main tier, one pytest-xdist worker per core (`-n auto`); a test file stays on one worker (--dist loadfile), so
+# its module fixtures (models, engines) are built once. PYTEST_ARGS adds options (e.g. PYTEST_ARGS="-n 0": serial).
+PYTEST_ARGS ?=
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not vllm and not docs and not slow"
+	$(BIN)/python -m pytest -q -m "not vllm and not docs and not slow" -n auto --dist loadfile $(PYTEST_ARGS)
 
 # The slow tier (about 4 min): the random-kill harness, the quick throughput and quantization benchmarks, the
 # 2,000,000-row streaming memory check and the other tests marked `slow`; CI runs it after the main tier

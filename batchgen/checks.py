@@ -4,6 +4,7 @@ task's, the per-row columns', the output's and its table's, the launcher's and t
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import shutil
@@ -15,8 +16,11 @@ from batchgen.errors import ConfigError
 from batchgen.job import ON_BAD_ROW, TOO_LONG, JobConfig, OutputConfig, Question, RunConfig
 
 
-def validate(cfg: JobConfig) -> JobConfig:
-    """Report every problem at once, naming keys as the user types them; raise ConfigError if any."""
+def validate(given: JobConfig) -> JobConfig:
+    """Report every problem at once, naming keys as the user types them; raise ConfigError if any. Returns the job
+    as resolved (its engine's own config class, output_dir's ${name}, run.shard and run.num_shards, an OpenAI batch
+    input's columns), a copy: the config it was given is left as it was."""
+    cfg = copy.deepcopy(given)
     cfg.engine, problems = engine_config(cfg.engine)  # its engine's own config class (made in Python: maybe not)
     problems += _slurm_defaults(cfg.run)
     if not cfg.name or cfg.name == "???":

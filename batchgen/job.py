@@ -84,6 +84,16 @@ def owns(index: int, shard: int, num_shards: int) -> bool:
     return index % num_shards == shard
 
 
+def shard_rows(total_rows: int, rows_per_part: int, shard: int, num_shards: int) -> int:
+    """Rows of the parts a shard owns (index % num_shards == shard) out of total_rows: full parts, and the last
+    part's remainder if it is the shard's."""
+    parts = -(-total_rows // rows_per_part)
+    owned = len(range(shard, parts, num_shards))
+    if owned and owns(parts - 1, shard, num_shards):
+        return (owned - 1) * rows_per_part + total_rows - (parts - 1) * rows_per_part
+    return owned * rows_per_part
+
+
 @dataclass
 class Prices:
     """output.prices: per million tokens, in the currency you bill in; unset (null input and output): no cost."""

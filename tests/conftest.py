@@ -22,8 +22,11 @@ from batchgen.job import JobConfig
 WORDS = ("the river town market opened closed with many people after rain sun night lamp bread "
          "clock train harbour music quiet loud green blue small large old new fast slow").split()
 REPO = Path(__file__).resolve().parent.parent
-# batchgen's native CPU kernels compile into this session's own cache (and subprocesses inherit it), not the home one
-os.environ.setdefault("BATCHGEN_CACHE_DIR", tempfile.mkdtemp(prefix="batchgen-kernels-"))
+# batchgen's native CPU kernels compile into this test run's own cache (and subprocesses inherit it), not the home
+# one; pytest-xdist's workers share their run's (a library is written under a temporary name, then renamed)
+_XDIST_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+os.environ.setdefault("BATCHGEN_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"batchgen-kernels-{_XDIST_RUN}")
+                      if _XDIST_RUN else tempfile.mkdtemp(prefix="batchgen-kernels-"))
 
 
 def corpus(n: int = 400, seed: int = 0) -> list[str]:

@@ -17,6 +17,21 @@ def test_output_dir_gets_the_name_outside_hydra(tiny_model, tmp_path):
     assert validate(cfg).output_dir == "data/outputs/nightly"
 
 
+def test_validate_returns_the_resolved_job_and_leaves_the_given_config_as_it_was(tiny_model, tmp_path, monkeypatch):
+    from batchgen.engines.hf.config import HFConfig
+
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_COUNT", "4")
+    cfg = JobConfig(name="nightly", output_dir="out/${name}")
+    cfg.engine.model, cfg.dataset.path = tiny_model, str(tmp_path)
+    resolved = validate(cfg)
+    assert (resolved.output_dir, resolved.run.shard, resolved.run.num_shards) == ("out/nightly", 3, 4)
+    assert isinstance(resolved.engine, HFConfig) and resolved.engine.model == tiny_model
+    assert (cfg.output_dir, cfg.run.shard, cfg.run.num_shards) == ("out/${name}", None, None)
+    assert type(cfg.engine) is not HFConfig and resolved is not cfg
+    assert validate(resolved) == resolved  # resolving again changes nothing
+
+
 def test_keys_the_chosen_engine_ignores_are_refused(tiny_model, tmp_path):
     cfg = JobConfig(name="j")
     cfg.engine.model, cfg.dataset.path = tiny_model, str(tmp_path)

@@ -37,7 +37,7 @@ from batchgen.engines.base import model_max_len
 from batchgen.errors import ConfigError, TooLongError
 from batchgen.fsutil import write_json_atomic
 from batchgen.job import JobConfig
-from batchgen.output.outdir import save_input_index
+from batchgen.output.input_index import save_input_index
 from batchgen.output.rows.stats import error_kind
 from batchgen.prompts.planner import Measured, Planner
 from batchgen.run.preflight import load_tokenizer
@@ -84,7 +84,7 @@ def config_problem(cfg: JobConfig, exc: Exception) -> str:
 
 def open_planner(cfg: JobConfig) -> tuple[Planner, int]:
     """The job's own planner over every part (the plan counts what the job would read, skipped rows too), and the
-    model's max_model_len; a JSONL input's pass saved for the job's shards (outdir.INPUT_INDEX)."""
+    model's max_model_len; a JSONL input's pass saved for the job's shards (input_index.INPUT_INDEX)."""
     whole = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, shard=0, num_shards=1))  # every part
     out = Path(cfg.output_dir)
     job = open_input(cfg, out, skip_existing=False)

@@ -120,6 +120,14 @@ class Committer:
             return PartStats(**(self.sink.stats(index) or {}))
         return self.stats_from(self.part_path(index), pq.read_metadata(self.part_path(index)).metadata, index)
 
+    def totals(self, owned: Callable[[int], bool]) -> PartStats:
+        """What is committed so far of the parts `owned` answers for (a shard's, so that shards' totals add up)."""
+        totals = PartStats()
+        for k in sorted(self.committed()):
+            if owned(k):
+                totals.add(self.read_stats(k))
+        return totals
+
     def read_part(self, index: int) -> pa.Table:
         return pq.read_table(self.part_path(index))  # with its metadata: a table output's reconcile commits from here
 

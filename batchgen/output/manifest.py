@@ -318,3 +318,9 @@ def _diff(a: Any, b: Any, where: str) -> list[str]:
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
         return [line for i, (x, y) in enumerate(zip(a, b)) for line in _diff(x, y, f"{where}[{i}]")]
     return [] if a == b else [f"{where}: was {a!r}, now {b!r}"]
+
+
+def file_metadata(cfg: JobConfig) -> dict[str, str]:
+    """What every part file of the job carries in its metadata: the config hash, the model's identity, the version."""
+    return {"batchgen.config_hash": config_hash(cfg), "batchgen.model": json.dumps(model_identity(cfg.engine.model)),
+            "batchgen.version": __version__}

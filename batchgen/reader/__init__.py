@@ -8,6 +8,8 @@ fingerprint; parquet.py, jsonl.py, hfds.py: one reader per format; values.py: co
 
 from __future__ import annotations
 
+from typing import Optional
+
 from batchgen.reader.base import Reader
 from batchgen.reader.config import DatasetConfig
 from batchgen.reader.files import resolve_files
@@ -23,6 +25,8 @@ READERS: dict[str, type[Reader]] = {"parquet": ParquetReader, "jsonl": JsonlRead
                                     "openai_batch": OpenAIBatchReader}
 
 
-def open_reader(cfg: DatasetConfig) -> Reader:
+def open_reader(cfg: DatasetConfig, part_size: Optional[int] = None) -> Reader:
+    """The input's reader; `part_size` (the job's rows per part) lets a JSONL input mark every part's start in its
+    one pass, so that a shard or a resume reads only its own parts."""
     fmt, files, fs, root = resolve_files(cfg)
-    return READERS[fmt](cfg, files, fs, root)
+    return READERS[fmt](cfg, files, fs, root, part_size=part_size)

@@ -21,8 +21,10 @@ class Reader:
     seekable = False  # True: iter_range reads rows [start, stop) without reading the rows before them (Parquet:
     # before their row group)
 
-    def __init__(self, cfg: DatasetConfig, files: list[str], fs: fsspec.AbstractFileSystem, root: str):
+    def __init__(self, cfg: DatasetConfig, files: list[str], fs: fsspec.AbstractFileSystem, root: str,
+                 part_size: Optional[int] = None):
         self.cfg = cfg
+        self.part_size = part_size  # the job's rows per part, where the opener knows it (a JSONL input marks them)
         self.files = files
         self.fs = fs
         self.root = root

@@ -37,7 +37,7 @@ class JsonlReader(Reader):
         super().__init__(*args, **kwargs)
         self._schema: Optional[pa.Schema] = None
         self._rows: Optional[int] = None
-        self.stride: Optional[int] = None  # set before the first pass: a mark every `stride` rows
+        self.stride: Optional[int] = self.part_size  # a mark every `stride` rows (the part size), if given
         self._marks: list[tuple[int, int, int, int]] = []  # file index, byte offset, line number, row in the file
 
     @property

@@ -20,7 +20,6 @@ from batchgen.job import JobConfig
 from batchgen.output.committer import Committer
 from batchgen.output.heartbeat import status_name
 from batchgen.output.openai_out import RESULTS, write_if_wanted
-from batchgen.output.outdir import committed_totals
 from batchgen.output.remote import is_remote
 from batchgen.output.rows.schema import SUCCESS
 from batchgen.run.prepare import JobInput, JobOutput, open_output
@@ -67,7 +66,7 @@ def run(cfg: JobConfig, job: JobInput, resolved: Optional[dict[str, Any]], stop:
         started: float) -> Summary:
     """The run's steps in order (the module docstring); `started`: time.perf_counter() when the run began."""
     with open_output(cfg, job, resolved) as out:
-        summary = Summary(out.shown, "partial", committed_totals(out.committer, cfg))
+        summary = Summary(out.shown, "partial", out.committer.totals(cfg.run.owns))
         if (out.output_dir / SUCCESS).exists():
             return _already_done(cfg, out, summary)
         summary.rows_already_committed = summary.totals.rows

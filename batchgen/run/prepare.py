@@ -17,9 +17,10 @@ from batchgen.job import JobConfig
 from batchgen.output.committer import Committer, writing
 from batchgen.output.existing import Existing
 from batchgen.output.heartbeat import status_name
+from batchgen.output.input_index import load_input_index
 from batchgen.output.lock import OutputLock
-from batchgen.output.manifest import MANIFEST, config_hash, job_id, model_identity, read_manifest
-from batchgen.output.outdir import file_metadata, load_input_index, prepare_output_dir
+from batchgen.output.manifest import MANIFEST, config_hash, file_metadata, job_id, model_identity, read_manifest
+from batchgen.output.outdir import prepare_output_dir
 from batchgen.output.remote import RemoteCommitter, RemoteOutput, is_remote
 from batchgen.output.rows.decide import question_names as decide_names
 from batchgen.output.rows.schema import optional_columns
@@ -50,8 +51,8 @@ def open_input(cfg: JobConfig, index_dir: Path, render_row: Optional[RenderRow] 
     3. load the tokenizer (a chat template that does not load stops here)
     4. build the renderer and check every column the config names
     5. read run.skip_existing's chain (refused here if it does not fit), unless the caller does not generate"""
-    reader = open_reader(cfg.dataset)
-    load_input_index(cfg, index_dir, reader)
+    reader = open_reader(cfg.dataset, part_size=cfg.rows_per_part)
+    load_input_index(index_dir, reader)
     tokenizer = load_tokenizer(cfg)
     renderer = Renderer(cfg.dataset, tokenizer, render_row)
     passthrough = check_columns(cfg, reader, renderer)

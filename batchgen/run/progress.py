@@ -22,11 +22,10 @@ from tqdm import tqdm
 
 from batchgen.engines.base import EngineStats, ResponseCacheCounts
 from batchgen.errors import BatchgenError
-from batchgen.job import JobConfig
+from batchgen.job import JobConfig, shard_rows
 from batchgen.output.committer import Committer
 from batchgen.output.heartbeat import Heartbeat, history_name, write_heartbeat
 from batchgen.output.journal import read_journals
-from batchgen.output.outdir import shard_rows
 from batchgen.output.rows.stats import PartStats
 from batchgen.output.throughput import RunWork, throughput
 from batchgen.run.stopping import GracefulStop

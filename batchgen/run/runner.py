@@ -1,6 +1,6 @@
 """The local run: reader/planner -> engine -> committer, with parts streamed through the engine (feed.py), inside
-the run's steps that every way to run a job shares (lifecycle.py). The checks before it are preflight's and
-outdir's, what it tells while it runs is progress's. Knows no Hydra.
+the run's steps that every way to run a job shares (lifecycle.py). The checks before it are checks.py's and
+preflight's, what it tells while it runs is progress's. Knows no Hydra.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]] = None, *,
     6. write _SUCCESS once every part exists, and the summary
     SIGTERM / SIGINT raise StopRequested (exit 143 / 130) once the finished results are journaled.
     """
-    validate(cfg)
+    cfg = validate(cfg)  # the resolved copy
     if cfg.launcher.name == "ray":
         from batchgen.run.ray_job import run_on_ray
 

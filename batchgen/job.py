@@ -84,6 +84,23 @@ def owns(index: int, shard: int, num_shards: int) -> bool:
     return index % num_shards == shard
 
 
+@dataclass(frozen=True)
+class Share:
+    """A worker's share of the job (JobConfig.share()): the parts k with k % num_shards == shard, rows_per_part rows
+    each, handed once to whoever counts by it (the planner, the progress) instead of the whole config."""
+
+    shard: int
+    num_shards: int
+    rows_per_part: int
+
+    def owns(self, index: int) -> bool:
+        return owns(index, self.shard, self.num_shards)
+
+    def rows(self, total_rows: int) -> int:
+        """This share's rows of an input of `total_rows`."""
+        return shard_rows(total_rows, self.rows_per_part, self.shard, self.num_shards)
+
+
 def shard_rows(total_rows: int, rows_per_part: int, shard: int, num_shards: int) -> int:
     """Rows of the parts a shard owns (index % num_shards == shard) out of total_rows: full parts, and the last
     part's remainder if it is the shard's."""
@@ -170,3 +187,8 @@ class JobConfig:
     @property
     def rows_per_part(self) -> int:
         return self.run.rows_per_part or default_rows_per_part(self.engine.name)
+
+    def share(self) -> Share:
+        """This worker's share: run.shard of run.num_shards (0 of 1 where a config made in Python was never
+        validated; checks.validate resolves them, from the Slurm environment too)."""
+        return Share(self.run.shard or 0, self.run.num_shards or 1, self.rows_per_part)

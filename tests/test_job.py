@@ -50,3 +50,18 @@ def test_a_request_the_engine_lost_is_a_clear_error_not_a_key_error():
     planned = PlannedPart(part=part, requests=[], errors=[None, None], seeds=[None, None], n=1)
     with pytest.raises(BatchgenError, match=r"part 3: the engine returned no result for row 'r0' sample 0"):
         assemble(planned, [])
+
+
+def test_the_shards_shares_partition_the_parts_and_their_rows():
+    from batchgen.job import Share
+
+    for total, size, shards in [(0, 4, 3), (1, 4, 3), (10, 4, 3), (12, 4, 3), (13, 4, 1), (100, 7, 5)]:
+        shares = [Share(k, shards, size) for k in range(shards)]
+        parts = -(-total // size)
+        assert all(sum(s.owns(i) for s in shares) == 1 for i in range(parts))  # each part has one owner
+        assert sum(s.rows(total) for s in shares) == total
+        by_hand = [sum(min(size, total - i * size) for i in range(parts) if i % shards == k) for k in range(shards)]
+        assert [s.rows(total) for s in shares] == by_hand
+    cfg = JobConfig(name="j")
+    cfg.run.rows_per_part, cfg.run.shard, cfg.run.num_shards = 5, 1, 2
+    assert cfg.share() == Share(1, 2, 5) and JobConfig(name="j").share().num_shards == 1

@@ -19,7 +19,7 @@ import pyarrow as pa
 from batchgen.engines import ENGINES
 from batchgen.engines.base import estimate_tokens
 from batchgen.errors import ConfigError, TooLongError
-from batchgen.job import JobConfig, owns
+from batchgen.job import JobConfig
 from batchgen.prompts.render import Renderer, config_text
 from batchgen.prompts.rowparams import RowParams, RowSettings
 from batchgen.reader import Reader, column_values
@@ -51,7 +51,8 @@ class Planner:
         self._seen_ids: set[int] = set()  # hashes of the first DUPLICATE_CHECK_ROWS ids
         self.only: Optional[set[int]] = None  # a Ray worker's part: parts() yields these only
         self.existing = existing  # existing.Existing: ids run.skip_existing's output generated already
-        self.shard, self.num_shards = share(cfg)
+        self.share = cfg.share()
+        self.shard, self.num_shards = self.share.shard, self.share.num_shards
         spec = ENGINES.get(cfg.engine.name)
         unconstrained = (None if spec is None or spec.constraints else
                          f"engine={cfg.engine.name} does not constrain its output; use engine=hf or engine=vllm")
@@ -126,7 +127,7 @@ class Planner:
     def _mine(self, index: int, skip: set[int]) -> bool:
         if self.only is not None:
             return index in self.only and index not in skip
-        return owns(index, self.shard, self.num_shards) and index not in skip
+        return self.share.owns(index) and index not in skip
 
     def _cut(self, index: int, pending: list[InputBatch], n: int) -> tuple[Part, list[InputBatch], int]:
         tables, ids, errors, taken = [], [], [], 0
@@ -351,13 +352,8 @@ class Planner:
                             **processors)
 
 
-def share(cfg: JobConfig) -> tuple[int, int]:
-    """(run.shard, run.num_shards); 0 of 1 where a config made in Python was never validated (checks.validate resolves
-    them, from the Slurm environment too)."""
-    return cfg.run.shard or 0, cfg.run.num_shards or 1
-
-
 def shard_holds(cfg: JobConfig, first: int, end: int) -> bool:
     """Whether input rows [first, end) overlap a part of this shard (run.shard of run.num_shards)."""
-    size, (shard, shards) = cfg.rows_per_part, share(cfg)
-    return any(owns(k, shard, shards) for k in range(first // size, (max(end, first + 1) - 1) // size + 1))
+    share = cfg.share()
+    size = share.rows_per_part
+    return any(share.owns(k) for k in range(first // size, (max(end, first + 1) - 1) // size + 1))

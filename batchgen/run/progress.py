@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from batchgen.engines.base import EngineStats, ResponseCacheCounts
 from batchgen.errors import BatchgenError
-from batchgen.job import JobConfig, shard_rows
+from batchgen.job import JobConfig
 from batchgen.output.committer import Committer
 from batchgen.output.heartbeat import Heartbeat, history_name, write_heartbeat
 from batchgen.output.journal import read_journals
@@ -195,11 +195,11 @@ class Progress:
 
     def __init__(self, cfg: JobConfig, committer: Committer, total_rows: Optional[int], done: PartStats,
                  stop: GracefulStop, *, resumed: Resumed):
-        self.cfg = cfg
+        # what it counts by, taken from the config once: this shard's share, the task, whether parts are priced
+        self.share, self.task, self.priced = cfg.share(), cfg.task, cfg.output.priced() is not None
         self.committer = committer
         self.stop = stop
-        self.total = None if total_rows is None else shard_rows(total_rows, cfg.rows_per_part, cfg.run.shard,
-                                                                cfg.run.num_shards)
+        self.total = None if total_rows is None else self.share.rows(total_rows)
         self.done = PartStats()
         self.done.add(done)
         self.run_rows = 0
@@ -207,7 +207,7 @@ class Progress:
         self.run_prompt_tokens = 0  # prompt tokens of the samples this run journaled
         self.loaded_at: Optional[float] = None  # when the engine was ready: the rates count from there
         self.parts_done = resumed.parts  # this shard's committed parts, all runs
-        self.last_work = RunWork(cfg.task)  # what the latest heartbeat recorded: the summary's figure at the end
+        self.last_work = RunWork(self.task)  # what the latest heartbeat recorded: the summary's figure at the end
         self.duplicate_ids = 0
         self.parts: dict[int, dict[str, int]] = {}  # parts in flight: index, samples planned, journaled, reused
         self.shown: dict[int, float] = {}  # parts in flight: the rows the bar has advanced for their samples
@@ -292,10 +292,10 @@ class Progress:
         record = {"t": round(time.time(), 3), "part": index, "rows": stats.rows, "samples": stats.samples,
                   "generated_tokens": generated_tokens, "prompt_tokens": stats.prompt_tokens,
                   "errors": stats.error_rows, "part_s": None if opened is None else round(time.time() - opened, 3),
-                  "shard": self.cfg.run.shard, "pid": os.getpid(), "host": socket.gethostname(), "worker": worker,
-                  **({"cost": round(stats.cost, 9)} if self.cfg.output.priced() is not None else {}),
-                  **({"needs_review": stats.needs_review} if self.cfg.task == "decide" else {})}
-        name = history_name(self.cfg.run.shard, self.cfg.run.num_shards)
+                  "shard": self.share.shard, "pid": os.getpid(), "host": socket.gethostname(), "worker": worker,
+                  **({"cost": round(stats.cost, 9)} if self.priced else {}),
+                  **({"needs_review": stats.needs_review} if self.task == "decide" else {})}
+        name = history_name(self.share.shard, self.share.num_shards)
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW  # never through a symlink out of output_dir
         try:
             with self.stop.shielded(), open(os.open(self.committer.output_dir / name, flags, 0o644), "a",
@@ -307,13 +307,12 @@ class Progress:
     def work(self) -> RunWork:
         """What this run did since its engine was ready: the inputs of its throughput figure."""
         since = 0.0 if self.loaded_at is None else max(time.time() - self.loaded_at, 1e-9)
-        return RunWork(self.cfg.task, round(self.run_progress, 3), self.run_prompt_tokens, self.run_tokens,
+        return RunWork(self.task, round(self.run_progress, 3), self.run_prompt_tokens, self.run_tokens,
                        round(since, 3))
 
     def write(self, state: str, total_rows: Optional[int] = None, error: Optional[str] = None) -> None:
         work = self.work()
-        total = self.total if total_rows is None else shard_rows(total_rows, self.cfg.rows_per_part,
-                                                                 self.cfg.run.shard, self.cfg.run.num_shards)
+        total = self.total if total_rows is None else self.share.rows(total_rows)
         left = None if total is None else max(total - self.done.rows, 0)
         in_flight = sum(self.shown.values()) + sum(self.preshown.values())  # rows' worth of journaled samples
         left = None if left is None else max(left - in_flight, 0)
@@ -328,7 +327,7 @@ class Progress:
             current_part=dict(self.parts[min(self.parts)]) if self.parts else None,
             parts_in_flight=[dict(self.parts[k]) for k in sorted(self.parts)], duplicate_ids=self.duplicate_ids,
             engine=(self.engine_stats().counters or None) if self.engine_stats else None,
-            shard=self.cfg.run.shard, num_shards=self.cfg.run.num_shards,
+            shard=self.share.shard, num_shards=self.share.num_shards,
             pid=os.getpid(), host=socket.gethostname(), error=error, parts_done=self.parts_done,
             this_run=dataclasses.asdict(work))
         with self.stop.shielded():

@@ -47,7 +47,8 @@ def endpoint_of(cfg: DatasetConfig) -> tuple[Optional[str], list[str]]:
     try:
         _, files, fs, _ = resolve_files(cfg)
     except Exception as exc:  # the path problems are reported by DatasetConfig.problems
-        return None, [f"dataset.path: {exc}"]
+        said = str(exc)
+        return None, [said if said.startswith("dataset.path") else f"dataset.path: {said}"]
     for path in files:
         with fs.open(path, "rb", compression="infer") as f:
             for lineno, raw in enumerate(f, 1):

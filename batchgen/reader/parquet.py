@@ -47,11 +47,13 @@ class ParquetReader(Reader):
         unified."""
         if self._schema is None:
             unified: Optional[pa.Schema] = None
-            first = None
+            first: dict[str, str] = {}  # column -> the first file that has it (named when a later file disagrees)
             for path in self.files:
                 schema = self._open(path).schema_arrow.remove_metadata()
+                for name in schema.names:
+                    first.setdefault(name, path)
                 if unified is None:
-                    unified, first = schema, path
+                    unified = schema
                     continue
                 try:
                     unified = pa.unify_schemas([unified, schema], promote_options="permissive")
@@ -60,8 +62,8 @@ class ParquetReader(Reader):
                                   and unified.field(f.name).type != f.type)
                     raise InputError(
                         f"dataset.path: column {column!r} is {schema.field(column).type} in {path} but "
-                        f"{unified.field(column).type} in {first}; make the files agree (cast the column), or point "
-                        f"dataset.path at one kind") from None
+                        f"{unified.field(column).type} in {first[column]}; make the files agree (cast the column), or "
+                        f"point dataset.path at one kind") from None
             self._schema = unified if unified is not None else pa.schema([])
         return self._schema
 

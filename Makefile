@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 BASE_STAMP := $(VENV)/.installed-base
 
-.PHONY: demo test test-slow test-docs test-vllm lint venv clean bench bench-quick
+.PHONY: demo test test-slow test-docs test-vllm lint venv clean
 
 # The base install: what a job needs (the demo too). Extras add features (docs/engines.md); dev adds the tests'.
 $(BASE_STAMP): pyproject.toml

@@ -100,6 +100,11 @@ class Share:
         """This share's rows of an input of `total_rows`."""
         return shard_rows(total_rows, self.rows_per_part, self.shard, self.num_shards)
 
+    def holds(self, first: int, end: int) -> bool:
+        """Whether input rows [first, end) overlap a part of this share (a row group this shard must read)."""
+        size = self.rows_per_part
+        return any(self.owns(k) for k in range(first // size, (max(end, first + 1) - 1) // size + 1))
+
 
 def shard_rows(total_rows: int, rows_per_part: int, shard: int, num_shards: int) -> int:
     """Rows of the parts a shard owns (index % num_shards == shard) out of total_rows: full parts, and the last

@@ -320,7 +320,7 @@ def _diff(a: Any, b: Any, where: str) -> list[str]:
     return [] if a == b else [f"{where}: was {a!r}, now {b!r}"]
 
 
-def file_metadata(cfg: JobConfig) -> dict[str, str]:
+def file_metadata(config_digest: str, model: dict[str, Any]) -> dict[str, str]:
     """What every part file of the job carries in its metadata: the config hash, the model's identity, the version."""
-    return {"batchgen.config_hash": config_hash(cfg), "batchgen.model": json.dumps(model_identity(cfg.engine.model)),
+    return {"batchgen.config_hash": config_digest, "batchgen.model": json.dumps(model),
             "batchgen.version": __version__}

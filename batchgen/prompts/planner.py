@@ -350,10 +350,3 @@ class Planner:
                             and row.constraint.kind == "choice", logprobs=s.logprobs, reasoning=reasoning,
                             num_beams=s.num_beams, length_penalty=s.length_penalty, early_stopping=s.early_stopping,
                             **processors)
-
-
-def shard_holds(cfg: JobConfig, first: int, end: int) -> bool:
-    """Whether input rows [first, end) overlap a part of this shard (run.shard of run.num_shards)."""
-    share = cfg.share()
-    size = share.rows_per_part
-    return any(share.owns(k) for k in range(first // size, (max(end, first + 1) - 1) // size + 1))

@@ -25,7 +25,6 @@ from batchgen.errors import BatchgenError, ErrorRateExceeded
 from batchgen.job import JobConfig
 from batchgen.output.committer import Committer, writing
 from batchgen.output.journal import Journal, crash_window, journal_key, journal_path, kill_point
-from batchgen.output.manifest import config_hash
 from batchgen.output.rows.assemble import assemble
 from batchgen.output.rows.stats import PartStats
 from batchgen.prompts.planner import Planner
@@ -101,7 +100,7 @@ class Feed:
             planner.check_answers(max_model_len)  # an answer too long for any row: exit 2 now, not every row too_long
         self.lookahead = lookahead
         self.on_committed = on_committed  # (part stats, tokens this run generated for it): totals, error rate
-        self.config_hash = config_hash(cfg)
+        self.config_hash = committer.metadata["batchgen.config_hash"]  # the journals' key: the parts' own
         self.parts = planner.parts(skip=committer.committed())
         self.open: dict[int, OpenPart] = {}  # part index -> in flight
         self.routes: dict[int, tuple[OpenPart, int, int]] = {}  # engine key -> (part, key within it, beam count)

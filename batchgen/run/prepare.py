@@ -114,10 +114,12 @@ def open_output(cfg: JobConfig, job: JobInput, resolved: Optional[dict[str, Any]
             if remote:
                 remote.pull()
             prepare_output_dir(cfg, output_dir, job.reader, resolved or {}, job.passthrough)
+            digest = config_hash(cfg)
             if remote:
                 remote.push(MANIFEST)
-                remote.reconcile(config_hash(cfg))  # only now: a staged part goes up once the manifest matched
-            committer = make_committer(cfg, output_dir, kept_passthrough(output_dir, job), file_metadata(cfg), remote)
+                remote.reconcile(digest)  # only now: a staged part goes up once the manifest matched
+            metadata = file_metadata(digest, model_identity(cfg.engine.model))
+            committer = make_committer(cfg, output_dir, kept_passthrough(output_dir, job), metadata, remote)
         mine = (status_name(cfg.run.shard, cfg.run.num_shards),)  # the shard's own status file's temp copies
         committer.clean_stale(cfg.run.owns, mine)
         if committer.sink is not None:
@@ -132,7 +134,7 @@ def make_committer(cfg: JobConfig, output_dir: Path, passthrough: list[str], met
     exclusive: the first writer of a part wins (Ray workers)."""
     kwargs = {"passthrough": passthrough, "metadata": metadata, "attempt": cfg.run.attempt,
               "optional": optional_columns(cfg.sampling, cfg.dataset, cfg.output, cfg.task),
-              "prices": cfg.output.priced(), "questions": decide_names(cfg), "exclusive": exclusive,
+              "prices": cfg.output.priced(), "questions": decide_names(cfg.task, cfg.decide), "exclusive": exclusive,
               "sink": open_sink(cfg.output, job_id(output_dir)) if cfg.output.sink != "parquet" else None}
     return RemoteCommitter(remote, **kwargs) if remote else Committer(output_dir, **kwargs)
 

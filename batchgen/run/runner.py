@@ -9,7 +9,6 @@ import functools
 import json
 import logging
 import time
-from functools import partial
 from typing import Any, Optional
 
 from batchgen.checks import validate
@@ -18,7 +17,7 @@ from batchgen.job import JobConfig
 from batchgen.output.committer import Committer
 from batchgen.output.manifest import MANIFEST, check_engine
 from batchgen.output.rows.stats import PartStats
-from batchgen.prompts.planner import Planner, shard_holds
+from batchgen.prompts.planner import Planner
 from batchgen.prompts.render import RenderRow
 from batchgen.run import lifecycle
 from batchgen.run.feed import Feed, auto_lookahead, check_error_rate
@@ -61,7 +60,7 @@ def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulS
     started = time.perf_counter()
     job = open_input(cfg, output_place(cfg)[0], render_row)  # refused before anything is written
     if cfg.dataset.verify == "pages" and hasattr(job.reader, "verify_pages"):
-        job.reader.verify_pages(partial(shard_holds, cfg))  # this shard's row groups only
+        job.reader.verify_pages(cfg.share().holds)  # this shard's row groups only
     return lifecycle.run(cfg, job, resolved, stop, LocalDriver(cfg, job), started)
 
 

@@ -85,6 +85,6 @@ def fields(names: list[str]) -> list[pa.Field]:
     return [pa.field(name, DECISION) for name in names] + [NEEDS_REVIEW]
 
 
-def question_names(cfg: Any) -> Optional[list[str]]:
-    """task=decide's question columns (None for other tasks)."""
-    return [q.name for q in cfg.decide.questions] if getattr(cfg, "task", "generate") == "decide" else None
+def question_names(task: str, decide: Any) -> Optional[list[str]]:
+    """task=decide's question columns, from its `decide` config (None for other tasks)."""
+    return [q.name for q in decide.questions] if task == "decide" else None

@@ -205,3 +205,19 @@ def test_the_summary_is_filled_in_one_place():
     found = [f"{path.relative_to(PACKAGE.parent)}:{i}" for path in sorted(PACKAGE.rglob("*.py")) if path not in allowed
              for i, line in enumerate(path.read_text().splitlines(), 1) if assigned.search(line)]
     assert not found, f"Summary fields set outside run/lifecycle.py: {found}"
+
+
+def test_the_config_is_handed_down_not_passed_around():
+    """scripts/config_walk.py on its 40-row job: the config goes down into another folder and comes back up (a
+    climb) at most 6 times (11 before the set-up handed modules their typed values: Share, the config hash)."""
+    import re
+    import subprocess
+    import sys
+
+    script = PACKAGE.parent / "scripts" / "config_walk.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    found = re.search(r"visits (\d+), modules \d+, folders \d+, moves (\d+), climbs (\d+)", out.stdout)
+    assert found, out.stdout[-2000:]
+    visits, moves, climbs = map(int, found.groups())
+    assert visits > 20 and climbs <= 6 and moves <= 8, out.stdout

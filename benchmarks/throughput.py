@@ -292,9 +292,9 @@ def run_engine(model: Path, data: Path, dtype: str) -> dict:
     t = time.perf_counter()
     results = engine.generate(reqs)
     gen_s = time.perf_counter() - t
-    s = engine.stats
+    s = engine.stats().counters
     return {"useful_tokens": sum(r.num_generated_tokens for r in results), "gen_s": gen_s, "load_s": load_s,
-            "row_steps": s.decode_row_steps + s.prefill_rows, "prefill_tokens": s.prefill_tokens}
+            "row_steps": s["decode_row_steps"] + s["prefill_rows"], "prefill_tokens": s["prefill_tokens"]}
 
 
 def run_e(model: Path, data: Path, dtype: str, out: Path, rows: int, *extra: str) -> dict:

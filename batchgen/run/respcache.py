@@ -157,14 +157,25 @@ class CacheStats:
 
 class CachedEngine:
     """An engine whose `stream` generates each distinct request once (run.dedupe) and reads and writes run.cache_dir;
-    everything else is the wrapped engine's."""
+    the rest of the Engine protocol is the wrapped engine's."""
 
     def __init__(self, engine: Engine, space: str, store: Optional[ResponseStore], dedupe: bool):
         self.engine, self.space, self.store, self.dedupe = engine, space, store, dedupe
         self.cache_stats = CacheStats()
 
-    def __getattr__(self, name: str) -> Any:  # identity, close, max_model_len, max_batch_size, ...
-        return getattr(self.engine, name)
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def max_batch_size(self) -> Optional[int]:  # the wrapped engine's, as it is now (an OOM backoff may lower it)
+        return self.engine.max_batch_size
+
+    def identity(self) -> dict[str, Any]:
+        return self.engine.identity()
+
+    def close(self) -> None:
+        self.engine.close()
 
     def stats(self) -> EngineStats:
         return dataclasses.replace(self.engine.stats(),

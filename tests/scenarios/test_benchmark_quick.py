@@ -40,3 +40,16 @@ def test_quick_benchmark_e_over_b1(tmp_path):
     # where B1 still ran the hardware's native bf16), but the kernels' margin is not there to demand.
     floor = 1.5 if "batchgen kernels: none" not in report["cpu"] else 1.0
     assert ratio >= floor, f"E/B1 = {ratio:.2f} (B1 in {med['B1']['dtype']}) on {report['cpu']}, floor {floor}"
+
+
+def test_the_engine_alone_runner_reads_the_engines_counters(tmp_path):
+    """The ENG runner (the engine without the job, for the job's overhead) reads the engine's counters through
+    Engine.stats(): every useful token is one row computed (a decode step's or a prefill's), none wasted."""
+    out = tmp_path / "eng.json"
+    proc = subprocess.run([sys.executable, "benchmarks/throughput.py", "--quick", "--runners", "ENG", "--repeats", "1",
+                           "--workdir", str(tmp_path), "--json", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    eng = json.loads(out.read_text())["medians"]["ENG"]
+    assert "error" not in eng, eng
+    assert eng["row_steps"] == eng["useful_tokens"] > 0 and eng["prefill_tokens"] > 0

@@ -325,6 +325,9 @@ def test_quantized_projections_fuse_and_generate_what_unfused_ones_do(small_mode
     if scheme == "int8" and w8a8.probe() is not None:
         pytest.skip(f"W8A8 does not run here: {w8a8.probe()}")
     kind = {"int8": w8a8.Int8DynamicLinear, "int8_wo": int8.Int8WeightOnlyLinear, "int4": int4_kind()}[scheme]
+    # the same OpenMP threads for both engines: the thread governor, taking threads away while other work (another
+    # test worker) holds the cores, would change the unfused path's torch reductions between the two engines' runs
+    monkeypatch.setenv("BATCHGEN_ADAPT_THREADS", "0")
     tokenizer = AutoTokenizer.from_pretrained(small_model)
     # float32: in bf16 a fused GEMM may block its sums differently from the parts and round apart
     config = HFConfig(model=small_model, quantization=scheme, device="cpu", dtype="float32", max_batch_size=8)

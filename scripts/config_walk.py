@@ -64,28 +64,34 @@ class Walk:
             self.last_folder = caller
 
 
-def main() -> None:
-    from batchgen.commands import cli
-    from batchgen.engines.toymodel import build_model
-    from batchgen.job import JobConfig
-
+def trace_a_job(work: Path, config_type: type, cli_main, build_model) -> Walk:
+    """Build a tiny model and a 40-row input under `work`, then run the job through the command line, traced."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    work = Path(tempfile.mkdtemp(prefix="config-walk-"))
     build_model(work / "model", [f"row {i} of the walk" for i in range(50)], size="tiny")
     pq.write_table(pa.table({"prompt": [f"prompt number {i}" for i in range(40)]}), work / "in.parquet")
-    walk = Walk(JobConfig)
+    walk = Walk(config_type)
     sys.argv = ["batchgen", "name=walk", f"output_dir={work / 'out'}", f"dataset.path={work / 'in.parquet'}",
                 "engine=dummy", f"engine.model={work / 'model'}", "run.rows_per_part=8", "run.progress=false"]
     sys.setprofile(walk)
     try:
-        cli.main()
+        cli_main()
     except SystemExit as exc:
         if exc.code not in (0, None):
             raise
     finally:
         sys.setprofile(None)
+    return walk
+
+
+def main() -> None:
+    from batchgen.commands import cli
+    from batchgen.engines.toymodel import build_model
+    from batchgen.job import JobConfig
+
+    with tempfile.TemporaryDirectory(prefix="config-walk-") as tmp:
+        walk = trace_a_job(Path(tmp), JobConfig, cli.main, build_model)
     print(f"visits {sum(walk.visits.values())}, modules {len(walk.visits)}, "
           f"folders {len({os.path.dirname(m) for m in walk.visits})}, moves {walk.moves}, climbs {walk.climbs}")
     for module, n in walk.visits.most_common():

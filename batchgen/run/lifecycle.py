@@ -61,6 +61,9 @@ class Driver(Protocol):
 
     def drive(self, out: JobOutput, summary: Summary, progress: Progress) -> Driven: ...
 
+    def close(self) -> None:
+        """Release what drive() opened (the engine), once the final status is written or the run failed."""
+
 
 def run(cfg: JobConfig, job: JobInput, resolved: Optional[dict[str, Any]], stop: GracefulStop, driver: Driver,
         started: float) -> Summary:
@@ -83,6 +86,7 @@ def run(cfg: JobConfig, job: JobInput, resolved: Optional[dict[str, Any]], stop:
             progress.close(summary.state, None, error=str(exc))
             raise
         finally:
+            driver.close()
             if out.remote:
                 out.remote.push(status_name(cfg.run.shard, cfg.run.num_shards))
         summary.wall_s = time.perf_counter() - started

@@ -148,6 +148,9 @@ class RayDriver:
                 ray.shutdown()
                 reaper.close()
 
+    def close(self) -> None:
+        pass  # the workers (and their engines) are killed when drive() ends
+
     def _drive_workers(self, committer: Committer, summary: Summary, progress: Progress) -> Driven:
         """Start the workers, hand each free one the next part, requeue a failed part elsewhere, until all are in."""
         import ray

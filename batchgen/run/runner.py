@@ -70,6 +70,7 @@ class LocalDriver:
     def __init__(self, cfg: JobConfig, job: JobInput):
         self.cfg, self.job = cfg, job
         self.planner = Planner(cfg, job.reader, job.renderer, job.tokenizer, job.existing)
+        self.engine: Optional[Engine] = None  # loaded by drive(), closed by close()
 
     @functools.cached_property
     def total_rows(self) -> Optional[int]:  # read once the output is open and not complete
@@ -82,7 +83,7 @@ class LocalDriver:
     def drive(self, out: JobOutput, summary: Summary, progress: Progress) -> Driven:
         """Load the engine, check what it resolved to against the manifest, and generate this shard's parts."""
         cfg = self.cfg
-        engine = open_engine(cfg, self.job.tokenizer)
+        engine = self.engine = open_engine(cfg, self.job.tokenizer)
         loaded = Loaded(engine.identity(), time.perf_counter())
         progress.loaded()
         with out.lock.layout():
@@ -95,7 +96,11 @@ class LocalDriver:
             return self._generate(engine, out.committer, summary, progress, loaded)
         finally:
             progress.duplicate_ids = self.planner.duplicate_ids
-            engine.close()
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
 
     def _generate(self, engine: Engine, committer: Committer, summary: Summary, progress: Progress,
                   loaded: Loaded) -> Driven:

@@ -74,10 +74,6 @@ class RunConfig:
     dedupe: bool = True  # identical greedy or seeded requests of the job are generated once (run/respcache.py)
     cache_dir: Optional[str] = None  # answers kept across runs (local or fsspec URL), keyed by a content hash
 
-    def owns(self, index: int) -> bool:
-        """Whether part `index` is this worker's (0 of 1 before validate resolves the shards)."""
-        return owns(index, self.shard or 0, self.num_shards or 1)
-
 
 def owns(index: int, shard: int, num_shards: int) -> bool:
     """The shard rule, written once: part `index` belongs to shard `index % num_shards`."""

@@ -138,3 +138,23 @@ def dummy_overrides(tokenizer_dir: str, data: Path, out: Path, *extra: str) -> l
     weights; `tokenizer_dir` gives the tokenizer (the tiny model's directory serves)."""
     return ["name=t", f"output_dir={out}", f"dataset.path={data}", "dataset.format=auto", "engine=dummy",
             f"engine.model={tokenizer_dir}", "run.progress=false", *extra]
+
+
+def run_benchmark(script: str, workdir: Path, *args: str) -> tuple[dict, str]:
+    """`python benchmarks/SCRIPT *args --workdir WORKDIR --json ...` from the repository root: its JSON report and
+    its printed table (the run failing fails the test, with its stderr)."""
+    out = workdir / f"{Path(script).stem}.json"
+    proc = subprocess.run([sys.executable, f"benchmarks/{script}", *args, "--workdir", str(workdir), "--json",
+                           str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def generate_generic(engine, requests: list) -> list:
+    """The hf engine's results for `requests` on its generic path (the model's own forward, any architecture),
+    instead of the continuous-batching fast path; the engine is left on the fast path."""
+    engine.fast = False
+    try:
+        return engine.generate(requests)
+    finally:
+        engine.fast = True

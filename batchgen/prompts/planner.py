@@ -52,7 +52,6 @@ class Planner:
         self.only: Optional[set[int]] = None  # a Ray worker's part: parts() yields these only
         self.existing = existing  # existing.Existing: ids run.skip_existing's output generated already
         self.share = cfg.share()
-        self.shard, self.num_shards = self.share.shard, self.share.num_shards
         spec = ENGINES.get(cfg.engine.name)
         unconstrained = (None if spec is None or spec.constraints else
                          f"engine={cfg.engine.name} does not constrain its output; use engine=hf or engine=vllm")
@@ -97,7 +96,7 @@ class Planner:
     def _seek_parts(self, skip: set[int]) -> Iterator[Part]:
         self.total_rows = self.reader.count_rows() or 0  # known up front: the parts are cut from it
         size = self.rows_per_part
-        for index in range(self.shard, self.total_parts, self.num_shards):
+        for index in range(self.share.shard, self.total_parts, self.share.num_shards):
             if not self._mine(index, skip):
                 continue
             batches = list(self.reader.iter_range(index * size, min((index + 1) * size, self.total_rows)))

@@ -69,7 +69,7 @@ def run(cfg: JobConfig, job: JobInput, resolved: Optional[dict[str, Any]], stop:
         started: float) -> Summary:
     """The run's steps in order (the module docstring); `started`: time.perf_counter() when the run began."""
     with open_output(cfg, job, resolved) as out:
-        summary = Summary(out.shown, "partial", out.committer.totals(cfg.run.owns))
+        summary = Summary(out.shown, "partial", out.committer.totals(cfg.share().owns))
         if (out.output_dir / SUCCESS).exists():
             return _already_done(cfg, out, summary)
         summary.rows_already_committed = summary.totals.rows
@@ -125,7 +125,8 @@ def _finish(cfg: JobConfig, committer: Committer, driven: Driven) -> str:
         committer.write_empty()
     total = max(driven.parts, 1 if driven.rows == 0 else 0)
     done = committer.committed()  # one listing (on object storage, one request), not one per part
-    missing = [k for k in range(total) if cfg.run.owns(k) and k not in done]
+    mine = cfg.share().owns
+    missing = [k for k in range(total) if mine(k) and k not in done]
     if missing:  # the engine returned with parts of this shard unfinished: never "partial" with exit 0
         raise BatchgenError(f"parts {', '.join(map(str, missing[:10]))} of this shard were not committed although "
                             f"the engine finished; their journaled samples are kept: rerun to resume")

@@ -121,7 +121,7 @@ def open_output(cfg: JobConfig, job: JobInput, resolved: Optional[dict[str, Any]
             metadata = file_metadata(digest, model_identity(cfg.engine.model))
             committer = make_committer(cfg, output_dir, kept_passthrough(output_dir, job), metadata, remote)
         mine = (status_name(cfg.run.shard, cfg.run.num_shards),)  # the shard's own status file's temp copies
-        committer.clean_stale(cfg.run.owns, mine)
+        committer.clean_stale(cfg.share().owns, mine)
         if committer.sink is not None:
             _reconcile_table(cfg, output_dir, committer)
         yield JobOutput(output_dir, remote.url if remote else output_dir, remote, lock, committer)
@@ -146,5 +146,6 @@ def _reconcile_table(cfg: JobConfig, output_dir: Path, committer: Committer) -> 
     parts = (read_manifest(output_dir) or {}).get("parts") or 0
     committer.sink.refresh(range(parts))
     lacking = committer.committed() - committer.sink.known
-    committer.sink.reconcile([k for k in lacking if cfg.run.owns(k)], committer.read_part,
+    mine = cfg.share().owns
+    committer.sink.reconcile([k for k in lacking if mine(k)], committer.read_part,
                              cfg.run.attempt)

@@ -172,7 +172,7 @@ class Resumed:
 def find_resumed(cfg: JobConfig, committer: Committer, shown: Any, committed: PartStats, per_row: int) -> Resumed:
     """This shard's committed parts (`committed`: their totals) and the samples its part journals hold, read before
     any part opens. `per_row`: the samples a row plans (sampling.n; task=decide: every answer of every question)."""
-    mine = cfg.run.owns
+    mine = cfg.share().owns
     found = Resumed(shown, sum(1 for k in committer.committed() if mine(k)), committed.rows)
     for index, (key, results, _) in read_journals(committer.output_dir, mine).items():
         if key and results:

@@ -14,23 +14,15 @@ the faster counts (--baseline-dtype best): HF at its best dtype on this CPU. Fig
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import run_benchmark
 
 
 @pytest.mark.slow
 def test_quick_benchmark_e_over_b1(tmp_path):
-    out = tmp_path / "quick.json"
-    proc = subprocess.run([sys.executable, "benchmarks/throughput.py", "--quick", "--workdir", str(tmp_path),
-                           "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    print(proc.stdout)
-    report = json.loads(out.read_text())
+    report, printed = run_benchmark("throughput.py", tmp_path, "--quick")
+    print(printed)
     med = report["medians"]
     ratio = med["E"]["tok_s"] / med["B1"]["tok_s"]
     assert med["E"]["useful_tokens"] == med["B1"]["useful_tokens"]  # same work: every row ran to its cap
@@ -45,11 +37,7 @@ def test_quick_benchmark_e_over_b1(tmp_path):
 def test_the_engine_alone_runner_reads_the_engines_counters(tmp_path):
     """The ENG runner (the engine without the job, for the job's overhead) reads the engine's counters through
     Engine.stats(): every useful token is one row computed (a decode step's or a prefill's), none wasted."""
-    out = tmp_path / "eng.json"
-    proc = subprocess.run([sys.executable, "benchmarks/throughput.py", "--quick", "--runners", "ENG", "--repeats", "1",
-                           "--workdir", str(tmp_path), "--json", str(out)], cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    eng = json.loads(out.read_text())["medians"]["ENG"]
+    report, _ = run_benchmark("throughput.py", tmp_path, "--quick", "--runners", "ENG", "--repeats", "1")
+    eng = report["medians"]["ENG"]
     assert "error" not in eng, eng
     assert eng["row_steps"] == eng["useful_tokens"] > 0 and eng["prefill_tokens"] > 0

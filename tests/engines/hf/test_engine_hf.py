@@ -16,7 +16,7 @@ from batchgen.engines.hf.sampling.sampler import sample_token
 from batchgen.records import Request
 from batchgen.run.runner import run_job
 from batchgen.sampling import SampleParams
-from tests.conftest import WORDS, compose_job, job_overrides, read_output, write_parquet
+from tests.conftest import WORDS, compose_job, generate_generic, job_overrides, read_output, write_parquet
 
 GREEDY = SampleParams(max_new_tokens=16, temperature=0.0, top_p=1.0, top_k=0, stop=(), ignore_eos=False)
 
@@ -207,11 +207,7 @@ def test_generic_path_matches_the_fast_path(engine, tokenizer):
     reqs = [Request(key=i, prompt_ids=tokenizer(t).input_ids, params=params if i % 2 else GREEDY, seed=50 + i)
             for i, t in enumerate(texts)]
     fast = engine.generate(reqs)
-    engine.fast = False
-    try:
-        generic = engine.generate(reqs)
-    finally:
-        engine.fast = True
+    generic = generate_generic(engine, reqs)
     assert [(r.text, r.finish_reason, r.num_generated_tokens) for r in fast] == \
         [(r.text, r.finish_reason, r.num_generated_tokens) for r in generic]
 

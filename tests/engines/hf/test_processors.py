@@ -13,7 +13,7 @@ from batchgen.engines.hf.sampling import processors
 from batchgen.engines.hf.sampling.sampler import Sampler, sample_token
 from batchgen.records import Request
 from batchgen.sampling import SampleParams
-from tests.conftest import corpus
+from tests.conftest import corpus, generate_generic
 
 EOS_BIAS = ((1, 0.3),)  # the stand-in model's EOS (id 1) made likely enough to end rows early, at different steps
 
@@ -72,11 +72,7 @@ def test_greedy_rows_equal_hf_generate_with_the_same_processors(engine, referenc
     want = [hf_generate(reference, r.prompt_ids, 24, **hf_keywords(p)) for r in reqs]
     assert want != [hf_generate(reference, r.prompt_ids, 24) for r in reqs]  # the processors change the rows
     fast = engine.generate(reqs)
-    engine.fast = False
-    try:
-        generic = engine.generate(reqs)
-    finally:
-        engine.fast = True
+    generic = generate_generic(engine, reqs)
     for got in (fast, generic):
         assert [(r.text, r.num_generated_tokens) for r in got] == [
             (tokenizer.decode(w, skip_special_tokens=True), len(w)) for w in want]

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ from batchgen.engines.hf.backends.cpu import ops as cpu_ops
 from batchgen.engines.hf.quant import int4, int8, w4a8, w8a8
 from batchgen.errors import ConfigError
 from batchgen.run.runner import run_job
-from tests.conftest import REPO, compose_job, corpus, job_overrides, read_output, run_cli, write_parquet
+from tests.conftest import compose_job, corpus, job_overrides, read_output, run_benchmark, run_cli, write_parquet
 
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 needs_torchao = pytest.mark.skipif(not HAS_TORCHAO, reason="needs torchao: pip install 'batchgen[quant]'")
@@ -255,14 +253,11 @@ def test_the_figure_is_that_of_what_the_scheme_built_here(monkeypatch, caplog):
 
 @pytest.mark.slow
 def test_quick_benchmark_prints_the_table(tmp_path):
-    out = tmp_path / "quick.json"
-    proc = subprocess.run([sys.executable, "benchmarks/quantization.py", "--quick", "--workdir", str(tmp_path),
-                           "--json", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    report, printed = run_benchmark("quantization.py", tmp_path, "--quick")
+    rows = {r["config"]: r for r in report["rows"]}
     # against bf16 (2 bytes a parameter), whatever dtype `none` runs in here: 0.545x on the tiny model (its norms and
     # int8 embedding scales weigh more than a large model's)
-    assert set(rows) == {"none", "int8"} and rows["int8"]["vs_bf16"] < 0.6 and "| int8 |" in proc.stdout
+    assert set(rows) == {"none", "int8"} and rows["int8"]["vs_bf16"] < 0.6 and "| int8 |" in printed
 
 
 @pytest.mark.gpu

@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from batchgen.reader.config import DatasetConfig
 from batchgen.reader.jsonl import JsonlReader, _parse_line
+from batchgen.reader.messages import content_text
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 SETTINGS = ("max_tokens", "temperature", "top_p", "stop", "n", "seed", "response_format", "presence_penalty",
@@ -177,7 +178,8 @@ def _body(body: dict[str, Any], kind: str, url: str) -> tuple[dict[str, Any], Op
 
 
 def _messages(value: Any) -> list[dict[str, Any]] | str:
-    """Chat messages with string content: a content given as text parts ({type: text, text}) joined; else why not."""
+    """Chat messages with string content: a content given as text parts joined (messages.content_text); else why
+    not."""
     if not isinstance(value, list):
         return "body.messages must be a list"
     out = []
@@ -188,9 +190,8 @@ def _messages(value: Any) -> list[dict[str, Any]] | str:
             return f"body.messages[{i}].role {json.dumps(m.get('role'))[:60]} is not one of {', '.join(ROLES)}"
         content = m.get("content")
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                return f"body.messages[{i}].content: only text parts are supported (no images, audio or files)"
-            content = "".join(p["text"] for p in content)
+            content, why = content_text(content, f"body.messages[{i}].content")
+            if why is not None:
+                return why
         out.append({"role": m.get("role"), "content": content})
     return out

@@ -125,7 +125,8 @@ def test_a_request_batchgen_cannot_serve_is_a_bad_request_row_naming_its_line_an
         "bad_request: line 7: url '/v1/embeddings' is not one of /v1/chat/completions, /v1/completions",
         "bad_request: line 8: body must be an object",
         "bad_request: line 9: body has no messages",
-        "bad_request: line 10: body.messages[0].content: only text parts are supported (no images, audio or files)",
+        "bad_request: line 10: image parts are not supported yet: body.messages[0].content[0] has type 'image_url'; "
+        "give the message's text only (text parts or a string), or leave the row out",
         "bad_request: line 11: url /v1/completions differs from the file's endpoint (one endpoint per file, as "
         "OpenAI requires)",
         "malformed_json: line 12 (batch.jsonl:10): expected an object, got list",

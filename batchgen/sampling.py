@@ -4,7 +4,8 @@ or engines."""
 from __future__ import annotations
 
 import hashlib
-import math
+import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -144,12 +145,13 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a bias (vLLM clamps to it)
 def processor_value(key: str, value: Any) -> tuple[Any, Optional[str]]:
     """A logits processor's setting (PROCESSORS) as SampleParams holds it, or why it is not one (a phrase that
     follows the key's name): a number in the key's range, a whole number for min_tokens, and for logit_bias a
-    mapping of token ids (ints, or digit strings as JSON writes them) to biases, held as sorted (id, bias) pairs."""
+    mapping of token ids (ints, or ASCII digit strings as JSON writes them) to biases, held as sorted (id, bias)
+    pairs."""
     if key == "logit_bias":
         return _logit_bias(value)
     if isinstance(value, float) and key == "min_tokens" and value.is_integer():
         value = int(value)  # pandas' float64 for an int column with NaN
-    number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    number = not isinstance(value, bool) and isinstance(value, (int, float)) and abs(value) <= sys.float_info.max
     if key == "min_tokens":
         ok, want = number and isinstance(value, int) and value >= 0, "an integer >= 0"
     elif key == "repetition_penalty":
@@ -162,19 +164,47 @@ def processor_value(key: str, value: Any) -> tuple[Any, Optional[str]]:
 
 
 def _logit_bias(value: Any) -> tuple[Any, Optional[str]]:
-    if not isinstance(value, Mapping):
+    """A logit_bias mapping (or an Arrow map's pairs; nulls dropped: _bias_pairs), read strictly: each key a token
+    id (token_id), no token id twice (1, "01" and "001" are one token: its biases would add up past the bound), each
+    bias a number in [-100, 100]."""
+    pairs = _bias_pairs(value)
+    if pairs is None:
         return None, f"must be a mapping of token ids to biases (got {value!r})"
-    pairs = []
-    for token, bias in value.items():
-        if isinstance(token, str) and token.isdigit():
-            token = int(token)
-        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-            return None, f"has {token!r}, which is not a token id (an integer >= 0)"
-        if (isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias)
-                or abs(bias) > MAX_LOGIT_BIAS):
-            return None, f"gives token {token} the bias {bias!r}, not a number in [-100, 100]"
-        pairs.append((token, float(bias)))
-    return tuple(sorted(pairs)), None
+    biases: dict[int, float] = {}
+    for key, bias in pairs:
+        token = token_id(key)
+        if token is None:
+            return None, f"has {key!r}, which is not a token id (an integer >= 0, or its ASCII digits)"
+        if token in biases:
+            return None, f"gives token {token} two biases (key {key!r} spells it again); give each token id once"
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not abs(bias) <= MAX_LOGIT_BIAS:
+            return None, f"gives token {token} the bias {bias!r:.40}, not a number in [-100, 100]"
+        biases[token] = float(bias)
+    return tuple(sorted(biases.items())), None
+
+
+def _bias_pairs(value: Any) -> Optional[list[tuple[Any, Any]]]:
+    """The (key, bias) pairs of a mapping, or of a list of pairs (an Arrow map column's value), a null bias dropped
+    (a struct column's field that another row has: JSONL objects with different keys read as one struct); None for
+    anything else."""
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    elif isinstance(value, list) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
+        pairs = value
+    else:
+        return None
+    return [(key, bias) for key, bias in pairs if bias is not None]
+
+
+TOKEN_ID_TEXT = re.compile(r"[0-9]{1,18}")  # ASCII digits only: str.isdigit() also takes "²" and "٣"
+
+
+def token_id(key: Any) -> Optional[int]:
+    """A token id as a mapping's key holds it: an int >= 0, or its ASCII decimal digits (JSON's string keys); None for
+    anything else (a bool, a float, a sign, a space, other scripts' digits)."""
+    if isinstance(key, str):
+        return int(key) if TOKEN_ID_TEXT.fullmatch(key) else None
+    return key if isinstance(key, int) and not isinstance(key, bool) and key >= 0 else None
 
 
 @dataclass(slots=True, frozen=True)

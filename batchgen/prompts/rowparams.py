@@ -1,10 +1,11 @@
-"""Per-row sampling from columns: a row's own max_new_tokens, temperature, stop strings and constraint (a choice
-list, or the name of one of sampling.schemas), each value checked per row. A bad value makes that row an error row
+"""Per-row sampling from columns: a row's own max_new_tokens, temperature, stop strings and constraint (a choice list,
+or the name of one of sampling.schemas), each value checked per row. A bad value makes that row an error row
 (`bad_max_new_tokens`, `bad_temperature`, `bad_stop`, `bad_choice`, `bad_schema`, `bad_value`, and `bad_n` for an n
-above sampling.num_beams under beam search), never a dead job; a null value takes the job's setting. The logits
-processors' columns (dataset.KEY_column for each sampling.PROCESSORS key) are checked as the sampling keys are. A
-row's value is data: a schema is an object, never the path of a file to read, and a schema name only picks one of
-sampling.schemas. Knows columns and values; the planner turns the settings into SampleParams.
+above sampling.num_beams under beam search), never a dead job (any exception while reading a value is its row's
+bad_value); a null value takes the job's setting. The logits processors' columns (dataset.KEY_column for each
+sampling.PROCESSORS key) are checked as the sampling keys are. A row's value is data: a schema is an object, never
+the path of a file to read, and a schema name only picks one of sampling.schemas. Knows columns and values; the
+planner turns the settings into SampleParams.
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ class RowParams:
                     problem = check(rows[row], value)
                 except RecursionError:  # JSON text nested past what Python walks: its row's problem, not the job's
                     problem = f"bad_value: column {column!r}: {_shown(value)} is nested too deeply to read"
+                except Exception as exc:  # noqa: BLE001 - a row's value is untrusted data: any failure is its row's
+                    problem = f"bad_value: column {column!r}: {_shown(value)} cannot be read ({type(exc).__name__})"
                 if problem and errors[row] is None:
                     errors[row] = problem
         for row, settings in enumerate(rows):
@@ -186,10 +189,11 @@ class RowParams:
             raise ConfigError(missing)
 
     def _processor(self, key: str, row: RowSettings, value: Any) -> Optional[str]:
-        """A row's logits processor setting (a logit_bias as an object or JSON text), checked as sampling.KEY is."""
+        """A row's logits processor setting, checked as sampling.KEY is; a logit_bias as an object, its JSON text, a
+        struct (JSONL objects with different keys read as one: its null fields dropped) or an Arrow map."""
         if key == "logit_bias" and isinstance(value, str):
             try:
-                value = json.loads(value)
+                value = json.loads(value, object_pairs_hook=list)  # pairs: a key written twice is seen twice
             except ValueError:
                 pass  # reported below as not a mapping
         setting, problem = processor_value(key, value)

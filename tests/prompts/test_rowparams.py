@@ -5,12 +5,15 @@ what a job with those values set for every row generates."""
 
 from __future__ import annotations
 
+import json
+
 import pyarrow as pa
 import pytest
 
 from batchgen.errors import ConfigError
 from batchgen.prompts.rowparams import RowParams
 from batchgen.reader import DatasetConfig
+from batchgen.reader.values import JSON_TEXT
 from batchgen.run.runner import run_job
 from batchgen.sampling import SamplingConfig
 from tests.conftest import compose_job, corpus, job_overrides, read_output, write_jsonl
@@ -89,3 +92,75 @@ def test_rows_with_their_own_values_generate_what_the_job_setting_would(tiny_mod
     plain = run("plain")
     assert per_row[:2] == everywhere[:2] and per_row[2:] == plain[2:]
     assert per_row[:2] != plain[:2]  # the processors change those rows
+
+
+def test_a_logit_bias_key_is_ascii_digits_and_each_token_once_or_the_rows_bad_value():
+    """str.isdigit() takes "²" (int() refuses it: the job died) and "٣" (read as token 3); "1", "01" and "001" are
+    one token whose biases added up to +300, past the documented bound."""
+    rows, errors = settings({"bias": ['{"²": 1}', '{"٣": 5}', '{"1": 100, "01": 100, "001": 100}', '{"3": 1, "3": 2}',
+                                      '{" 3": 1}', '{"9999999999999999999999": 1}', '{"3": 2.5}']})
+    assert errors[0] == "bad_value: logit_bias has '²', which is not a token id (an integer >= 0, or its ASCII " \
+                        "digits) (dataset.logit_bias_column)"
+    assert errors[1].startswith("bad_value: logit_bias has '٣', which is not a token id")
+    assert errors[2] == "bad_value: logit_bias gives token 1 two biases (key '01' spells it again); give each token " \
+                        "id once (dataset.logit_bias_column)"
+    assert errors[3].startswith("bad_value: logit_bias gives token 3 two biases")  # a key written twice in the text
+    assert errors[4].startswith("bad_value: logit_bias has ' 3', which is not a token id")
+    assert errors[5].startswith("bad_value: logit_bias has '9999999999999999999999', which is not a token id")
+    assert errors[6] is None and rows[6].processors["logit_bias"] == ((3, 2.5),)
+
+
+def test_any_exception_reading_a_rows_value_is_that_rows_error_not_the_jobs():
+    """A whole number too large for a float (JSON keeps it exact) made math.isfinite raise OverflowError in the
+    checks: the job died on every rerun. The logits processors' checks now refuse it by name; any other check that
+    raises makes its row's bad_value (the temperature's, here)."""
+    huge = "1" + "0" * 400
+    params = RowParams(DatasetConfig(path="unused", logit_bias_column="bias", repetition_penalty_column="rep",
+                                     temperature_column="temp"), SamplingConfig(), vocab=100)
+    errors = [None] * 4
+    mixed = [pa.field(name, pa.string(), metadata=JSON_TEXT) for name in ("rep", "temp")]  # JSONL's mixed types
+    table = pa.table([pa.array([None, '{"3": ' + huge + '}', None, None]), pa.array([huge, None, None, "1.2"]),
+                      pa.array([None, None, huge, None])], schema=pa.schema([pa.field("bias", pa.string()), *mixed]))
+    rows = params.settings(table, errors)
+    assert errors[0].startswith("bad_value: repetition_penalty must be a number > 0 (1 = off) (got 1000")
+    assert errors[1].startswith("bad_value: logit_bias gives token 3 the bias 1000")
+    assert errors[2].startswith("bad_value: column 'temp': 1000") and errors[2].endswith("(OverflowError)")
+    assert errors[3] is None and rows[3].processors["repetition_penalty"] == 1.2
+
+
+def test_a_logit_bias_as_a_struct_with_nulls_or_an_arrow_map_is_read_as_its_object():
+    """JSONL objects with different keys read as one struct (a row's missing keys null), a Parquet struct, a Parquet
+    map: each row's own pairs, nulls dropped, checked as the JSON text is."""
+    struct = pa.array([{"5": 3.0, "7": None}, {"5": None, "7": -2.0}, {"5": None, "7": None}])
+    as_map = pa.array([[("5", 3.0)], [("7", -2.0), ("9", None)], [("1", 1.0), ("01", 2.0)]],
+                      pa.map_(pa.string(), pa.float64()))
+    for column, third in ((struct, None), (as_map, "bad_value: logit_bias gives token 1 two biases")):
+        params = RowParams(DatasetConfig(path="unused", logit_bias_column="bias"), SamplingConfig(), vocab=100)
+        errors = [None] * 3
+        rows = params.settings(pa.table({"bias": column}), errors)
+        assert errors[:2] == [None, None], errors
+        assert [r.processors["logit_bias"] for r in rows[:2]] == [((5, 3.0),), ((7, -2.0),)]
+        assert errors[2] is None and rows[2].processors["logit_bias"] == () if third is None else \
+            errors[2].startswith(third)
+
+
+def test_a_job_reads_logit_bias_objects_with_different_keys_and_survives_a_bad_key(tiny_model, tmp_path):
+    """JSONL objects with different keys (one struct column, nulls where a row lacks a key) generate what the same
+    biases as JSON text do; a key "²" is its row's bad_value, the job finishes."""
+    biases = [{"5": 3.0}, {"9": 4.0, "11": -1.0}, {"²": 1.0}, None]
+    texts = corpus(4, seed=8)
+
+    def run(name: str, value) -> list[dict]:
+        rows = [{"id": f"r{i}", "prompt": t, "bias": value(b)} for i, (t, b) in enumerate(zip(texts, biases))]
+        out = tmp_path / name
+        summary = run_job(compose_job(job_overrides(tiny_model, write_jsonl(tmp_path / f"{name}.jsonl", rows), out,
+                                                    "dataset.id_column=id", "sampling.max_new_tokens=8",
+                                                    "dataset.logit_bias_column=bias", "run.max_error_rate=0.5")))
+        assert summary.state == "done"
+        return read_output(out).sort_by("id").to_pylist()
+
+    objects = run("objects", lambda b: b)
+    text = run("text", lambda b: None if b is None else json.dumps(b))
+    assert [r["error"] for r in objects] == [None, None, objects[2]["error"], None]
+    assert objects[2]["error"].startswith("bad_value: logit_bias has '²', which is not a token id")
+    assert [r["generation"] for r in objects] == [r["generation"] for r in text]

@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from batchgen.errors import ConfigError
 from batchgen.reader import DatasetConfig, column_values, is_json_text
+from batchgen.reader.messages import content_text
 
 
 @dataclass(slots=True)
@@ -126,9 +127,9 @@ class Renderer:
             return None, "empty_prompt", None
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             return None, f"bad_messages: expected a list of {{role, content}}, got {type(messages).__name__}", None
-        messages = [{"role": m.get("role"), "content": m.get("content")} for m in messages]
-        if any(not isinstance(m["role"], str) or not isinstance(m["content"], str) for m in messages):
-            return None, "bad_messages: every message needs a string role and string content", None
+        messages, why = _text_messages(messages)
+        if why is not None:
+            return None, f"bad_messages: {why}", None
         if self.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
         if self.tokenizer is None:  # the server renders them with its own template
@@ -138,6 +139,18 @@ class Renderer:
         except Exception as exc:  # jinja errors from a user's template are row errors, not job failures
             return None, f"bad_template: chat template: {type(exc).__name__}: {exc}", None
         return (*_check_prompt(text), messages)
+
+
+def _text_messages(messages: list[dict]) -> tuple[list[dict], Optional[str]]:
+    """Each message as {role, content} with string content (a list of text parts joined, as OpenAI writes them:
+    reader.messages.content_text), or why a message cannot be."""
+    out = []
+    for i, m in enumerate(messages):
+        content, why = content_text(m.get("content"), f"messages[{i}].content")
+        if why is not None or not isinstance(m.get("role"), str):
+            return [], why or "every message needs a string role and string content"
+        out.append({"role": m["role"], "content": content})
+    return out, None
 
 
 def chat_template_text(value: Optional[str]) -> Optional[str]:

@@ -189,6 +189,34 @@ def test_malformed_messages_are_error_rows(value, kind):
     assert len(tok.calls) == 1  # only the good row reached the chat template
 
 
+def test_content_as_openai_writes_it_renders_like_the_joined_string_and_an_image_part_is_its_rows_error(
+        tokenizer, tmp_path):
+    """A messages column (here a Parquet list of structs, as a dataset of OpenAI chat rows is saved) whose content is
+    a list of text parts renders exactly as the same text given as one string; a row with an image part is that
+    row's bad_messages, saying images are not supported yet and where the part is."""
+    from tests.conftest import write_parquet
+    from tests.reader.conftest import read_all
+
+    def text(t):
+        return {"type": "text", "text": t, "image_url": None}
+
+    rows = [{"m": [{"role": "user", "content": [text("Label: "), text("the river rose")]}]},
+            {"m": [{"role": "user", "content": [text("Label: the river rose")]}]},
+            {"m": [{"role": "user", "content": [text("what is it?"),
+                                                {"type": "image_url", "text": None, "image_url": {"url": "x"}}]}]}]
+    path = write_parquet(tmp_path / "chat.parquet", rows)
+    _, read, _ = read_all(DatasetConfig(path=str(path)))
+    out = render(pa.Table.from_pylist(read), tokenizer, messages_column="m")
+    want = tokenizer.apply_chat_template([{"role": "user", "content": "Label: the river rose"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert out.texts[:2] == [want, want] and out.errors[:2] == [None, None]
+    assert out.messages[0] == [{"role": "user", "content": "Label: the river rose"}]
+    assert out.texts[2] is None
+    assert out.errors[2] == ("bad_messages: image parts are not supported yet: messages[0].content[1] has type "
+                             "'image_url'; give the message's text only (text parts or a string), or leave "
+                             "the row out")
+
+
 def test_a_chat_template_that_raises_is_a_bad_template_row():
     tok = ChatTokenizer(fail=RuntimeError("jinja exploded"))
     out = render(messages_table([[{"role": "user", "content": "hi"}]]), tok, messages_column="msgs")

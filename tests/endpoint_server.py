@@ -2,13 +2,14 @@
 directory, one request at a time) behind /v1/models, /v1/completions and /v1/chat/completions, with faults injected
 on purpose: 429 with Retry-After, 503, slow answers, connections dropped mid-request, and 400 for prompts holding
 the word REJECT, and for a prompt holding `REFUSE:FIELD` that carries the body field FIELD (as OpenAI refuses a
-parameter a model does not take). The logits processor fields (OpenAI's presence_penalty, frequency_penalty,
-logit_bias; vLLM's repetition_penalty, min_p, min_tokens) are applied as HF generate's processors. Faults are drawn
-from a seeded generator per request, so a run's faults repeat. A server that
-lies: the answer to a prompt holding `MANGLE:KIND` is changed as mangle() says for KIND (a usage that is null, a
-string, too large or negative; two choices, the wrong one first; a choice of another index; a token id outside the
-vocabulary), and /v1/models answers as --models says (a model list, or a web page, a list, a list of strings, a
-max_model_len that is not a number).
+parameter a model does not take); a prompt holding `ECHO:STATUS` is answered STATUS with an error message that
+quotes the request's path and query, its Authorization header and its body (as a careless gateway does). The logits
+processor fields (OpenAI's presence_penalty, frequency_penalty, logit_bias; vLLM's repetition_penalty, min_p,
+min_tokens) are applied as HF generate's processors. Faults are drawn from a seeded generator per request, so a
+run's faults repeat. A server that lies: the answer to a prompt holding `MANGLE:KIND` is changed as mangle() says
+for KIND (a usage that is null, a string, too large or negative; two choices, the wrong one first; a choice of
+another index; a token id outside the vocabulary), and /v1/models answers as --models says (a model list, or a web
+page, a list, a list of strings, a max_model_len that is not a number).
 
     python -m tests.endpoint_server --model DIR [--faults 429=0.1,503=0.05,slow=0.05,drop=0.05]
         [--fault-requests N] [--log FILE] [--name SERVED_NAME] [--models KIND]
@@ -251,6 +252,13 @@ class Handler(BaseHTTPRequestHandler):
         if self.reject and self.reject in text:
             self._log(body, "400")
             return self._send(400, {"error": {"message": "the prompt asks to be rejected"}})
+        echo = re.search(r"ECHO:(\d+)", text)
+        if echo:  # a careless server's error: the request line, its credential header and its body quoted back
+            self._log(body, echo.group(1))
+            said = {k: v for k, v in body.items() if k not in ("prompt", "messages")}
+            return self._send(int(echo.group(1)), {"error": {"message": f"bad request to {self.path} (authorization: "
+                                                                      f"{self.headers.get('Authorization')}) body: "
+                                                                      f"{json.dumps(said)}"}})
         refused = re.search(r"REFUSE:(\w+)", text)
         if refused and refused.group(1) in body:  # OpenAI's words for a parameter the model does not take
             self._log(body, "400")

@@ -33,6 +33,7 @@ from batchgen.output.remote import RemoteOutput, is_remote
 from batchgen.output.tables import table_line
 from batchgen.output.throughput import throughput, work_from
 from batchgen.output.view import attempt_dir, attempts, latest_batches
+from batchgen.redact import redact, redact_text
 
 REPORT = "_report.html"
 HISTORY_GLOB = "_history*.jsonl"
@@ -55,7 +56,7 @@ def history(output_dir: Path) -> list[dict[str, Any]]:
 
 def gather(output_dir: Path) -> dict[str, Any]:
     """The facts the page shows."""
-    manifest = read_manifest(output_dir)
+    manifest = redact(read_manifest(output_dir))  # one written before a secret name was masked shows it masked
     if manifest is None:
         raise ConfigError([f"{output_dir}: no batchgen output here (no {MANIFEST})"])
     prompt, generated, reasons = [], [], Counter()
@@ -309,7 +310,8 @@ def write_report(output_dir: Path, out: Optional[Path] = None) -> Path:
     from batchgen.fsutil import write_bytes_atomic
 
     path = out or output_dir / REPORT
-    write_bytes_atomic(path, render(output_dir, gather(output_dir)).encode("utf-8"))
+    page = redact_text(render(output_dir, gather(output_dir)))  # an error row written before redaction, a secret
+    write_bytes_atomic(path, page.encode("utf-8"))  # this process remembers
     return path
 
 

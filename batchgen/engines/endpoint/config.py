@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Optional
 from urllib.parse import urlsplit
 
 from batchgen.engines.base import EngineConfig, model_dir_problems
-from batchgen.redact import redact_text
+from batchgen.redact import control_character, redact_text, remember, secret_name
 
 ENDPOINTS = ("completions", "chat")
 EXTENSIONS = ("vllm", "none")
@@ -42,7 +42,10 @@ class OpenAIConfig(EngineConfig):
         if self.model in ("???", "", None):
             out.append("engine.model is required with engine=openai: the served model's name, as the endpoint's "
                        "/v1/models lists it")
-        if not str(self.base_url).startswith(("http://", "https://")):
+        if control_character(str(self.base_url)):
+            out.append(f"engine.base_url holds {control_character(str(self.base_url))} (not shown: it may hold a "
+                       f"credential); set it without it")
+        elif not str(self.base_url).startswith(("http://", "https://")):
             out.append(f"engine.base_url must be the endpoint's http(s) URL up to /v1, e.g. "
                        f"http://127.0.0.1:8000/v1 (got {redact_text(str(self.base_url))!r})")
         elif "@" in urlsplit(str(self.base_url)).netloc and self.api_key_env:
@@ -61,14 +64,31 @@ class OpenAIConfig(EngineConfig):
             out.append(f"engine.endpoint must be one of {', '.join(ENDPOINTS)} (got {self.endpoint!r})")
         if self.extensions not in EXTENSIONS:
             out.append(f"engine.extensions must be one of {', '.join(EXTENSIONS)} (got {self.extensions!r})")
-        if self.api_key_env and not os.environ.get(self.api_key_env):
-            out.append(f"engine.api_key_env={self.api_key_env}: the environment variable {self.api_key_env} is not "
-                       f"set; export it (the key itself never goes into a config, manifest or log)")
+        out += self.credential_problems()
         if self.dtype != "auto" or self.quantization is not None:
             out.append("engine.dtype and engine.quantization are the server's with engine=openai; leave them unset")
         out += [f"engine.{key} must be >= {low} (got {getattr(self, key)})"
                 for key, low in (("max_concurrency", 1), ("timeout_s", 0.001), ("max_retries", 0),
                                  ("stop_grace_s", 0)) if getattr(self, key) < low]
+        return out
+
+    def credential_problems(self) -> list[str]:
+        """The API key: set where engine.api_key_env names a variable, and remembered (masked in every text:
+        redact.py); it and a value of engine.extra_body under a secret name (it goes into every request) refused
+        where they hold a control character (a key file saved with Windows line ends), never quoted."""
+        out = []
+        key = os.environ.get(self.api_key_env) if self.api_key_env else None
+        remember(key)
+        if self.api_key_env and not key:
+            out.append(f"engine.api_key_env={self.api_key_env}: the environment variable {self.api_key_env} is not "
+                       f"set; export it (the key itself never goes into a config, manifest or log)")
+        elif key and control_character(key):
+            out.append(f"engine.api_key_env={self.api_key_env}: the key in {self.api_key_env} holds "
+                       f"{control_character(key)} (the key is not shown); export it without it, e.g. "
+                       f"export {self.api_key_env}=\"$(tr -d '\\r\\n' < KEYFILE)\"")
+        out += [f"engine.extra_body.{name} holds {control_character(value)} (the value is not shown: it may be a "
+                f"credential); set it without it" for name, value in self.extra_body.items()
+                if isinstance(value, str) and secret_name(str(name)) and control_character(value)]
         return out
 
     def tokenizer_dir(self) -> Optional[str]:

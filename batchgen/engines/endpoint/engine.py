@@ -26,7 +26,7 @@ from batchgen.engines.endpoint.config import OpenAIConfig
 from batchgen.engines.endpoint.dispatch import Dispatcher, EndpointDown, Outcome
 from batchgen.errors import BatchgenError, ConfigError
 from batchgen.records import Request, Result
-from batchgen.redact import redact_text
+from batchgen.redact import redact_text, remember
 
 log = logging.getLogger(__name__)
 TRANSIENT = (408, 409, 425, 500, 502, 504)  # retried; 429 and 503 also halve the concurrency
@@ -213,6 +213,7 @@ def _client(cfg: OpenAIConfig) -> tuple[Any, Any]:
         logging.getLogger(name).setLevel(logging.WARNING)
     base, query, auth = split_url(cfg.base_url)
     key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
+    remember(key)  # masked wherever a text quotes it (a server's error echoing the request)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.Client(base_url=base.rstrip("/") + "/", headers=headers, params=query, auth=auth,
                         timeout=httpx.Timeout(cfg.timeout_s, connect=min(30.0, cfg.timeout_s)),

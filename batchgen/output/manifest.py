@@ -124,6 +124,7 @@ def _sampling(cfg: JobConfig) -> dict[str, Any]:
 
 def _dataset(cfg: JobConfig) -> dict[str, Any]:
     out = dataclasses.asdict(cfg.dataset) | {"batch_rows": None, "path": _input(cfg.dataset.path)}
+    del out["render_timeout_s"]  # a limit, not what a prompt is: a retry may raise it for the rows it cost
     for key in LATER_DATASET_KEYS:
         if out[key] is None:
             del out[key]

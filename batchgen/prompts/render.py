@@ -19,6 +19,7 @@ from typing import Any, Optional
 import pyarrow as pa
 
 from batchgen.errors import ConfigError
+from batchgen.prompts.budget import RenderBudgetExceeded, render_budget
 from batchgen.reader import DatasetConfig, column_values, is_json_text
 from batchgen.reader.messages import content_text
 
@@ -135,7 +136,10 @@ class Renderer:
         if self.tokenizer is None:  # the server renders them with its own template
             return json.dumps(messages, ensure_ascii=False), None, messages
         try:
-            text = self.tokenizer.apply_chat_template(messages, **self.chat_kwargs)
+            with render_budget(self.cfg.render_timeout_s):
+                text = self.tokenizer.apply_chat_template(messages, **self.chat_kwargs)
+        except RenderBudgetExceeded as exc:  # a template looping for ever costs its row, never the job
+            return None, f"bad_template: chat template: {exc}", None
         except Exception as exc:  # jinja errors from a user's template are row errors, not job failures
             return None, f"bad_template: chat template: {type(exc).__name__}: {exc}", None
         return (*_check_prompt(text), messages)

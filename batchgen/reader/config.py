@@ -30,6 +30,7 @@ class DatasetConfig:
     # tokenizer's; setting it turns on chat rendering
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra variables for the chat template
     # ({enable_thinking: false}), as transformers' apply_chat_template and vLLM's chat_template_kwargs take them
+    render_timeout_s: float = 2.0  # CPU seconds one row's chat template may take; past it the row is bad_template
     passthrough_columns: Optional[list[str]] = None  # null = every input column but id_column (it is `id`)
     limit: Optional[int] = None  # first N rows only
     max_new_tokens_column: Optional[str] = None  # per-row cap on generated tokens
@@ -70,6 +71,9 @@ class DatasetConfig:
             out.append(f"dataset.batch_rows must be >= 1 (got {self.batch_rows})")
         if self.verify not in VERIFY:
             out.append(f"dataset.verify must be one of {', '.join(VERIFY)} (got {self.verify!r})")
+        if not self.render_timeout_s > 0:
+            out.append(f"dataset.render_timeout_s must be > 0: the CPU seconds one row's chat template may take "
+                       f"(got {self.render_timeout_s})")
         if self.max_line_bytes < 1:
             out.append(f"dataset.max_line_bytes must be >= 1 (got {self.max_line_bytes})")
         if self.template is not None and self.messages_column is not None:

@@ -381,3 +381,18 @@ def test_the_chat_template_is_part_of_the_runs_fingerprint_by_its_text(tmp_path)
     first = output_config(cfg)["dataset"]["chat_template"]
     template.write_text(OWN_TEMPLATE + " ")
     assert first == OWN_TEMPLATE and output_config(cfg)["dataset"]["chat_template"] != first
+
+
+def test_a_chat_template_looping_for_ever_costs_its_row_within_the_time_limit(real_tokenizer):
+    """A template with nested loops without end (here for one row only) is that row's bad_template once it has run
+    dataset.render_timeout_s CPU seconds (prompts/budget.py); the rows before and after it render."""
+    import time
+
+    spin = ("{% if messages[0].content == 'spin' %}{% for i in range(100000) %}{% for j in range(100000) %}x"
+            "{% endfor %}{% endfor %}{% endif %}")
+    start = time.monotonic()
+    out = render(pa.table({"prompt": ["a", "spin", "b"]}), real_tokenizer, chat_template=spin + OWN_TEMPLATE,
+                 render_timeout_s=0.5)
+    assert time.monotonic() - start < 5
+    assert out.texts == ["<user>a<bot>", None, "<user>b<bot>"]
+    assert out.errors[1].startswith("bad_template: chat template: ran past dataset.render_timeout_s=0.5 CPU seconds")

@@ -156,6 +156,33 @@ def test_chat_rendering_uses_the_chat_template(tiny_model, tokenizer, tmp_path):
     assert rows[1]["error"] == "empty_prompt"
 
 
+def test_a_chat_template_looping_for_ever_costs_its_row_and_the_job_goes_on(tiny_model, tmp_path):
+    """A chat template whose loops never end for one row (nested loops over range, 10^10 steps) makes that row a
+    bad_template error row after dataset.render_timeout_s; the job finishes and generates the other rows."""
+    import time
+
+    template = tmp_path / "spin.jinja"
+    template.write_text("{% if messages[0].content == 'spin' %}{% for i in range(100000) %}"
+                        "{% for j in range(100000) %}x{% endfor %}{% endfor %}{% endif %}"
+                        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<bot>")
+    prompts = ["the river town", "spin", "a quiet night", "the bridge"]
+    data = write_parquet(tmp_path / "in.parquet", [{"uid": f"u{i}", "prompt": p} for i, p in enumerate(prompts)])
+    start = time.monotonic()
+    summary = run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "out", "engine=dummy",
+                                                "dataset.id_column=uid", f"dataset.chat_template={template}",
+                                                "dataset.render_timeout_s=0.5", "sampling.max_new_tokens=2",
+                                                "run.max_error_rate=0.5")))
+    assert time.monotonic() - start < 30 and summary.state == "done"
+    rows = {r["id"]: r for r in read_output(tmp_path / "out").to_pylist()}
+    assert rows["u1"]["error"].startswith("bad_template: chat template: ran past dataset.render_timeout_s=0.5")
+    assert all(rows[u]["error"] is None and rows[u]["generation"] is not None for u in ("u0", "u2", "u3"))
+    again = run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "out", "engine=dummy",
+                                              "dataset.id_column=uid", f"dataset.chat_template={template}",
+                                              "dataset.render_timeout_s=1", "sampling.max_new_tokens=2",
+                                              "run.max_error_rate=0.5")))
+    assert again.state == "already_done"  # a limit, not part of the run's fingerprint
+
+
 def test_chat_without_a_chat_template_is_a_config_error(tiny_model, tmp_path):
     import shutil
 

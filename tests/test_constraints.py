@@ -216,3 +216,26 @@ def test_choice_scores_sum_to_one_and_equal_a_separate_forward_pass_of_each_choi
         best = max(scores, key=lambda s: s["score"])["choice"]  # greedy: the answer is the top score, never generated
         assert row["generation"] == best and row["error"] is None and row["parsed"] == json.dumps(best)
         assert row["num_generated_tokens"] == len(tokenizer(best, add_special_tokens=False)["input_ids"]) + 1
+
+
+def test_choice_scores_count_the_logit_bias_the_answer_is_picked_with(tiny_model, tokenizer, tmp_path):
+    """sampling.choice_scores scored each choice from the raw logits, ignoring logit_bias and the penalties: a bias
+    that flips the label without scores answered the other label with them. Both now answer the biased label."""
+    labels = ["billing", "feature"]
+    data = write_parquet(tmp_path / "in.parquet", [{"prompt": p} for p in corpus(4, seed=4)])
+
+    def run(name: str, *extra: str) -> list[dict]:
+        run_job(constrained(tiny_model, data, tmp_path / name, f"sampling.choice={json.dumps(labels)}", *extra))
+        return read_output(tmp_path / name).to_pylist()
+
+    plain = [r["generation"] for r in run("plain", "sampling.choice_scores=true")]
+    usual = max(labels, key=plain.count)
+    other = labels[1 - labels.index(usual)]
+    first = {label: tokenizer(label, add_special_tokens=False)["input_ids"][0] for label in labels}
+    assert first[usual] != first[other]
+    bias = f"sampling.logit_bias={{{first[other]}: 100, {first[usual]}: -100}}"
+    unscored = [r["generation"] for r in run("unscored", bias)]
+    scored = run("scored", bias, "sampling.choice_scores=true", "sampling.repetition_penalty=1.2")
+    assert unscored == [other] * 4
+    assert [r["generation"] for r in scored] == [other] * 4
+    assert all(r["choice_scores"][labels.index(other)]["score"] > 0.99 for r in scored)

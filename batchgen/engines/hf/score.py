@@ -4,7 +4,9 @@ prompt, with no sampling.
 A row that wants scores becomes one forced sequence per choice: its prompt, then the choice's tokens and EOS fed
 in one per decode step (Sampler: Draw.forced), each token's log-probability recorded. These sequences run through
 the engine like any other rows: continuous batching, and the prefix cache, which prefills the prompt the choices
-share once. A choice's score is the model's probability of its whole token sequence followed by EOS, so that a
+share once. A choice's score is the model's probability of its whole token sequence followed by EOS, read from the
+logits after the row's logits processors (logit_bias, the penalties: sampler.logged_logprobs), the ones its answer
+would be decoded from without scores, so that a
 choice that is a prefix of another ("bug", "bugfix") is not credited with the longer one's mass; a row's scores
 are normalised over its choices and sum to 1. The row is not decoded freely: its answer is the choice with the
 highest score (greedy), or one drawn from the scores with the sample's own seed (temperature > 0: scores ** (1 /

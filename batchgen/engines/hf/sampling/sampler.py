@@ -85,10 +85,10 @@ class Sampler:
         takes the token. picks: each row's argmax of these logits where the step computed it (used for greedy rows
         unless a processor or a grammar changes their logits)."""
         logged = [j for j, d in enumerate(draws) if d.token_logprobs is not None]
-        logp = torch.log_softmax(logits[logged].float(), dim=-1) if logged else None  # the model's own, unmasked
-        shaped = [j for j, d in enumerate(draws) if d.shaped]
+        raw, shaped = logits, [j for j, d in enumerate(draws) if d.shaped]
         if shaped:
             logits, picks = self._process(logits, reqs, draws, shaped, picks)
+        logp = logged_logprobs(raw, logits, [reqs[j] for j in logged], logged) if logged else None
         matchers = [None if d.thinking else d.matcher for d in draws]  # a thinking row is free until its block ends
         constrained = self._grammars is not None and any(m is not None for m in matchers)
         if constrained:
@@ -180,10 +180,24 @@ class Sampler:
                       top_logprobs=draw and draw.top_logprobs and with_tokens(self.tokenizer, draw.top_logprobs))
 
 
+def logged_logprobs(raw: torch.Tensor, processed: torch.Tensor, reqs: list[Request], rows: list[int]
+                    ) -> torch.Tensor:
+    """The log-probabilities [len(rows), V] that `rows` (their requests `reqs`) record: the model's own (raw, before
+    any processor, constraint or temperature: vLLM's raw_logprobs, what sampling.logprobs returns), but a scored
+    choice's forced sequence's (SampleParams.forced) from the processed logits, the ones its label would be picked
+    from: its score then counts logit_bias and the penalties, so that the scores and the answer agree."""
+    scored = [i for i, r in enumerate(reqs) if r.params.forced and r.params.shapes_logits]
+    if not scored or processed is raw:
+        return torch.log_softmax(raw[rows].float(), dim=-1)
+    source = raw[rows].float()  # a copy: [len(rows), V]
+    at = torch.tensor(scored, device=source.device)
+    source.index_copy_(0, at, processed[torch.tensor([rows[i] for i in scored], device=raw.device)].float())
+    return torch.log_softmax(source, dim=-1)
+
+
 def record_logprobs(logp: torch.Tensor, draws: list[Draw], tokens: list[int], ks: list[int]) -> None:
     """Append each row's picked token's log-probability and its top k ([token_id, logprob], likeliest first) to its
-    Draw. logp: [rows, V], log-softmax of the model's logits before any constraint, temperature or top-k/p (what
-    vLLM returns by default, its raw_logprobs)."""
+    Draw. logp: [rows, V], logged_logprobs' (the model's own, a scored choice's processed)."""
     picked = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
     most = max(ks)
     top = torch.topk(logp, most, dim=-1) if most else None

@@ -14,13 +14,17 @@ from batchgen.constraints import KINDS as CONSTRAINT_KINDS
 from batchgen.engines import ENGINES, engine_config, engine_problems, structured_output_problems
 from batchgen.errors import ConfigError
 from batchgen.job import ON_BAD_ROW, TOO_LONG, JobConfig, OutputConfig, Question, RunConfig
+from batchgen.texts import unescape_texts
 
 
 def validate(given: JobConfig) -> JobConfig:
     """Report every problem at once, naming keys as the user types them; raise ConfigError if any. Returns the job
     as resolved (its engine's own config class, output_dir's ${name}, run.shard and run.num_shards, an OpenAI batch
-    input's columns), a copy: the config it was given is left as it was."""
+    input's columns, the text keys' newlines: texts.py), a copy: the config it was given is left as it was."""
     cfg = copy.deepcopy(given)
+    if not cfg.texts_unescaped:  # `\n` in a text key is a newline (texts.py), applied once
+        unescape_texts(cfg)
+        cfg.texts_unescaped = True
     cfg.engine, problems = engine_config(cfg.engine)  # its engine's own config class (made in Python: maybe not)
     problems += _slurm_defaults(cfg.run)
     if not cfg.name or cfg.name == "???":

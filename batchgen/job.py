@@ -6,7 +6,7 @@ Plain dataclasses: the CLI fills them from Hydra once; nothing here imports omeg
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from batchgen.engines import (
     default_rows_per_part,
@@ -184,6 +184,9 @@ class JobConfig:
     task: str = "generate"  # generate | loglik | embed (no generation: prompts/planner.py, engines/hf/loglik.py)
     embed: EmbedConfig = field(default_factory=EmbedConfig)
     decide: DecideConfig = field(default_factory=DecideConfig)
+    # set on the config checks.validate returns, whose text keys hold their newlines (texts.py): a config validated
+    # again is not unescaped twice (`\\n` stays a backslash and an n)
+    texts_unescaped: ClassVar[bool] = False
 
     @property
     def rows_per_part(self) -> int:

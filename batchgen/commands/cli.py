@@ -167,6 +167,36 @@ def preflight(overrides: list[str]) -> JobConfig:
         sys.exit(2)
 
 
+def show_job(args: list[str]) -> Optional[int]:
+    """`--cfg job` (or `-c job`, with `--resolve` or not): the composed config printed as the job will use it, its
+    text keys' `\\n` made newlines as validate makes them (texts.py: compose.shown_yaml); None where `args` ask Hydra
+    for anything else."""
+    overrides, wanted, resolve, rest = [], False, False, list(args)
+    while rest:
+        arg = rest.pop(0)
+        if arg in ("--cfg", "-c") and rest[:1] == ["job"]:
+            wanted, rest = True, rest[1:]
+        elif arg == "--cfg=job":
+            wanted = True
+        elif arg == "--resolve":
+            resolve = True
+        elif arg.startswith("-"):
+            return None
+        else:
+            overrides.append(arg)
+    if not wanted:
+        return None
+    from batchgen.commands.compose import composed, shown_yaml
+
+    try:
+        print(shown_yaml(composed(overrides), resolve), end="")
+    except ConfigError as exc:
+        for line in exc.problems:
+            print(f"batchgen: error: {line}", file=sys.stderr)
+        sys.exit(2)
+    return 0
+
+
 # The subcommands, each its own module in commands/ with a main(argv, ...) -> exit code; one line each for --help
 COMMANDS = {
     "plan": "what a job would do, before it runs: prompt lengths, rows too long or erring, parts (--calibrate: "
@@ -248,6 +278,9 @@ def run_as_job(args: list[str], advice: Optional[Advice] = None) -> int:
     whose `advice` may add a line to the job's error. Returns 0 once the job is done (or complete already); any
     other outcome exits with its code."""
     invocation.advice = advice
+    shown = show_job(args)
+    if shown is not None:
+        return shown
     sys.argv[1:] = args
     if not any(arg.startswith("-") for arg in sys.argv[1:]):  # Hydra's own flags (--help, -m) go straight to it
         cfg = preflight(sys.argv[1:])

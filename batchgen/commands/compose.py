@@ -24,6 +24,7 @@ from batchgen.confdir import conf_dir
 from batchgen.engines import ENGINES
 from batchgen.errors import ConfigError
 from batchgen.job import JobConfig
+from batchgen.texts import unescape_texts
 
 CONF_DIR = str(conf_dir())  # the root config, the groups, the presets
 USER_CONF_ENV = "BATCHGEN_CONF_DIR"  # directories of the user's own presets (DIR/job/NAME.yaml), os.pathsep-separated
@@ -81,6 +82,26 @@ def load_job(preset: Optional[str] = None, overrides: Optional[list[str]] = None
         if OmegaConf.is_missing(cfg[section], key):
             cfg[section][key] = ""
     return to_job_config(cfg, check=False)
+
+
+def shown_yaml(cfg: DictConfig, resolve: bool = False) -> str:
+    """A composed config as `--cfg job` prints it: its text keys as the job uses them (texts.py's newlines made), a
+    text holding a newline, a tab or a backslash in YAML's double quotes, whose escapes say which it is ("\\n" a
+    newline, "\\\\n" a backslash and an n); the rest as Hydra prints it."""
+    import yaml
+
+    unescape_texts(cfg)
+    data = OmegaConf.to_container(cfg, resolve=resolve)
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    def text(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+        style = '"' if any(c in value for c in "\n\t\\") else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+    Dumper.add_representer(str, text)
+    return yaml.dump(data, Dumper=Dumper, sort_keys=False, allow_unicode=True)
 
 
 def user_conf_dirs() -> list[Path]:

@@ -19,6 +19,7 @@ from batchgen.errors import ConfigError, ResumeMismatchError
 from batchgen.fsutil import content_digest, file_sha256, write_json_atomic
 from batchgen.job import JobConfig
 from batchgen.redact import redact
+from batchgen.texts import escaped_copy
 from batchgen.version import __version__
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def output_config(cfg: JobConfig) -> dict[str, Any]:
         **_output(cfg),
         **({"task": cfg.task} if cfg.task != "generate" else {}),
         **({"embed": dataclasses.asdict(cfg.embed)} if cfg.task == "embed" else {}),
-        **({"decide": dataclasses.asdict(cfg.decide)} if cfg.task == "decide" else {}),
+        **({"decide": dataclasses.asdict(escaped_copy(cfg).decide)} if cfg.task == "decide" else {}),
         "run": {"rows_per_part": cfg.rows_per_part, "too_long": cfg.run.too_long,
                 **({"skip_existing": _input(cfg.run.skip_existing)} if cfg.run.skip_existing else {}),
                 **({"attempt": cfg.run.attempt} if cfg.run.attempt else {})},
@@ -134,8 +135,12 @@ def _dataset(cfg: JobConfig) -> dict[str, Any]:
         from batchgen.prompts.render import chat_template_text
 
         out["chat_template"] = chat_template_text(cfg.dataset.chat_template)
-    if any(re.search(r"\\[nt\\]", text or "") for text in (cfg.dataset.template, cfg.dataset.system_prompt)):
-        out["text_escapes"] = True  # \n in them became a newline (prompts/render.py): an output made before differs
+    # the template and the system prompt compared as written before validate made their newlines (texts.py), so
+    # that an output made since `\n` meant a newline in them resumes under the same hash
+    written = escaped_copy(cfg).dataset
+    out["template"], out["system_prompt"] = written.template, written.system_prompt
+    if any(re.search(r"\\[nt\\]", text or "") for text in (written.template, written.system_prompt)):
+        out["text_escapes"] = True  # \n in them is a newline: an output made before that differs
     return out
 
 

@@ -15,6 +15,7 @@ from batchgen.output.input_index import save_input_index
 from batchgen.output.manifest import build_manifest, check_or_write, job_id, record_layout
 from batchgen.output.trust import refuse_strays
 from batchgen.reader import Reader
+from batchgen.texts import escaped_copy
 
 
 def prepare_output_dir(cfg: JobConfig, output_dir: Path, reader: Reader, resolved: dict[str, Any],
@@ -26,8 +27,8 @@ def prepare_output_dir(cfg: JobConfig, output_dir: Path, reader: Reader, resolve
     if started and not cfg.run.resume:
         raise ConfigError([f"run.resume=false but {output_dir} already holds a run; set run.resume=true to "
                            f"continue it, or choose a new output_dir"])
-    if not resolved:  # a job built in Python: its own config, so that `batchgen retry` can rebuild it
-        resolved = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    if not resolved:  # a job built in Python: its own config as written (texts.py), so that `batchgen retry` can
+        resolved = json.loads(json.dumps(dataclasses.asdict(escaped_copy(cfg)), default=str))  # rebuild it
     check_or_write(output_dir, build_manifest(cfg, resolved, reader.fingerprint(), reader.count_rows(), passthrough))
     record_layout(output_dir, cfg.run.num_shards)
     job_id(output_dir)  # made once: what a table output names this output's transactions by

@@ -20,7 +20,7 @@ from batchgen.engines import ENGINES
 from batchgen.engines.base import estimate_tokens
 from batchgen.errors import ConfigError, TooLongError
 from batchgen.job import JobConfig
-from batchgen.prompts.render import Renderer, config_text
+from batchgen.prompts.render import Renderer
 from batchgen.prompts.rowparams import RowParams, RowSettings
 from batchgen.reader import Reader, column_values
 from batchgen.records import InputBatch, Part, PlannedPart, Request
@@ -275,7 +275,7 @@ class Planner:
         out, answers = [], []
         for q in self.cfg.decide.questions:
             opts = (q.options or ["yes", "no"]) if q.kind != "score" else [str(k) for k in range(1, q.levels + 1)]
-            prompt = self.tokenizer(config_text(q.prompt), add_special_tokens=False)["input_ids"]
+            prompt = self.tokenizer(q.prompt, add_special_tokens=False)["input_ids"]
             out.append((prompt, [self.tokenizer(" " + o, add_special_tokens=False)["input_ids"] + eos for o in opts]))
             answers.append(tuple(opts))
         return out, tuple(answers)

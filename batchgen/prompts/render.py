@@ -9,7 +9,6 @@ JSON: what --show and output.include_prompt print, and what its length is estima
 from __future__ import annotations
 
 import json
-import re
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,7 +40,6 @@ def template_fields(template: str) -> list[str]:
     return names
 
 
-ESCAPE = re.compile(r"\\(\\|n|t)")  # \n, \t and \\ written as two characters in a template or a system prompt
 RenderRow = Callable[[dict], Any]  # a row (its columns) -> prompt text, or a list of {role, content} messages
 
 
@@ -53,8 +51,7 @@ class Renderer:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.render_row = render_row
-        self.template = None if cfg.template is None else config_text(cfg.template)
-        self.system_prompt = None if cfg.system_prompt is None else config_text(cfg.system_prompt)
+        self.template, self.system_prompt = cfg.template, cfg.system_prompt  # newlines made by validate (texts.py)
         self.chat_template = chat_template_text(cfg.chat_template)
         # apply_chat_template's arguments: the job's template variables, the generation prompt (unless a variable
         # says otherwise), the job's template where it gives one; always text, never tokens
@@ -158,26 +155,18 @@ def _text_messages(messages: list[dict]) -> tuple[list[dict], Optional[str]]:
 
 
 def chat_template_text(value: Optional[str]) -> Optional[str]:
-    """dataset.chat_template as Jinja text: a .jinja or .j2 file's content, else the value itself (config_text's
-    escapes applied)."""
+    """dataset.chat_template as Jinja text: a .jinja or .j2 file's content, else the value itself (its newlines made
+    by validate: texts.py)."""
     if value is None:
         return None
     if not value.endswith((".jinja", ".j2")):
-        return config_text(value)
+        return value
     try:
         return Path(value).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError([f"dataset.chat_template={value!r}: cannot read the template file "
                            f"({getattr(exc, 'strerror', None) or exc}); give a readable .jinja file or the "
                            "template's text"]) from None
-
-
-def config_text(value: str) -> str:
-    """A template or system prompt as the config holds it: the two-character escapes \\n and \\t are a newline and
-    a tab (a command line cannot pass a real newline through Hydra's grammar, and a YAML preset's single quotes keep
-    them as written), \\\\ a backslash; any other backslash stays as written. Config text only: row values are
-    data, never unescaped."""
-    return ESCAPE.sub(lambda m: {"n": "\n", "t": "\t", "\\": "\\"}[m.group(1)], value)
 
 
 def _check_template(template: str) -> None:

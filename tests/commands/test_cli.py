@@ -173,3 +173,13 @@ def test_config_mistakes_are_named_with_what_to_do(tiny_model, tmp_path):
     advice = err.value.problems[0].split("shell's quotes: '")[1].split("', or")[0]
     assert advice == 'dataset.system_prompt="Be brief Ω {x}"'
     assert compose_checked([*base, advice]).dataset.system_prompt == "Be brief Ω {x}"
+
+
+def test_cfg_job_shows_the_text_keys_as_the_job_uses_them():
+    """`--cfg job` prints a stop string written `\\n` as the newline the job stops at and one written `\\\\n` as a
+    backslash and an n (YAML's double quotes say which), as validate makes them (texts.py)."""
+    proc = run_cli(["job=demo", 'sampling.stop=["\\n","\\\\n"]', "--cfg", "job"], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert '  stop:\n  - "\\n"\n  - "\\\\n"\n' in proc.stdout
+    assert '  template: "{instruction}\\n\\n{input}"\n' in proc.stdout
+    assert "output_dir: data/outputs/${name}" in proc.stdout

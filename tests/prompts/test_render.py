@@ -292,16 +292,16 @@ def test_render_row_bad_messages_are_error_rows():
     assert kinds(out.errors) == ["bad_messages"]
 
 
-def test_escapes_in_config_text_are_newlines_and_tabs_but_row_values_are_data():
-    """dataset.template and dataset.system_prompt written with \\n and \\t (a command line cannot pass a newline
-    through Hydra's grammar): a newline and a tab; \\\\n a literal backslash-n. A row's value with a backslash-n in
-    it stays as written."""
+def test_config_text_is_used_as_validate_made_it_and_row_values_are_data():
+    """dataset.template and dataset.system_prompt hold their newlines once validated (texts.py): the renderer uses
+    them as they are, so a backslash and an n the config kept (written `\\\\n`) stays one. A row's value with a
+    backslash-n in it stays as written."""
     table = pa.table({"text": ["line one\\nstill one"], "q": ["why"]})
-    out = render(table, template="Summarize:\\n{text}\\tend \\\\n")
+    out = render(table, template="Summarize:\n{text}\tend \\n")
     assert out.texts == ["Summarize:\nline one\\nstill one\tend \\n"]
     chat = ChatTokenizer()
-    render(table, tokenizer=chat, system_prompt="Be brief.\\nNo lists.", prompt_column="q")
-    assert chat.calls[0][0][0] == {"role": "system", "content": "Be brief.\nNo lists."}
+    render(table, tokenizer=chat, system_prompt="Be brief.\nNo \\n lists.", prompt_column="q")
+    assert chat.calls[0][0][0] == {"role": "system", "content": "Be brief.\nNo \\n lists."}
 
 
 def test_the_quoted_template_the_docs_show_gives_a_newline(tiny_model, tmp_path):

@@ -10,6 +10,7 @@ class BatchgenError(Exception):
     console, the log, _status.json), has every URL's user, password and query values masked (redact.py)."""
 
     exit_code = 1
+    resumable = True  # a runtime failure that the same command, run again, resumes past
 
     def __str__(self) -> str:
         return redact_text(super().__str__())
@@ -52,6 +53,10 @@ class ErrorRateExceeded(BatchgenError):
     """More than run.max_error_rate of the rows so far recorded errors."""
 
     exit_code = 1
+
+    def __init__(self, message: str, *, resumable: bool = True):
+        super().__init__(message)
+        self.resumable = resumable  # False: the errors are the input's own, and a rerun stops the same way
 
 
 class TooLongError(BatchgenError):

@@ -82,7 +82,7 @@ def _hydra_main(cfg: DictConfig) -> None:
             print(f"batchgen: {redact_text(advice)}", file=sys.stderr)
         if exc.exit_code == 2:
             _forget_refused_run()
-        else:  # a runtime failure: what is committed and journaled stays, and the same command resumes
+        elif exc.resumable:  # a runtime failure: what is committed and journaled stays, and the same command resumes
             print(f"batchgen: committed parts and journaled results are kept; {resume_line()}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except StopRequested as exc:

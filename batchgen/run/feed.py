@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Protocol
 
+from batchgen.constraints import INVALID
 from batchgen.errors import BatchgenError, ErrorRateExceeded
 from batchgen.job import JobConfig
 from batchgen.output.committer import Committer, writing
 from batchgen.output.journal import Journal, crash_window, journal_key, journal_path, kill_point
 from batchgen.output.rows.assemble import assemble
-from batchgen.output.rows.stats import PartStats
+from batchgen.output.rows.stats import PartStats, error_kind
 from batchgen.prompts.planner import Planner
 from batchgen.records import Part, PlannedPart, Request, Result
 from batchgen.run.progress import Summary
@@ -238,11 +239,41 @@ def _check_bad_rows(cfg: JobConfig, errors: list[Optional[str]], ids: list[str])
                                 "to write error rows and go on)")
 
 
-def check_error_rate(cfg: JobConfig, totals: PartStats) -> None:
-    """Stop the job (after the part just committed) when more than run.max_error_rate of its rows so far erred."""
-    if totals.rows and totals.error_rows / totals.rows > cfg.run.max_error_rate:
-        kinds = ", ".join(f"{k}={v}" for k, v in sorted(totals.errors.items()))
-        raise ErrorRateExceeded(
-            f"{totals.error_rows} of {totals.rows} rows so far recorded errors ({kinds}), more than "
-            f"run.max_error_rate={cfg.run.max_error_rate}; fix the input or template, or raise run.max_error_rate"
-        )
+RUNTIME_KINDS = ("endpoint_rejected", "endpoint_finish", "endpoint_failed", "unreadable")  # a server's or a
+# file system's answer at the time, which another run may not get; every other error kind is the row's own input
+# read through the job's config (its value, template, per-row setting or length), the same on every run
+SHOWN_ERRORS = 5  # error rows named when the job stops on run.max_error_rate
+
+
+def check_error_rate(cfg: JobConfig, totals: PartStats, committer: Committer) -> None:
+    """Stop the job (after the part just committed) when more than run.max_error_rate of its rows so far erred,
+    naming the first error rows committed. Where every error is the input's own, a rerun would stop the same way:
+    the error says so (ErrorRateExceeded.resumable False) rather than offering the rerun."""
+    if not totals.rows or totals.error_rows / totals.rows <= cfg.run.max_error_rate:
+        return
+    kinds = ", ".join(f"{k}={v}" for k, v in sorted(totals.errors.items()))
+    first = "; ".join(f"row {row_id}: {error}" for row_id, error in first_errors(committer, SHOWN_ERRORS))
+    said = (f"{totals.error_rows} of {totals.rows} rows so far recorded errors ({kinds}), more than "
+            f"run.max_error_rate={cfg.run.max_error_rate}. The first: {first}")
+    if any(kind in RUNTIME_KINDS for kind in totals.errors):
+        raise ErrorRateExceeded(f"{said}; fix the input or template, or raise run.max_error_rate")
+    raise ErrorRateExceeded(
+        f"{said}. These are errors of the input rows themselves: rerunning the same command will stop the same "
+        f"way. Fix these rows in the input (or the template or setting their error names), or set "
+        f"run.max_error_rate=1 to keep them as error rows and go on", resumable=False)
+
+
+def first_errors(committer: Committer, limit: int) -> list[tuple[str, str]]:
+    """(id, error) of the first `limit` rows that erred on their input, in part order, from the committed parts
+    this output directory holds (invalid outputs are the model's, not the row's: left out)."""
+    import pyarrow.parquet as pq
+
+    found: list[tuple[str, str]] = []
+    for k in sorted(committer.committed()):
+        path = committer.part_path(k)
+        if len(found) >= limit or not path.exists() or not committer.read_stats(k).error_rows:
+            continue
+        for row in pq.read_table(path, columns=["id", "sample_index", "error"]).to_pylist():
+            if row["error"] is not None and row["sample_index"] == 0 and error_kind(row["error"]) != INVALID:
+                found.append((row["id"], row["error"]))
+    return found[:limit]

@@ -174,7 +174,7 @@ class RayDriver:
                 watch.look({k for _, k in pool.running.values()})
                 ready = _wait(stop, list(pool.running))
                 for ref in ready:
-                    self._collect(pool, ref, todo, summary, progress)
+                    self._collect(pool, ref, todo, summary, progress, committer)
                 if not ready:
                     progress.write("running")
         finally:
@@ -182,7 +182,8 @@ class RayDriver:
                 ray.kill(w)
         return Driven(self.parts, self.total_rows, loaded, pool.stats())
 
-    def _collect(self, pool: _Pool, ref: Any, todo: deque[int], summary: Summary, progress: Progress) -> None:
+    def _collect(self, pool: _Pool, ref: Any, todo: deque[int], summary: Summary, progress: Progress,
+                 committer: Committer) -> None:
         """A finished task's part into the summary and the status (a failed one is requeued by the pool)."""
         done = pool.collect(ref, todo)
         if done is None:
@@ -190,7 +191,7 @@ class RayDriver:
         i, k, out = done
         out.into(summary)
         progress.committed(k, out.stats, out.generated_tokens, worker=f"ray worker {i}")
-        check_error_rate(self.cfg, summary.totals)
+        check_error_rate(self.cfg, summary.totals, committer)
 
 
 def _init_ray(launcher: LauncherConfig, stop: GracefulStop) -> Optional[Reaper]:

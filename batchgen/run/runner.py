@@ -110,7 +110,7 @@ class LocalDriver:
 
         def on_committed(stats: PartStats, generated: int) -> None:
             summary.committed(stats, generated)
-            check_error_rate(cfg, summary.totals)
+            check_error_rate(cfg, summary.totals, committer)
 
         lookahead = cfg.run.lookahead_parts
         if lookahead is None:

@@ -12,11 +12,24 @@ import pytest
 
 import batchgen.engines
 from batchgen.engines.base import EngineStats, Source, take
+from batchgen.errors import ErrorRateExceeded
+from batchgen.job import JobConfig
 from batchgen.output import committer as committer_module
+from batchgen.output.committer import Committer
+from batchgen.output.rows.stats import PartStats
 from batchgen.records import Request, Result
 from batchgen.run import runner
-from batchgen.run.feed import auto_lookahead
-from tests.conftest import compose_job, corpus, job_overrides, read_output, write_parquet
+from batchgen.run.feed import auto_lookahead, check_error_rate
+from tests.conftest import (
+    compose_job,
+    corpus,
+    dummy_overrides,
+    job_overrides,
+    read_output,
+    run_cli,
+    write_jsonl,
+    write_parquet,
+)
 
 
 def text_of(request: Request) -> str:
@@ -171,3 +184,41 @@ def test_a_negative_lookahead_is_a_config_error(tiny_model, tmp_path):
     data = write_parquet(tmp_path / "in.parquet", [{"prompt": "a"}])
     with pytest.raises(ConfigError, match=r"run.lookahead_parts must be >= 0"):
         compose_job(job_overrides(tiny_model, data, tmp_path / "out", "run.lookahead_parts=-1"))
+
+
+def test_a_job_stopped_by_its_inputs_errors_says_a_rerun_stops_the_same_way_and_names_the_rows(tiny_model, tmp_path):
+    """run.max_error_rate exceeded by rows whose input errs (here chat rows with image parts, beside rows of text
+    parts that render): the error names the first five rows and their errors and says that rerunning stops the same
+    way; the rerun does, naming the same first rows, and the CLI never says "rerun the same command to resume"."""
+    text = [{"type": "text", "text": "the river "}, {"type": "text", "text": "rose"}]
+    image = [{"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": "https://x/a.png"}}]
+    rows = [{"id": f"r{i}", "messages": [{"role": "user", "content": image if i % 4 else text}]} for i in range(8)]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    args = dummy_overrides(tiny_model, data, tmp_path / "out", "dataset.messages_column=messages",
+                           "dataset.id_column=id", "run.rows_per_part=4", "sampling.max_new_tokens=2")
+    first = ("The first: row r1: bad_messages: image parts are not supported yet: messages[0].content[1] has type "
+             "'image_url'; give the message's text only (text parts or a string), or leave the row out; row r2: ")
+    with pytest.raises(ErrorRateExceeded) as raised:
+        runner.run_job(compose_job(args))
+    said = str(raised.value)
+    assert "3 of 4 rows so far recorded errors (bad_messages=3), more than run.max_error_rate=0.5" in said
+    assert first in said and said.count("; row r") == 2 and not raised.value.resumable
+    assert "rerunning the same command will stop the same way" in said and "run.max_error_rate=1" in said
+    proc = run_cli(args, timeout=120)  # the rerun, as the CLI tells it
+    assert proc.returncode == 1, proc.stderr
+    assert "6 of 8 rows so far recorded errors (bad_messages=6)" in proc.stderr and first in proc.stderr
+    assert "rerunning the same command will stop the same way" in proc.stderr and "to resume" not in proc.stderr
+    got = read_output(tmp_path / "out").to_pylist()
+    assert [(r["id"], r["error"] is None) for r in got] == [(f"r{i}", i % 4 == 0) for i in range(8)]
+    assert got[0]["generation"] is not None  # the text-parts row was generated
+
+
+def test_an_error_rate_with_server_errors_keeps_the_rerun_advice(tmp_path):
+    """Errors a server or file system gave at the time (endpoint_failed, unreadable) may not come again: the error
+    stays resumable, so the CLI still says how to resume."""
+    cfg = JobConfig()  # run.max_error_rate=0.5
+    committer = Committer(tmp_path, passthrough=[], metadata={})  # nothing committed yet
+    check_error_rate(cfg, PartStats(rows=4, errors={"bad_messages": 1}), committer)  # 1 of 4: under 0.5
+    with pytest.raises(ErrorRateExceeded, match="endpoint_failed=2") as raised:
+        check_error_rate(cfg, PartStats(rows=4, errors={"endpoint_failed": 2, "bad_messages": 1}), committer)
+    assert raised.value.resumable and "stop the same way" not in str(raised.value)

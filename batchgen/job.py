@@ -69,6 +69,9 @@ class RunConfig:
     lookahead_parts: Optional[int] = None
     # an earlier output (PATH) of the same job: the ids it generated without error are skipped (nightly increments)
     skip_existing: Optional[str] = None
+    # without dataset.id_column a row's id is its position `<file>:<row>`: skip_existing (and batchgen increment)
+    # refuse it unless this says positions are ids (an input that only ever grows by rows appended at its end)
+    skip_by_position: bool = False
     # set by `batchgen retry` (its attempt-NNN/ output): written as the `attempt` column; 0 = the job itself
     attempt: int = 0
     dedupe: bool = True  # identical greedy or seeded requests of the job are generated once (run/respcache.py)

@@ -205,7 +205,8 @@ COMMANDS = {
     "report": "one self-contained HTML page of what a run did",
     "retry": "generate again the rows of a finished job that erred with a retryable kind (too_long, ...)",
     "finalize": "after the shards of a job ran: write _SUCCESS once every part of every shard exists",
-    "view": "the latest-attempt view of an output (retried rows in place) as JSON lines, or --to a .parquet/.jsonl",
+    "view": "the latest-attempt view of an output (retried rows in place) as JSON lines, or --to a .parquet/.jsonl; "
+            "of a batchgen increment root, its nights' union (each id once)",
     "head": "the first rows of an output (the latest-attempt view): id, finish reason, tokens, the text's start",
     "nightly": "a scheduled job over a fixed input: resume it, or a no-op once it is complete",
     "increment": "a scheduled job over a growing input: a dated output per night, only the new ids generated",

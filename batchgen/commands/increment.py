@@ -1,14 +1,17 @@
 """`batchgen increment [--config-dir DIR] [--date YYYY-MM-DD] job=NAME [key=value ...]`: a scheduled job over a
 GROWING input (a table that gets new rows), one dated output per night under the job's output_dir
-(OUTPUT_DIR/2026-12-06), each generating only the ids that no earlier night generated: `run.skip_existing` names the
-newest finished earlier night, whose manifest names the one before it, and so on (output/existing.py follows that
-chain). A rerun the same night resumes that night's output with the chain it started with; once it is complete, a
-rerun is a no-op (rows the input gained since are the next night's); an earlier night left unfinished is passed
-over, its rows generated again tonight. The job's own exit codes are kept (docs/contract.md section 7): 0 done (or
-nothing new), 1 a failure, 2 a config or input problem, 130/143 stopped by a signal.
+(OUTPUT_DIR/2026-12-06), each generating only the ids that no other night generated: `run.skip_existing` names
+OUTPUT_DIR itself, whose every finished night, whatever its date (a missed night run late, a clock set back), is the
+ledger (output/existing.py reads it where the root is now, so a moved root keeps working). A rerun the same night
+resumes that night's output; once it is complete, a rerun is a no-op (rows the input gained since are the next
+night's); a night left unfinished is passed over, its rows generated again tonight. One night at a time: while
+another increment of the root or a writer of another night lives, it refuses (exit 2), or with --wait waits. Ids
+must be stable: without dataset.id_column it refuses (exit 2) unless run.skip_by_position=true. The job's own exit
+codes are kept (docs/contract.md section 7): 0 done (or nothing new), 1 a failure, 2 a config or input problem,
+130/143 stopped by a signal.
 
-Knows the nights' folder layout and which earlier night to chain to; the config comes composed and the job runs as
-the CLI runs any job (compose_checked and cli.run_as_job, handed in by cli.py). docs/scheduled-jobs.md is its page.
+Knows the nights' folder layout (output/nights.py) and the root's lock; the config comes composed and the job runs
+as the CLI runs any job (compose_checked and cli.run_as_job, handed in by cli.py). docs/scheduled-jobs.md is its page.
 """
 
 from __future__ import annotations
@@ -18,22 +21,29 @@ import dataclasses
 import datetime
 import re
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
+from filelock import FileLock, Timeout
+
 from batchgen.commands.nightly import RunAsJob, input_changed, parser, scheduled
-from batchgen.errors import BatchgenError, ConfigError
+from batchgen.errors import BatchgenError, ConfigError, LockedError
 from batchgen.job import JobConfig
-from batchgen.output.manifest import MANIFEST, read_manifest
+from batchgen.output.existing import positions_problem
+from batchgen.output.manifest import MANIFEST, NIGHTS_BESIDE, read_manifest
+from batchgen.output.nights import DATE, finished, nights, writers
 from batchgen.output.remote import is_remote
 from batchgen.output.rows.schema import SUCCESS
 
 ABOUT = """A scheduled job over a growing input (a table that gets new rows): each night a dated output under the
-job's output_dir (OUTPUT_DIR/YYYY-MM-DD) with only the ids no earlier night generated (run.skip_existing, chained).
-A rerun the same night resumes that night's output, a no-op once it is complete."""
-DATE = re.compile(r"\d{4}-\d{2}-\d{2}")  # a night's folder name: its date, ISO, so that names sort as dates
+job's output_dir (OUTPUT_DIR/YYYY-MM-DD) with only the ids no other finished night generated, whatever its date
+(run.skip_existing set to OUTPUT_DIR). A rerun the same night resumes that night's output, a no-op once it is
+complete. While another night is being written it refuses (exit 2); --wait waits for it."""
 SET_HERE = ("run.skip_existing",)  # keys the command sets itself, refused on its command line
+ROOT_LOCK = "_lock.increment"  # in OUTPUT_DIR, held by the increment that runs a night of it
+WAIT_POLL_S = 2.0  # --wait: how often another night's writer is looked for again
 
 
 @dataclasses.dataclass(slots=True)
@@ -42,10 +52,11 @@ class Night:
 
     date: str  # YYYY-MM-DD, the folder's name
     output_dir: str  # the job's output_dir joined with the date: tonight's output
-    previous: Optional[str]  # run.skip_existing: the newest finished earlier night; None on the first night
+    previous: Optional[str]  # run.skip_existing: OUTPUT_DIR (a resumed older night: its recorded chain, or None)
     resumed: bool  # tonight's output holds a manifest already: a rerun the same night, its chain the recorded one
     complete: bool  # tonight's output is complete (_SUCCESS): nothing to run tonight
-    abandoned: list[str]  # earlier nights left unfinished (no _SUCCESS) after `previous`: their rows come again
+    abandoned: list[str]  # other nights left unfinished (no _SUCCESS): their rows come again
+    ledger: list[str]  # the finished nights tonight skips the ids of, any date; empty on a resumed night
     overrides: list[str]  # the job's command line, output_dir and run.skip_existing set to the above
 
     def said(self) -> str:
@@ -56,9 +67,9 @@ class Night:
                     f"night's")
         if self.resumed:
             return f"{head}: started earlier tonight, resumed"
-        if self.previous is None:
+        if self.previous is None or not self.ledger:
             return f"{head}: the first night, every row is generated"
-        return f"{head}: only ids not generated by {self.previous} and the nights before it"
+        return f"{head}: only ids not generated by the {len(self.ledger)} finished night(s) under {self.previous}"
 
 
 def night_of(date: Optional[str]) -> str:
@@ -74,14 +85,12 @@ def night_of(date: Optional[str]) -> str:
     return parsed.isoformat()
 
 
-def earlier_nights(root: Path, date: str) -> tuple[Optional[Path], list[Path]]:
-    """The newest night before `date` that finished (_SUCCESS), and the unfinished nights after it (killed and never
-    rerun that night): a night's input is the table as it was then, so an unfinished one cannot be finished later."""
-    nights = sorted(p for p in root.iterdir() if DATE.fullmatch(p.name) and p.name < date and p.is_dir()) \
-        if root.is_dir() else []
-    finished = [p for p in nights if (p / SUCCESS).is_file()]
-    previous = finished[-1] if finished else None
-    return previous, [p for p in nights if previous is None or p.name > previous.name]
+def other_nights(root: Path, date: str) -> tuple[list[Path], list[Path]]:
+    """The nights under `root` other than `date`'s, whatever their dates: those finished (_SUCCESS), the ledger
+    tonight skips against, and those left unfinished (killed and never rerun that night): a night's input is the
+    table as it was then, so an unfinished one cannot be finished later."""
+    others = [p for p in nights(root) if p.name != date]
+    return [p for p in others if finished(p)], [p for p in others if not finished(p)]
 
 
 def hydra_value(text: str) -> str:
@@ -99,10 +108,14 @@ def plan_night(overrides: list[str], date: Optional[str],
     """Tonight's night from the job's overrides; ConfigError for a bad date, a key set here, an unusable config."""
     said = [key for key in (arg.split("=", 1)[0].lstrip("+~") for arg in overrides) if key in SET_HERE]
     if said:
-        raise ConfigError([f"{key}: set by batchgen increment (each night skips what the earlier nights under "
+        raise ConfigError([f"{key}: set by batchgen increment (each night skips what the other nights under "
                            f"output_dir generated); leave it out" for key in said])
     night = night_of(date)
-    root = compose_checked(overrides).output_dir
+    cfg = compose_checked(overrides)
+    root = cfg.output_dir
+    problem = positions_problem(cfg, "batchgen increment")
+    if problem:
+        raise ConfigError([problem])
     if is_remote(root):
         raise ConfigError([f"output_dir={root}: batchgen increment chains nights on a local or mounted output_dir "
                            f"(run.skip_existing reads earlier nights from files)"])
@@ -111,17 +124,51 @@ def plan_night(overrides: list[str], date: Optional[str],
                            f"a dated output per night under its output_dir; give it an output_dir of its own"])
     tonight = Path(root) / night
     recorded = read_manifest(tonight) if tonight.is_dir() else None
-    if recorded is not None:  # a rerun the same night: the chain it started with, whatever finished since
+    ledger, abandoned = ([], []) if recorded is not None else other_nights(Path(root), night)
+    previous: Optional[str] = root  # the ledger: every finished night under the root when the job reads it
+    if recorded is not None:  # a rerun the same night: the chain it started with (the root: where it is now)
         previous = ((recorded.get("output_config") or {}).get("run") or {}).get("skip_existing")
-        abandoned: list[Path] = []
-    else:
-        found, abandoned = earlier_nights(Path(root), night)
-        previous = str(found.resolve()) if found is not None else None
+        previous = root if previous == NIGHTS_BESIDE else previous
     rest = [arg for arg in overrides if arg.split("=", 1)[0].lstrip("+~") != "output_dir"]
     rest += [f"output_dir={hydra_value(str(tonight))}"]
     rest += [f"run.skip_existing={hydra_value(previous)}"] if previous else []
-    return Night(night, str(tonight), previous, recorded is not None, recorded is not None and
-                 (tonight / SUCCESS).is_file(), [str(p) for p in abandoned], rest)
+    return Night(night, str(tonight), previous, resumed=recorded is not None,
+                 complete=recorded is not None and (tonight / SUCCESS).is_file(),
+                 abandoned=[str(p) for p in abandoned], ledger=[str(p) for p in ledger], overrides=rest)
+
+
+def hold_root(root: Path, wait: bool) -> tuple[FileLock, bool]:
+    """The root's lock (ROOT_LOCK), held while this increment runs a night of it, and whether it waited for it:
+    another increment of the root refused (LockedError), or with `wait` waited for."""
+    root.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(root / ROOT_LOCK), timeout=0)
+    try:
+        lock.acquire()
+        return lock, False
+    except Timeout:
+        if not wait:
+            raise LockedError(f"{root}: another batchgen increment runs a night of it now ({root / ROOT_LOCK} is "
+                              f"held); a night is made once the nights before it are known. Run again once it has "
+                              f"finished, or add --wait to wait for it") from None
+    print(f"batchgen increment: waiting for another batchgen increment of {root} to finish", file=sys.stderr,
+          flush=True)
+    lock.acquire(timeout=-1)
+    return lock, True
+
+
+def await_writers(root: Path, date: str, wait: bool) -> bool:
+    """Whether it waited for a live writer of another night under `root` (a rerun of it, `batchgen retry`); with no
+    `wait`, LockedError naming the night while one lives: the ids it generates are not known yet."""
+    waited = False
+    while busy := writers(root, but=root / date):
+        if not wait:
+            raise LockedError(f"{', '.join(busy)} is being written now, so the ids it generates are not known yet; "
+                              f"run this night once it has finished, or add --wait to wait for it")
+        if not waited:
+            print(f"batchgen increment: waiting for {', '.join(busy)} to finish", file=sys.stderr, flush=True)
+        waited = True
+        time.sleep(WAIT_POLL_S)
+    return waited
 
 
 def advice(night: Night, exc: BatchgenError) -> Optional[str]:
@@ -135,14 +182,35 @@ def advice(night: Night, exc: BatchgenError) -> Optional[str]:
 
 
 def main(argv: list[str], compose_checked: Callable[[list[str]], JobConfig], run_as_job: RunAsJob) -> int:
-    """The CLI's `batchgen increment`: tonight's night planned, said, then run as `batchgen job=NAME` runs a job."""
+    """The CLI's `batchgen increment`: tonight's night planned, the root held (no other night being written; the
+    night planned again where it waited), said, then run as `batchgen job=NAME` runs a job."""
     args = _parser().parse_intermixed_args(argv)
     try:
         night = plan_night(args.overrides, args.date, compose_checked)
-    except ConfigError as exc:
-        for line in exc.problems:
-            print(f"batchgen increment: error: {line}", file=sys.stderr)
-        return exc.exit_code
+        if night.complete:
+            return run_night(night, run_as_job)
+        root = Path(night.output_dir).parent
+        lock, waited = hold_root(root, args.wait)
+    except (ConfigError, LockedError) as exc:
+        return refused(exc)
+    with lock:
+        try:
+            if await_writers(root, night.date, args.wait) or waited:  # said as the nights are now
+                night = plan_night(args.overrides, args.date, compose_checked)
+        except (ConfigError, LockedError) as exc:
+            return refused(exc)
+        return run_night(night, run_as_job)
+
+
+def refused(exc: ConfigError | LockedError) -> int:
+    """A refusal before the night runs, said; its exit code (2)."""
+    for line in getattr(exc, "problems", [str(exc)]):
+        print(f"batchgen increment: error: {line}", file=sys.stderr)
+    return exc.exit_code
+
+
+def run_night(night: Night, run_as_job: RunAsJob) -> int:
+    """The night planned, said and run."""
     print(night.said(), flush=True)
     if night.complete:
         return 0
@@ -157,4 +225,6 @@ def _parser() -> argparse.ArgumentParser:
     out = parser("batchgen increment", ABOUT)
     out.add_argument("--date", help="the night, YYYY-MM-DD (default: today's local date); a rerun of a missed night "
                                     "names it")
+    out.add_argument("--wait", action="store_true", help="while another night of the output_dir is being written "
+                                                         "(default: refuse, exit 2), wait for it to finish")
     return out

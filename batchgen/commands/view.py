@@ -4,6 +4,8 @@ place), streamed batch by batch: into one Parquet or JSONL file with --to (writt
 renamed when complete), else as JSON lines on stdout. Only committed parts are read; nothing in OUTPUT_DIR changes.
 With --table: the rows of the job's table output (output.sink=delta|iceberg) as the table holds them now (with
 output.mode=upsert, the latest attempt per row; other jobs' rows of the same table included).
+`batchgen view ROOT`, ROOT a `batchgen increment` root (ROOT/YYYY-MM-DD nights): the union of its nights, each id
+once, retried answers included (output/nights.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError
 from batchgen.output.manifest import MANIFEST, read_manifest
+from batchgen.output.nights import is_root, union_batches
 from batchgen.output.tables import recorded_sink
 from batchgen.output.view import latest_batches
 
@@ -75,13 +78,21 @@ class _Sink:
             self.temp.unlink(missing_ok=True)
 
 
+def _batches(output_dir: Path, columns: Optional[list[str]], table_output: bool) -> Iterator[pa.Table]:
+    if table_output:
+        return _table_batches(output_dir, columns)
+    if is_root(output_dir):
+        return union_batches(output_dir, columns)
+    return latest_batches(output_dir, columns)
+
+
 def export(output_dir: Path, to: Optional[Path], columns: Optional[list[str]], limit: Optional[int],
            table_output: bool = False) -> int:
-    """Write the view (or, `table_output`, the rows of the table output the manifest records); the number of rows
-    written."""
+    """Write the view (or, `table_output`, the rows of the table output the manifest records; for a root of nights,
+    their union); the number of rows written."""
     rows, sink, complete = 0, _Sink(to), False
     try:
-        for table in (_table_batches(output_dir, columns) if table_output else latest_batches(output_dir, columns)):
+        for table in _batches(output_dir, columns, table_output):
             table = table if limit is None else table.slice(0, max(limit - rows, 0))
             sink.write(table)
             rows += table.num_rows
@@ -110,9 +121,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--table", action="store_true",
                         help="the rows of the job's table output (output.sink=delta|iceberg) as the table holds them")
     args = parser.parse_args(argv)
-    if not (args.output_dir / MANIFEST).is_file():
-        print(f"batchgen view: error: {args.output_dir}: no {MANIFEST}; point it at a job's output_dir",
-              file=sys.stderr)
+    root = not (args.output_dir / MANIFEST).is_file() and is_root(args.output_dir)
+    if not (args.output_dir / MANIFEST).is_file() and not root:
+        print(f"batchgen view: error: {args.output_dir}: no {MANIFEST}; point it at a job's output_dir, or at a "
+              f"batchgen increment root (its YYYY-MM-DD nights)", file=sys.stderr)
+        return 2
+    if root and args.table:
+        print(f"batchgen view: error: {args.output_dir} is a root of nights: --table reads one night's table "
+              f"output; drop --table, or name a night", file=sys.stderr)
         return 2
     if args.to is not None and args.to.suffix not in FORMATS:
         print(f"batchgen view: error: --to {args.to}: write a {' or '.join(FORMATS)} file", file=sys.stderr)

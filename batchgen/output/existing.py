@@ -9,6 +9,11 @@ must be finished (`_SUCCESS`), made under the same output config (the input asid
 manifest's weight digests): otherwise the job is refused (exit 2), naming the night and why. A night that no longer
 exists (a retention policy removed it) ends the chain, with a warning: its rows are generated again, once.
 
+PATH the folder that holds the job's own output_dir (a `batchgen increment` root, ROOT/YYYY-MM-DD): the ledger is
+every finished night under it whatever its date, found where the root is now (output/nights.py); a night a live
+process writes is refused (exit 2), an unfinished one passed over with a warning. Ids must be stable: without
+dataset.id_column (ids are positions `<file>:<row>`) the job is refused unless run.skip_by_position says so.
+
 Only each night's `id` and `error` columns are read (pyarrow's column projection), and ids are kept as 8-byte hashes
 (about 40 bytes a row in a Python set; 10 million rows: about 400 MB). The union of a chain's outputs, each id once,
 is the query in docs/output-and-resume.md ("Nightly increments"). Knows Parquet outputs and manifests, not engines.
@@ -23,8 +28,8 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from batchgen.errors import ConfigError
-from batchgen.output.manifest import MANIFEST, diff, model_identity, output_config, read_manifest
+from batchgen.errors import ConfigError, LockedError
+from batchgen.output.manifest import MANIFEST, diff, model_identity, nights_beside, output_config, read_manifest
 from batchgen.output.rows.schema import SUCCESS
 
 log = logging.getLogger(__name__)
@@ -45,6 +50,22 @@ def comparable(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def positions_problem(cfg: Any, what: str) -> Optional[str]:
+    """Why `what` (run.skip_existing, batchgen increment) cannot skip rows by id: ids that are positions
+    `<file>:<row>` (no dataset.id_column), unless run.skip_by_position says so (then warned); None where it can."""
+    if cfg.dataset.id_column is not None:
+        return None
+    if cfg.run.skip_by_position:
+        log.warning("%s: dataset.id_column is not set and run.skip_by_position=true: each row's id is its position "
+                    "<file>:<row>; a row moved, removed or inserted before others shifts the ids, and rows are then "
+                    "skipped or generated again by mistake", what)
+        return None
+    return (f"{what}: dataset.id_column is not set, so each row's id is its position `<file>:<row>`; a table "
+            f"rewritten in another order (or with a row removed) would have new rows skipped as generated and old "
+            f"rows generated again. Set dataset.id_column to the input column that names each row (a ticket id), or "
+            f"run.skip_by_position=true if the input only ever grows by rows appended at the end of its files")
+
+
 class Existing:
     """The generated ids (hashed) of run.skip_existing's output and of every earlier night of its chain."""
 
@@ -52,14 +73,39 @@ class Existing:
         if "://" in path:
             raise ConfigError([f"run.skip_existing={path}: an earlier output on object storage is not read yet; "
                                f"point run.skip_existing at a local or mounted copy of it"])
+        problem = positions_problem(cfg, f"run.skip_existing={path}")
+        if problem:
+            raise ConfigError([problem])
         self.config = comparable(output_config(cfg))
-        self.model = json.loads(json.dumps(model_identity(cfg.engine.model), default=str))
-        self.chain = self._chain(os.path.realpath(path))
+        self.model = json.loads(json.dumps(model_identity(cfg.engine.model, cfg.engine.tokenizer), default=str))
+        ledger = nights_beside(path, str(cfg.output_dir)) and not Path(path, MANIFEST).is_file()
+        self.chain = self._ledger(Path(path), Path(cfg.output_dir)) if ledger else self._chain(os.path.realpath(path))
         self.ids: set[int] = set()
         for night in self.chain:
             self.ids |= self._generated(night)
-        log.info("run.skip_existing: %d ids generated in %d earlier night(s), newest %s", len(self.ids),
-                 len(self.chain), self.chain[0])
+        log.info("run.skip_existing: %d ids generated in %d earlier night(s)%s", len(self.ids), len(self.chain),
+                 f", newest {self.chain[0]}" if self.chain else "")
+
+    def _ledger(self, root: Path, own: Path) -> list[str]:
+        """Every finished night under `root` but the job's own (`own`), whatever its date, each checked; newest
+        first. A night a live process writes is refused; an unfinished one is passed over, its rows generated again."""
+        from batchgen.output.nights import finished, nights, writers
+
+        busy = writers(root, but=own)
+        if busy:
+            raise LockedError(f"run.skip_existing={root}: {', '.join(busy)} is being written now, so the ids it "
+                              f"generates are not known yet; run this night once it has finished (batchgen "
+                              f"increment --wait waits for it)")
+        chain = []
+        for night in (n for n in nights(root) if n.name != own.name):
+            manifest = read_manifest(night)
+            if manifest is None or not finished(night):
+                log.warning("run.skip_existing: %s is unfinished (no %s): passed over, its rows are generated again "
+                            "tonight", night, SUCCESS)
+                continue
+            self._check(str(night), manifest, named_by=None)
+            chain.append(str(night))
+        return chain[::-1]
 
     def _chain(self, newest: str) -> list[str]:
         """The nights from `newest` back to the first, each checked; newest first."""

@@ -71,7 +71,7 @@ def output_config(cfg: JobConfig) -> dict[str, Any]:
         **({"embed": dataclasses.asdict(cfg.embed)} if cfg.task == "embed" else {}),
         **({"decide": dataclasses.asdict(escaped_copy(cfg).decide)} if cfg.task == "decide" else {}),
         "run": {"rows_per_part": cfg.rows_per_part, "too_long": cfg.run.too_long,
-                **({"skip_existing": _input(cfg.run.skip_existing)} if cfg.run.skip_existing else {}),
+                **({"skip_existing": _skipped(cfg)} if cfg.run.skip_existing else {}),
                 **({"attempt": cfg.run.attempt} if cfg.run.attempt else {})},
     }
 
@@ -146,6 +146,26 @@ def _dataset(cfg: JobConfig) -> dict[str, Any]:
 
 def _local(path: Optional[str]) -> Optional[str]:
     return os.path.realpath(path) if path and os.path.isdir(path) else path
+
+
+NIGHTS_BESIDE = ".."  # run.skip_existing as recorded when it names the folder holding output_dir (section below)
+
+
+def nights_beside(skip_existing: str, output_dir: str) -> bool:
+    """Whether run.skip_existing names the folder that holds output_dir: the nights of a `batchgen increment` root,
+    every finished one of which counts (output/existing.py)."""
+    if "://" in skip_existing or "://" in output_dir:
+        return False
+    return os.path.realpath(skip_existing) == os.path.realpath(os.path.dirname(os.path.abspath(output_dir)))
+
+
+def _skipped(cfg: JobConfig) -> str:
+    """run.skip_existing as compared: the nights beside the output as NIGHTS_BESIDE, so that a root of nights moved
+    elsewhere (another disk, another mount point) resumes its night under the same config; any other path as a
+    dataset path is."""
+    if nights_beside(cfg.run.skip_existing, str(cfg.output_dir)):
+        return NIGHTS_BESIDE
+    return _input(cfg.run.skip_existing)
 
 
 def _input(path: str) -> str:

@@ -62,7 +62,7 @@ def part_files(directory: Path) -> list[Path]:
     return [p for m, p in sorted(found, key=lambda mp: int(mp[0].group(1)))]  # part-100000 after part-99999
 
 
-def _schema(output_dir: Path, columns: Optional[list[str]]) -> pa.Schema:
+def view_schema(output_dir: Path, columns: Optional[list[str]] = None) -> pa.Schema:
     """Every part's columns, unified (a retry may write an optional column the job did not), plus `attempt`."""
     schemas = [part_schema(p).remove_metadata() for a in attempts(output_dir)
                for p in part_files(attempt_dir(output_dir, a))]
@@ -129,7 +129,7 @@ def _view(output_dir: Path, columns: Optional[list[str]], track: Collection[str]
           ) -> Iterator[tuple[pa.Table, Optional[list[Optional[int]]]]]:
     """The view's tables, each with its rows' occurrences where a row's id was retried or is in `track` (None for
     a table with no such row). Occurrences are counted for those ids only: memory stays with the retried rows."""
-    schema = _schema(output_dir, columns)
+    schema = view_schema(output_dir, columns)
     wide = _with_keys(schema)
     winners = _winners(output_dir, wide)
     keyed = {k[0] for k in winners} | set(track)
@@ -200,7 +200,8 @@ def _replace(table: pa.Table, winners: dict[Key, Winner], occurrences: list[Opti
 def latest(output_dir: str | Path, columns: Optional[list[str]] = None) -> pa.Table:
     """The latest-attempt view as one pyarrow Table (`.to_pandas()`; `datasets.Dataset(table)`)."""
     output_dir = Path(output_dir)
-    return pa.concat_tables(list(latest_batches(output_dir, columns)) or [_schema(output_dir, columns).empty_table()])
+    batches = list(latest_batches(output_dir, columns))
+    return pa.concat_tables(batches or [view_schema(output_dir, columns).empty_table()])
 
 
 def duckdb_sql(output_dir: str | Path) -> str:

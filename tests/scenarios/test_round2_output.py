@@ -21,7 +21,7 @@ def readme_union_query(root: Path) -> str:
     """The docs' duckdb query (docs/output-and-resume.md, "Nightly increments") over a chain of nights, with its
     example root replaced by `root`."""
     text = (REPO / "docs" / "output-and-resume.md").read_text()
-    sql = re.search(r'duckdb -c "(\nSELECT \* EXCLUDE \(filename, night.*?)"\n', text, re.S).group(1)
+    sql = re.search(r'duckdb -c "(\nWITH rows AS .*?)"\n', text, re.S).group(1)
     return sql.replace("/data/outputs/annotate", str(root))
 
 

@@ -15,6 +15,12 @@ or load a preset with overrides and run rows held in memory, getting the output 
     table = generate([{"ticket_id": 1, "messages": [...]}], cfg)             # a temporary output, removed
     table = generate(rows, cfg, output_dir="data/outputs/tickets")           # resumable, as a job from a file
 
+or keep the model loaded across calls (a notebook):
+
+    from batchgen import Session
+    with Session(job="classify", overrides=["engine.model=models/my-llama"]) as s:
+        df = s.generate(reviews_df)                                           # a DataFrame in, a DataFrame out
+
 The contract (config keys, output, resume, exit codes) is docs/contract.md.
 """
 
@@ -24,13 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 from batchgen.version import __version__
 
-__all__ = ["BatchgenError", "JobConfig", "Summary", "generate", "load_job", "run_job", "__version__"]
+__all__ = ["BatchgenError", "JobConfig", "Session", "Summary", "generate", "load_job", "run_job", "__version__"]
 
 if TYPE_CHECKING:
     from batchgen.commands.compose import load_job
     from batchgen.errors import BatchgenError
     from batchgen.job import JobConfig
-    from batchgen.run.api import generate
+    from batchgen.run.api import Session, generate
     from batchgen.run.runner import Summary, run_job
 
 
@@ -39,10 +45,10 @@ def __getattr__(name: str) -> Any:  # lazy: `import batchgen` stays cheap (no to
         import batchgen.run.runner as runner
 
         return getattr(runner, name)
-    if name == "generate":
-        from batchgen.run.api import generate
+    if name == "generate" or name == "Session":
+        import batchgen.run.api as api
 
-        return generate
+        return getattr(api, name)
     if name == "load_job":
         from batchgen.commands.compose import load_job
 

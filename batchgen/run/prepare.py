@@ -60,12 +60,34 @@ def open_input(cfg: JobConfig, index_dir: Path, render_row: Optional[RenderRow] 
     return JobInput(reader, tokenizer, renderer, passthrough, existing, old_passthrough(cfg, reader, renderer))
 
 
-def open_engine(cfg: JobConfig, tokenizer: Any) -> Engine:
+class HeldEngine:
+    """A job's engine kept loaded across its runs (batchgen.Session): the first run's open_engine builds it, the
+    later runs get the same one; a run never closes it, its holder does (close)."""
+
+    def __init__(self) -> None:
+        self.engine: Optional[Engine] = None  # as built, before each run's response cache
+
+    def get(self, cfg: JobConfig, tokenizer: Any) -> Engine:
+        if self.engine is None:
+            from batchgen.engines import build_engine, task_engine
+
+            self.engine = build_engine(task_engine(cfg), tokenizer)
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine, engine = None, self.engine
+            engine.close()
+
+
+def open_engine(cfg: JobConfig, tokenizer: Any, held: Optional[HeldEngine] = None) -> Engine:
     """The job's engine for its task, behind the response cache where run.dedupe or run.cache_dir is on: the one
-    engine set-up of a local run and of a Ray worker."""
+    engine set-up of a local run and of a Ray worker; `held`'s engine where given (loaded by its first run)."""
     from batchgen.engines import build_engine, task_engine
     from batchgen.run import respcache
 
+    if held is not None:
+        return respcache.wrap(held.get(cfg, tokenizer), cfg, model_identity(cfg.engine.model))
     return respcache.wrap(build_engine(task_engine(cfg), tokenizer), cfg, model_identity(cfg.engine.model))
 
 

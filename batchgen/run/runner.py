@@ -22,7 +22,7 @@ from batchgen.prompts.render import RenderRow
 from batchgen.run import lifecycle
 from batchgen.run.feed import Feed, auto_lookahead, check_error_rate
 from batchgen.run.lifecycle import Driven, Loaded
-from batchgen.run.prepare import JobInput, JobOutput, open_engine, open_input, output_place
+from batchgen.run.prepare import HeldEngine, JobInput, JobOutput, open_engine, open_input, output_place
 from batchgen.run.progress import Progress, Summary
 from batchgen.run.stopping import GracefulStop
 
@@ -31,10 +31,11 @@ DEFAULT_BATCH_SLOTS = 256  # an engine that does not say how many rows it decode
 
 
 def run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]] = None, *,
-            render_row: Optional[RenderRow] = None) -> Summary:
+            render_row: Optional[RenderRow] = None, held: Optional[HeldEngine] = None) -> Summary:
     """Run one job (or one shard of it) to completion; resumable at any point. The config is validated here (as
     the CLI does), so a Python job may build its JobConfig by hand; `render_row(row) -> str | messages` replaces
-    the prompt column or template (render.Renderer).
+    the prompt column or template (render.Renderer); `held`: an engine kept loaded across runs (batchgen.Session,
+    launcher=local), used instead of loading one and left open.
 
     1. open the input and load the tokenizer; check columns and chat template (before any model loads)
     2. lock output_dir and check or write the manifest (refuse a mismatched resume)
@@ -52,23 +53,23 @@ def run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]] = None, *,
 
         return run_on_ray(cfg, resolved, render_row)
     with GracefulStop() as stop:
-        return _run_job(cfg, resolved, stop, render_row)
+        return _run_job(cfg, resolved, stop, render_row, held)
 
 
 def _run_job(cfg: JobConfig, resolved: Optional[dict[str, Any]], stop: GracefulStop,
-             render_row: Optional[RenderRow]) -> Summary:
+             render_row: Optional[RenderRow], held: Optional[HeldEngine] = None) -> Summary:
     started = time.perf_counter()
     job = open_input(cfg, output_place(cfg)[0], render_row)  # refused before anything is written
     if cfg.dataset.verify == "pages" and hasattr(job.reader, "verify_pages"):
         job.reader.verify_pages(cfg.share().holds)  # this shard's row groups only
-    return lifecycle.run(cfg, job, resolved, stop, LocalDriver(cfg, job), started)
+    return lifecycle.run(cfg, job, resolved, stop, LocalDriver(cfg, job, held), started)
 
 
 class LocalDriver:
     """The local run's parts: one engine in this process, this shard's parts streamed through it (feed.Feed)."""
 
-    def __init__(self, cfg: JobConfig, job: JobInput):
-        self.cfg, self.job = cfg, job
+    def __init__(self, cfg: JobConfig, job: JobInput, held: Optional[HeldEngine] = None):
+        self.cfg, self.job, self.held = cfg, job, held
         self.planner = Planner(cfg, job.reader, job.renderer, job.tokenizer, job.existing)
         self.engine: Optional[Engine] = None  # loaded by drive(), closed by close()
 
@@ -83,7 +84,7 @@ class LocalDriver:
     def drive(self, out: JobOutput, summary: Summary, progress: Progress) -> Driven:
         """Load the engine, check what it resolved to against the manifest, and generate this shard's parts."""
         cfg = self.cfg
-        engine = self.engine = open_engine(cfg, self.job.tokenizer)
+        engine = self.engine = open_engine(cfg, self.job.tokenizer, self.held)
         loaded = Loaded(engine.identity(), time.perf_counter())
         progress.loaded()
         with out.lock.layout():
@@ -98,9 +99,9 @@ class LocalDriver:
             progress.duplicate_ids = self.planner.duplicate_ids
 
     def close(self) -> None:
-        if self.engine is not None:
+        if self.engine is not None and self.held is None:  # a held engine stays loaded for the next run
             self.engine.close()
-            self.engine = None
+        self.engine = None
 
     def _generate(self, engine: Engine, committer: Committer, summary: Summary, progress: Progress,
                   loaded: Loaded) -> Driven:

@@ -18,6 +18,7 @@ from batchgen.engines.base import WEIGHT_FILES
 from batchgen.errors import ConfigError, ResumeMismatchError
 from batchgen.fsutil import content_digest, file_sha256, write_json_atomic
 from batchgen.job import JobConfig
+from batchgen.output.prompt_files import prompt_identity
 from batchgen.redact import redact
 from batchgen.texts import escaped_copy
 from batchgen.version import __version__
@@ -190,15 +191,16 @@ def config_hash(cfg: JobConfig) -> str:
     return hashlib.sha256(json.dumps(compared, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def model_identity(model: str) -> dict[str, Any]:
+def model_identity(model: str, tokenizer: Optional[str] = None) -> dict[str, Any]:
     """A local model by content: its directory (symlinks and relative paths resolved), config.json's digest, and
     per weight file its size, its safetensors header's digest, a sampled content digest (fsutil.content_digest) and
     the whole file's sha256 (fsutil.file_sha256, read once per version of the file). Retrained weights copied over
     the same files are a different model, a few tensors rewritten in place included; the same bytes under another
-    path spelling are the same. A hub id stands for itself."""
+    path spelling are the same. The files that shape a prompt are in it too (prompt_identity: `tokenizer`, the
+    engine.tokenizer directory where it is another). A hub id stands for itself."""
     path = Path(model)
     if not path.is_dir():
-        return {"model": model}
+        return {"model": model, **prompt_identity(model, tokenizer)}
     config = path / "config.json"
     weights = []
     for file in sorted(p for p in path.iterdir() if p.name.endswith(WEIGHT_FILES)):
@@ -212,6 +214,7 @@ def model_identity(model: str) -> dict[str, Any]:
         "model": os.path.realpath(model),
         "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest()[:16] if config.exists() else None,
         "weights": weights,
+        **prompt_identity(model, tokenizer),
     }
 
 
@@ -238,7 +241,7 @@ def build_manifest(cfg: JobConfig, resolved: dict[str, Any], fingerprint: list[d
         "config_hash": config_hash(cfg),
         "output_config": json.loads(json.dumps(output_config(cfg), default=str)),
         "input": fingerprint,
-        "model": model_identity(cfg.engine.model),
+        "model": model_identity(cfg.engine.model, cfg.engine.tokenizer),
         "config": resolved,
         "input_rows": input_rows,
         "parts": parts,
@@ -325,16 +328,16 @@ def _scheme_hint(quantization: Optional[str]) -> str:
 
 def diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """What changed between two manifests, compared redacted (a manifest written before redaction may hold a
-    secret: it is neither compared nor shown). A digest a weight file's entry gained since the old manifest was
-    written (`sha256`) is compared where both hold it: an output made before it resumes on the digests it
-    recorded."""
+    secret: it is neither compared nor shown). A digest the model's entry gained since the old manifest was
+    written (a weight file's `sha256`, the prompt files) is compared where both hold it: an output made before it
+    resumes on the digests it recorded."""
     out = []
     for key in ("output_config", "input", "model"):
         out += _diff(redact(old.get(key)), redact(new.get(key)), key)
     return out
 
 
-ADDED_DIGESTS = ("sha256",)
+ADDED_DIGESTS = ("sha256", "prompt_files", "tokenizer_files")  # an output made before prompt_identity: unchecked
 
 
 def _diff(a: Any, b: Any, where: str) -> list[str]:

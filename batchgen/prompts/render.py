@@ -9,6 +9,7 @@ JSON: what --show and output.include_prompt print, and what its length is estima
 from __future__ import annotations
 
 import json
+import os
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,15 +45,17 @@ RenderRow = Callable[[dict], Any]  # a row (its columns) -> prompt text, or a li
 
 
 class Renderer:
-    def __init__(self, cfg: DatasetConfig, tokenizer: Any, render_row: Optional[RenderRow] = None):
+    def __init__(self, cfg: DatasetConfig, tokenizer: Any, render_row: Optional[RenderRow] = None, *,
+                 chat_template: Optional[str] = None):
         """render_row: a Python job's own rendering (batchgen.run_job(cfg, render_row=...)), used instead of the
         prompt column or template: it returns the prompt text, or chat messages for the chat template. Whatever it
-        raises costs its row (`bad_render: ...`), never the job."""
+        raises costs its row (`bad_render: ...`), never the job. chat_template: dataset.chat_template's text as the
+        caller read it already (a Ray worker: the driver's), instead of reading its file again."""
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.render_row = render_row
         self.template, self.system_prompt = cfg.template, cfg.system_prompt  # newlines made by validate (texts.py)
-        self.chat_template = chat_template_text(cfg.chat_template)
+        self.chat_template = chat_template if chat_template is not None else chat_template_text(cfg.chat_template)
         # apply_chat_template's arguments: the job's template variables, the generation prompt (unless a variable
         # says otherwise), the job's template where it gives one; always text, never tokens
         self.chat_kwargs = {"add_generation_prompt": True, **(cfg.chat_template_kwargs or {}), "tokenize": False,
@@ -155,18 +158,40 @@ def _text_messages(messages: list[dict]) -> tuple[list[dict], Optional[str]]:
 
 
 def chat_template_text(value: Optional[str]) -> Optional[str]:
-    """dataset.chat_template as Jinja text: a .jinja or .j2 file's content, else the value itself (its newlines made
-    by validate: texts.py)."""
+    """dataset.chat_template as Jinja text. A value that names an existing file is that file's text, whatever its
+    name ends in; any other value is the template's text, which has Jinja markers ({{ }}, {% %}): a value with
+    none (a path to no file, a mistyped name) is refused, naming the key and the value, never rendered as every
+    row's prompt."""
     if value is None:
         return None
-    if not value.endswith((".jinja", ".j2")):
-        return value
+    if os.path.isfile(value):
+        return _read_template(value)
+    if not any(mark in value for mark in JINJA_MARKS):
+        raise ConfigError([_not_a_template(value)])
+    return value
+
+
+JINJA_MARKS = ("{{", "{%", "{#")
+
+
+def _read_template(path: str) -> str:
     try:
-        return Path(value).read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError([f"dataset.chat_template={value!r}: cannot read the template file "
-                           f"({getattr(exc, 'strerror', None) or exc}); give a readable .jinja file or the "
+        raise ConfigError([f"dataset.chat_template={path!r}: cannot read the template file "
+                           f"({getattr(exc, 'strerror', None) or exc}); give a readable UTF-8 file or the "
                            "template's text"]) from None
+
+
+def _not_a_template(value: str) -> str:
+    """Why a dataset.chat_template that is no file and has no Jinja marker is refused, in the user's terms."""
+    suffix = os.path.splitext(value)[1]
+    if "\n" not in value and ("/" in value or os.sep in value or (1 < len(suffix) <= 11 and suffix[1:].isalnum())):
+        return (f"dataset.chat_template={value!r}: cannot read the template file: no such file "
+                f"({os.path.abspath(value)}); give the path of an existing template file (any name), or the "
+                "template's Jinja text")
+    return (f"dataset.chat_template={value!r} is neither an existing file nor a Jinja template (no {{{{ }}}}, "
+            "{% %} or {# #} in it); give the path of an existing template file, or the template's text")
 
 
 def _check_template(template: str) -> None:

@@ -44,17 +44,18 @@ class JobInput:
 
 
 def open_input(cfg: JobConfig, index_dir: Path, render_row: Optional[RenderRow] = None, *,
-               skip_existing: bool = True) -> JobInput:
+               skip_existing: bool = True, chat_template: Optional[str] = None) -> JobInput:
     """Every way of running a job starts here, before anything is written or a model loads:
     1. open the input (the reader streams it; nothing is read whole)
     2. take a JSONL input's index (types, part marks) from index_dir where one was saved for this input
     3. load the tokenizer (a chat template that does not load stops here)
     4. build the renderer and check every column the config names
-    5. read run.skip_existing's chain (refused here if it does not fit), unless the caller does not generate"""
+    5. read run.skip_existing's chain (refused here if it does not fit), unless the caller does not generate
+    chat_template: dataset.chat_template's text as the caller holds it (a Ray worker: the driver's), not read again"""
     reader = open_reader(cfg.dataset, part_size=cfg.rows_per_part)
     load_input_index(index_dir, reader)
     tokenizer = load_tokenizer(cfg)
-    renderer = Renderer(cfg.dataset, tokenizer, render_row)
+    renderer = Renderer(cfg.dataset, tokenizer, render_row, chat_template=chat_template)
     passthrough = check_columns(cfg, reader, renderer)
     existing = Existing(cfg.run.skip_existing, cfg) if skip_existing and cfg.run.skip_existing else None
     return JobInput(reader, tokenizer, renderer, passthrough, existing, old_passthrough(cfg, reader, renderer))
@@ -86,9 +87,10 @@ def open_engine(cfg: JobConfig, tokenizer: Any, held: Optional[HeldEngine] = Non
     from batchgen.engines import build_engine, task_engine
     from batchgen.run import respcache
 
+    model = model_identity(cfg.engine.model, cfg.engine.tokenizer)
     if held is not None:
-        return respcache.wrap(held.get(cfg, tokenizer), cfg, model_identity(cfg.engine.model))
-    return respcache.wrap(build_engine(task_engine(cfg), tokenizer), cfg, model_identity(cfg.engine.model))
+        return respcache.wrap(held.get(cfg, tokenizer), cfg, model)
+    return respcache.wrap(build_engine(task_engine(cfg), tokenizer), cfg, model)
 
 
 def kept_passthrough(output_dir: Path, job: JobInput) -> list[str]:
@@ -140,7 +142,7 @@ def open_output(cfg: JobConfig, job: JobInput, resolved: Optional[dict[str, Any]
             if remote:
                 remote.push(MANIFEST)
                 remote.reconcile(digest)  # only now: a staged part goes up once the manifest matched
-            metadata = file_metadata(digest, model_identity(cfg.engine.model))
+            metadata = file_metadata(digest, model_identity(cfg.engine.model, cfg.engine.tokenizer))
             committer = make_committer(cfg, output_dir, kept_passthrough(output_dir, job), metadata, remote)
         mine = (status_name(cfg.run.shard, cfg.run.num_shards),)  # the shard's own status file's temp copies
         committer.clean_stale(cfg.share().owns, mine)

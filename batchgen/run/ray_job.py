@@ -27,16 +27,17 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchgen.engines.base import EngineStats
-from batchgen.errors import BatchgenError, ConfigError
+from batchgen.errors import BatchgenError, ConfigError, ResumeMismatchError
 from batchgen.job import JobConfig, LauncherConfig
 from batchgen.output.committer import Committer
 from batchgen.output.lock import OutputLock
+from batchgen.output.prompt_files import changed_files, prompt_identity
 from batchgen.output.rows.stats import PartStats
 from batchgen.prompts.render import RenderRow
 from batchgen.run import lifecycle
 from batchgen.run.feed import Feed, Unreported, check_error_rate
 from batchgen.run.lifecycle import Driven, Loaded
-from batchgen.run.prepare import JobOutput, kept_passthrough, make_committer, open_engine, open_input
+from batchgen.run.prepare import JobInput, JobOutput, kept_passthrough, make_committer, open_engine, open_input
 from batchgen.run.progress import Progress, Summary
 from batchgen.run.stopping import GracefulStop, Reaper, StopRequested
 
@@ -60,26 +61,58 @@ class PartDone:
         summary.took_samples(self.generated_samples, self.reused_samples)
 
 
-class PartWorker:
-    """A Ray actor's body: one engine, loaded once; parts run one at a time."""
+@dataclass(frozen=True)
+class PromptPin:
+    """What the driver's prompts are rendered from, handed to every worker (one started mid-run included): the
+    worker renders from the driver's chat template text, never reading dataset.chat_template's file again, and
+    refuses to run where the model's or tokenizer's prompt files (output/prompt_files.py) are not those the driver
+    read, as a resume would be refused."""
 
-    def __init__(self, cfg: JobConfig, render_row: Optional[RenderRow], metadata: dict[str, str]):
+    chat_template: Optional[str]  # dataset.chat_template's text as the driver read it; None: the tokenizer's own
+    files: dict[str, Any]  # prompt_identity(engine.model, engine.tokenizer) as the driver read them
+
+    @classmethod
+    def of(cls, cfg: JobConfig, job: JobInput) -> PromptPin:
+        return cls(job.renderer.chat_template, prompt_identity(cfg.engine.model, cfg.engine.tokenizer))
+
+    def refusal(self, cfg: JobConfig) -> Optional[ResumeMismatchError]:
+        """Why a worker that has loaded its tokenizer and engine must not run, or None."""
+        changes = changed_files(self.files, prompt_identity(cfg.engine.model, cfg.engine.tokenizer))
+        if not changes:
+            return None
+        lines = "\n".join(f"  {c}" for c in changes)
+        return ResumeMismatchError(
+            f"launcher=ray: a worker on {os.uname().nodename} found other prompt files in {cfg.engine.model} than the "
+            f"driver read when the run started:\n{lines}\nThe rows written so far were rendered from the driver's; "
+            f"restore those files and rerun to resume, or write to a new output_dir.", changes=tuple(changes))
+
+
+class PartWorker:
+    """A Ray actor's body: one engine, loaded once; parts run one at a time, rendered from the driver's PromptPin."""
+
+    def __init__(self, cfg: JobConfig, render_row: Optional[RenderRow], metadata: dict[str, str], pin: PromptPin):
         from batchgen.prompts.planner import Planner
 
         self.cfg = cfg
         self.output_dir = Path(cfg.output_dir)
-        job = open_input(cfg, self.output_dir, render_row)  # a JSONL input: the driver's pass, saved beside output
+        # a JSONL input: the driver's pass, saved beside output; the chat template: the driver's text
+        job = open_input(cfg, self.output_dir, render_row, chat_template=pin.chat_template)
         self.committer = make_committer(cfg, self.output_dir, kept_passthrough(self.output_dir, job), dict(metadata),
                                         exclusive=True)
         self.planner = Planner(cfg, job.reader, job.renderer, job.tokenizer, job.existing)
         self.engine = open_engine(cfg, job.tokenizer)
         self.stop = GracefulStop()  # never entered: the driver stops the job; shielded sections still nest
+        self.refused = pin.refusal(cfg)  # raised by every call: the driver stops the job with it (_get)
 
     def identity(self) -> dict[str, Any]:
+        if self.refused:
+            raise self.refused
         return self.engine.identity()
 
     def run_part(self, index: int, attempt: int) -> PartDone:
         """Generate and commit part `index` (nothing if it is committed already); what it did."""
+        if self.refused:
+            raise self.refused
         if index in self.committer.committed():
             return PartDone(index, self.committer.read_stats(index))
         committed: list[tuple[PartStats, int]] = []
@@ -124,15 +157,18 @@ def run_on_ray(cfg: JobConfig, resolved: Optional[dict[str, Any]], render_row: O
     if total_rows is None:
         raise ConfigError(["launcher=ray needs an input whose rows can be counted before the run (Parquet, JSONL, "
                            "a saved `datasets` directory); a streamed hub dataset is not"])
+    pin = PromptPin.of(cfg, job)  # what every worker renders from
     with GracefulStop() as stop:
-        return lifecycle.run(cfg, job, resolved, stop, RayDriver(cfg, render_row, stop, total_rows), started)
+        driver = RayDriver(cfg, render_row, stop, total_rows, pin=pin)
+        return lifecycle.run(cfg, job, resolved, stop, driver, started)
 
 
 class RayDriver:
     """The Ray run's parts: a worker per launcher.num_workers, each free one handed the next uncommitted part."""
 
-    def __init__(self, cfg: JobConfig, render_row: Optional[RenderRow], stop: GracefulStop, total_rows: int):
-        self.cfg, self.render_row, self.stop, self.total_rows = cfg, render_row, stop, total_rows
+    def __init__(self, cfg: JobConfig, render_row: Optional[RenderRow], stop: GracefulStop, total_rows: int, *,
+                 pin: PromptPin):
+        self.cfg, self.render_row, self.stop, self.total_rows, self.pin = cfg, render_row, stop, total_rows, pin
         self.samples_per_row = cfg.sampling.n
         self.parts = -(-total_rows // cfg.rows_per_part)
 
@@ -158,7 +194,7 @@ class RayDriver:
         from batchgen.output.manifest import check_engine
 
         cfg, stop = self.cfg, self.stop
-        pool = _Pool(cfg, self.render_row, dict(committer.metadata), stop)
+        pool = _Pool(cfg, (self.render_row, dict(committer.metadata), self.pin), stop)
         todo = deque(k for k in range(self.parts) if k not in committer.committed())
         loaded = Loaded(_get(stop, pool.workers[0].identity.remote()), time.perf_counter())
         with OutputLock.for_shard(committer.output_dir, 0, 1).layout():
@@ -211,10 +247,11 @@ class _Pool:
     """The Ray workers and the parts they run: which are idle, which part each runs, how often a part was tried and
     where it last failed (it is requeued elsewhere), and each worker's totals."""
 
-    def __init__(self, cfg: JobConfig, render_row: Optional[RenderRow], metadata: dict[str, str], stop: GracefulStop):
+    def __init__(self, cfg: JobConfig, worker_args: tuple[Optional[RenderRow], dict[str, str], PromptPin],
+                 stop: GracefulStop):
         import ray
 
-        self.cfg, self.render_row, self.metadata, self.stop = cfg, render_row, metadata, stop
+        self.cfg, self.worker_args, self.stop = cfg, worker_args, stop  # worker_args: PartWorker's after cfg
         self.actor = ray.remote(PartWorker)
         self.generation = Counter[int]()
         self.workers = [self.start(i) for i in range(cfg.launcher.num_workers)]
@@ -234,7 +271,7 @@ class _Pool:
         self.generation[i] += 1
         name = f"batchgen-worker-{i}" + (f"-{self.generation[i]}" if self.generation[i] > 1 else "")
         return self.actor.options(name=name, num_cpus=launcher.num_cpus, num_gpus=launcher.num_gpus,
-                                  max_restarts=0).remote(self.cfg, self.render_row, self.metadata)
+                                  max_restarts=0).remote(self.cfg, *self.worker_args)
 
     def dispatch(self, todo: deque[int]) -> None:
         """Hand each idle worker the next part, elsewhere than where that part last failed."""
@@ -313,13 +350,20 @@ def _wait(stop: GracefulStop, refs: list[Any]) -> list[Any]:
 
 
 def _get(stop: GracefulStop, ref: Any) -> Any:
-    """ray.get, a heartbeat at a time, so that a stop signal is raised within one (see _wait)."""
+    """ray.get, a heartbeat at a time, so that a stop signal is raised within one (see _wait). A worker's refusal
+    (PromptPin.refusal) is raised as itself: no other worker or attempt would render as the driver did."""
     import ray
+    from ray.exceptions import RayTaskError
 
     while not _wait(stop, [ref]):
         pass
     with stop.shielded():
-        return ray.get(ref)
+        try:
+            return ray.get(ref)
+        except RayTaskError as exc:
+            if isinstance(exc.cause, ResumeMismatchError):
+                raise exc.cause from None
+            raise
 
 
 def _requeue(k: int, worker: int, exc: BaseException, attempts: Counter[int], failed_on: dict[int, int],

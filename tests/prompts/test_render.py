@@ -366,6 +366,29 @@ def test_an_unreadable_template_file_and_a_template_without_a_tokenizer_are_conf
             Renderer(DatasetConfig(path="unused", messages_column="msgs", **kw), None)
 
 
+@pytest.mark.parametrize("name", ["chat.jinja2", "chat.JINJA", "chat.jinja.txt", "chat_template"])
+def test_a_chat_template_file_is_read_whatever_its_name_ends_in(real_tokenizer, tmp_path, name):
+    """A value that names an existing file is that file's text, never the path rendered as every row's prompt."""
+    (tmp_path / name).write_text(OWN_TEMPLATE)
+    table = pa.table({"prompt": ["hi"]})
+    out = render(table, real_tokenizer, chat_template=str(tmp_path / name))
+    assert out.errors == [None] and out.texts == render(table, real_tokenizer, chat_template=OWN_TEMPLATE).texts
+    assert name not in out.texts[0]
+
+
+@pytest.mark.parametrize("value, why", [("{tmp}/chat.jinja2", "cannot read the template file: no such file"),
+                                        ("{tmp}/chat.jinja", "cannot read the template file: no such file"),
+                                        ("chat.JINJA", "cannot read the template file: no such file"),
+                                        ("templates/chatml", "cannot read the template file: no such file"),
+                                        ("chatml", "is neither an existing file nor a Jinja template")])
+def test_a_chat_template_that_is_no_file_and_no_jinja_text_is_refused_naming_the_key(tmp_path, value, why):
+    value = value.format(tmp=tmp_path)
+    with pytest.raises(ConfigError) as refused:
+        Renderer(DatasetConfig(path="unused", chat_template=value), ChatTokenizer())
+    assert f"dataset.chat_template={value!r}" in str(refused.value) and why in str(refused.value)
+    assert render(pa.table({"prompt": ["hi"]}), ChatTokenizer(), chat_template="{{ messages[0].content }}!").texts
+
+
 def test_the_chat_template_is_part_of_the_runs_fingerprint_by_its_text(tmp_path):
     """An edited template file is another run (the resume guard refuses to mix them); an output written before
     the key existed keeps its fingerprint."""

@@ -98,3 +98,30 @@ def test_ray_workers_commit_each_part_to_a_delta_table_once(cluster, tiny_model,
     order = ["id", "sample_index"]
     assert table.select(expected.column_names).sort_by([(c, "ascending") for c in order]).to_pylist() == \
         expected.sort_by([(c, "ascending") for c in order]).to_pylist()
+
+
+def test_a_worker_that_finds_other_prompt_files_than_the_driver_stops_the_job(cluster, tiny_model, data, tmp_path,
+                                                                              monkeypatch):
+    """The model's tokenizer config edited after the driver read it and before a worker loads: the worker refuses
+    (PromptPin), and the driver stops the job with that refusal (exit 2) instead of retrying it on other workers."""
+    import shutil
+    from pathlib import Path
+
+    from batchgen.errors import ResumeMismatchError
+    from batchgen.run.ray_job import PromptPin
+
+    model = Path(shutil.copytree(tiny_model, tmp_path / "model"))
+    pinned = PromptPin.of
+
+    def pin_then_edit(cfg, job):
+        pin = pinned(cfg, job)
+        with open(model / "tokenizer_config.json", "a") as f:
+            f.write("\n")
+        return pin
+
+    monkeypatch.setattr(PromptPin, "of", pin_then_edit)
+    refused = r"prompt_files\.tokenizer_config\.json: was [0-9a-f]{16}, now"
+    with pytest.raises(ResumeMismatchError, match=refused) as got:
+        run_job(compose_job(overrides(str(model), data, tmp_path / "out", "launcher=ray", "launcher.num_workers=1")))
+    assert type(got.value) is ResumeMismatchError  # the worker's own refusal, not Ray's wrapper of it
+    assert not list((tmp_path / "out").glob("part-*.parquet"))

@@ -5,6 +5,7 @@ task's, the per-row columns', the output's and its table's, the launcher's and t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -14,6 +15,7 @@ from batchgen.constraints import KINDS as CONSTRAINT_KINDS
 from batchgen.engines import ENGINES, engine_config, engine_problems, structured_output_problems
 from batchgen.errors import ConfigError
 from batchgen.job import ON_BAD_ROW, TOO_LONG, JobConfig, OutputConfig, Question, RunConfig
+from batchgen.redact import control_character, remember_secrets
 from batchgen.texts import unescape_texts
 
 
@@ -49,7 +51,7 @@ def validate(given: JobConfig) -> JobConfig:
     if cfg.launcher.name == "ray" and cfg.run.num_shards != 1:
         problems.append("launcher=ray runs the whole job (its workers pull the parts): leave run.shard and "
                         "run.num_shards unset")
-    problems += output_dir_problems(cfg.output_dir)
+    problems += output_dir_problems(cfg.output_dir) + _secret_problems(cfg)
     if problems:
         raise ConfigError(problems)
     return cfg
@@ -176,6 +178,22 @@ def _sink_problems(output: OutputConfig) -> list[str]:
     package = {"delta": "deltalake", "iceberg": "pyiceberg"}[output.sink]
     if importlib.util.find_spec(package) is None:
         out.append(f"output.sink={output.sink} needs the {package} package: pip install 'batchgen[{output.sink}]'")
+    return out
+
+
+def _secret_problems(cfg: JobConfig) -> list[str]:
+    """The job's secrets remembered (masked in every text from now on: redact.py), and a value of
+    output.storage_options or output.catalog (an object store's or a catalog's setting, a credential among them)
+    that holds a control character refused, named by its key and never quoted."""
+    remember_secrets(dataclasses.asdict(cfg))
+    out = []
+    for where, options in (("output.storage_options", cfg.output.storage_options),
+                           ("output.catalog", cfg.output.catalog)):
+        for key, value in options.items():
+            why = control_character(value) if isinstance(value, str) else None
+            if why:
+                out.append(f"{where}.{key} holds {why} (the value is not shown: it may be a credential); set it "
+                           f"without it (a value read from a file saved with Windows line ends ends in \\r)")
     return out
 
 

@@ -30,6 +30,7 @@ from batchgen.output.rows.assemble import assemble
 from batchgen.output.rows.stats import PartStats, error_kind
 from batchgen.prompts.planner import Planner
 from batchgen.records import Part, PlannedPart, Request, Result
+from batchgen.redact import redact_text, remember_secrets
 from batchgen.run.progress import Summary
 from batchgen.run.stopping import GracefulStop
 
@@ -105,6 +106,7 @@ class Feed:
         self.parts = planner.parts(skip=committer.committed())
         self.open: dict[int, OpenPart] = {}  # part index -> in flight
         self.routes: dict[int, tuple[OpenPart, int, int]] = {}  # engine key -> (part, key within it, beam count)
+        remember_secrets(dataclasses.asdict(cfg))  # a Ray worker's too: its rows' errors masked with the job's secrets
         self.keys = itertools.count()
         self.exhausted = False
         self.max_in_flight = 0  # the most parts held at once, for the look-ahead's memory figure
@@ -142,7 +144,8 @@ class Feed:
         hypotheses are journaled together, once the last of them is in: a row is in the journal whole or not at
         all, so a resume never asks the engine for part of a row's beams."""
         op, key, beams = self.routes.pop(result.key)
-        result = dataclasses.replace(result, key=key)
+        error = None if result.error is None else redact_text(result.error)  # a server's text may echo a credential
+        result = dataclasses.replace(result, key=key, error=error)
         done = [result]
         if beams > 1:
             row = op.beams.setdefault(key // op.planned.n, [])

@@ -300,3 +300,27 @@ def test_keys_added_later_stay_out_of_the_hash_at_their_defaults():
     assert not keys & later
     beams = output_config(set_key(job(), "sampling.num_beams", 4))
     assert beams["sampling"]["num_beams"] == 4
+
+
+# -- secrets -----------------------------------------------------------------------------------------------------
+
+
+def endpoint_job(extra_body: dict, *, catalog: dict | None = None) -> JobConfig:
+    from batchgen.engines.endpoint.config import OpenAIConfig
+
+    cfg = job()
+    cfg.engine = OpenAIConfig(model="tiny", base_url="http://127.0.0.1:9/v1", extra_body=extra_body)
+    cfg.output.sink, cfg.output.table, cfg.output.catalog = "iceberg", "nightly.rows", catalog or {}
+    return cfg
+
+
+def test_a_rotated_secret_keeps_the_hash_and_is_in_no_manifest():
+    """engine.extra_body's and output.catalog's values under secret names are hashed and recorded masked: a rotated
+    token resumes; a value that changes the generation still changes the hash."""
+    old = endpoint_job({"api_token": "OLD-TOKEN-1", "top_k": 5}, catalog={"type": "rest", "token": "OLD-CAT-2"})
+    new = endpoint_job({"api_token": "NEW-TOKEN-1", "top_k": 5}, catalog={"type": "rest", "token": "NEW-CAT-2"})
+    assert config_hash(old) == config_hash(new)
+    assert config_hash(endpoint_job({"api_token": "OLD-TOKEN-1", "top_k": 6})) != config_hash(old)
+    resolved = {"output": {"storage_options": {"AWS_SECRET_ACCESS_KEY": "OLD-S3-3", "AWS_REGION": "eu-west-1"}}}
+    text = json.dumps(build_manifest(old, resolved, FINGERPRINT))
+    assert not [s for s in ("OLD-TOKEN-1", "OLD-CAT-2", "OLD-S3-3") if s in text] and "eu-west-1" in text

@@ -39,7 +39,7 @@ from batchgen.commands.keynames import GROUPS  # noqa: E402
 from batchgen.errors import BatchgenError, ConfigError  # noqa: E402
 from batchgen.job import JobConfig  # noqa: E402
 from batchgen.output.remote import RemoteOutput, is_remote  # noqa: E402
-from batchgen.redact import redact_logs, redact_text  # noqa: E402
+from batchgen.redact import redact, redact_logs, redact_text, remember_secrets  # noqa: E402
 from batchgen.run.stopping import StopRequested  # noqa: E402
 
 log = logging.getLogger("batchgen")
@@ -96,20 +96,23 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def _keep_secrets_out(cfg: DictConfig) -> None:
-    """No URL's user, password or query value goes into the run's log or its saved config: every handler of the
-    root logger redacts, and the run folder's `.hydra/` (config.yaml, overrides.yaml, hydra.yaml, as Hydra saves
-    them where hydra.output_subdir is set) is written here, redacted (conf/config.yaml sets output_subdir null so
-    that Hydra writes no copy with them)."""
+    """No secret (a URL's user, password or query values, a value under a secret name: redact.py) goes into the
+    run's log or its saved config: the config's secrets are remembered, every handler of the root logger redacts,
+    and the run folder's `.hydra/` (config.yaml, overrides.yaml, hydra.yaml, as Hydra saves them where
+    hydra.output_subdir is set) is written here, redacted (conf/config.yaml sets output_subdir null so that Hydra
+    writes no copy with them)."""
     from hydra.core.hydra_config import HydraConfig
 
     redact_logs(logging.getLogger())
     hydra_cfg = HydraConfig.get()
+    remember_secrets(OmegaConf.to_container(cfg, resolve=False))
     saved = Path(hydra_cfg.runtime.output_dir) / ".hydra"
     saved.mkdir(parents=True, exist_ok=True)
     files = {"config.yaml": cfg, "hydra.yaml": OmegaConf.create({"hydra": hydra_cfg}),
              "overrides.yaml": OmegaConf.create(list(hydra_cfg.overrides.task))}
     for name, node in files.items():
-        (saved / name).write_text(redact_text(OmegaConf.to_yaml(node)))
+        clean = OmegaConf.create(redact(OmegaConf.to_container(node, resolve=False)))
+        (saved / name).write_text(redact_text(OmegaConf.to_yaml(clean)))
 
 
 def _to_log_file(level: int, message: str) -> None:

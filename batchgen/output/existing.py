@@ -21,7 +21,6 @@ is the query in docs/output-and-resume.md ("Nightly increments"). Knows Parquet 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -30,15 +29,12 @@ from typing import Any, Optional
 
 from batchgen.errors import ConfigError, LockedError
 from batchgen.output.manifest import MANIFEST, diff, model_identity, nights_beside, output_config, read_manifest
+from batchgen.output.nights import finished, id_hash, nights, writers
 from batchgen.output.rows.schema import SUCCESS
 
 log = logging.getLogger(__name__)
 INPUT_KEYS = ("path", "limit")  # dataset keys that may differ between nights: the input itself
 MAX_CHAIN = 100_000  # nights; a longer chain is a cycle (a manifest edited by hand)
-
-
-def id_hash(row_id: str) -> int:
-    return int.from_bytes(hashlib.blake2b(row_id.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
 
 
 def comparable(config: dict[str, Any]) -> dict[str, Any]:
@@ -89,8 +85,6 @@ class Existing:
     def _ledger(self, root: Path, own: Path) -> list[str]:
         """Every finished night under `root` but the job's own (`own`), whatever its date, each checked; newest
         first. A night a live process writes is refused; an unfinished one is passed over, its rows generated again."""
-        from batchgen.output.nights import finished, nights, writers
-
         busy = writers(root, but=own)
         if busy:
             raise LockedError(f"run.skip_existing={root}: {', '.join(busy)} is being written now, so the ids it "

@@ -12,6 +12,7 @@ Knows the nights' folder layout, the output lock and the view; not configs or en
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,13 +20,17 @@ from typing import Optional
 
 import pyarrow as pa
 
-from batchgen.output.existing import id_hash
 from batchgen.output.lock import live_writers
 from batchgen.output.manifest import MANIFEST
 from batchgen.output.rows.schema import SUCCESS
 from batchgen.output.view import latest_batches, view_schema
 
 DATE = re.compile(r"\d{4}-\d{2}-\d{2}")  # a night's folder name: its date, ISO, so that names sort as dates
+
+
+def id_hash(row_id: str) -> int:
+    """A row id as the ledger keeps it: 8 bytes of its blake2b (run.skip_existing's set, the union's choice)."""
+    return int.from_bytes(hashlib.blake2b(row_id.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
 
 
 def nights(root: Path) -> list[Path]:

@@ -141,8 +141,9 @@ class HFEngine:
         """task=loglik's scorer: on the Llama-family step where it serves the model, else the model's own forward."""
         if self._loglik is None:
             stepper = self.stepper if self.fast and supports(self.model, self.max_model_len) else None
+            full = self.governor.full if self.governor is not None else None  # not the governor's cut for decoding
             self._loglik = loglik.LoglikScorer(self.model, stepper, self.device, max_len=self.max_model_len,
-                                               max_batch_tokens=self.max_batch_tokens)
+                                               max_batch_tokens=self.max_batch_tokens, threads=full)
         return self._loglik
 
     @property

@@ -3,10 +3,14 @@ on, given the tokens before them, or its final hidden states pooled into an embe
 generation.
 
 Requests are prefill-only: they are scored as they arrive, never queued behind decodes. Longest first, in groups
-within engine.max_batch_tokens (the budget counts padded tokens, as a prefill does), each group one prefill of
-the Llama-family step (fused projections, batchgen's kernels; every token's final hidden state) or of the model's
-own forward elsewhere; the LM head runs only over the scored positions, a row at a time, and log-softmax in
-float32.
+within engine.max_batch_tokens, each prompt of a group one prefill of the Llama-family step (fused projections,
+batchgen's kernels; every token's final hidden state) or of the model's own forward elsewhere; the LM head runs
+only over the scored positions, a row at a time, and log-softmax in float32.
+
+A row's scores are the same bits in any batch: each prompt (each decide answer after its row's shared prefix) is
+prefilled alone, so no sum of its depends on which rows share its group, their padding or its place among them, and
+the threads are the engine's configured count whatever a thread governor set for decode steps; a resumed job (other
+groups) writes what an uninterrupted one did. Groups still bound the work per call by engine.max_batch_tokens.
 
 A row longer than engine.max_model_len is scored in windows of that many tokens: the first window scores its
 tokens from score_from; each next one starts half a window later and scores only its second half, so every token
@@ -16,7 +20,8 @@ transformers docs). Knows token ids and the model, not rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -49,15 +54,32 @@ def windows(ids: list[int], first: int, width: int) -> list[Span]:
 
 class LoglikScorer:
     def __init__(self, model: Any, stepper: Optional[Any], device: torch.device, *, max_len: int,
-                 max_batch_tokens: int):
+                 max_batch_tokens: int, threads: Optional[int] = None):
         self.model, self.stepper, self.device = model, stepper, device
         self.max_len, self.max_batch_tokens = max_len, max_batch_tokens
+        self.threads = threads  # torch's threads while scoring (the engine's configured count); None: as set
         self.tokens = 0  # tokens prefilled for scoring
 
     @torch.inference_mode()
     def score(self, requests: list[Request]) -> list[Result]:
         """One Result per request, in request order: loglik = [summed log-probability, scored tokens], or for a
         pooling request its embedding."""
+        with self._pinned_threads():
+            return self._score(requests)
+
+    @contextlib.contextmanager
+    def _pinned_threads(self) -> Iterator[None]:
+        """torch's threads at self.threads for the call, then as they were (a governor's cut for decode steps)."""
+        before = torch.get_num_threads()
+        if self.threads and before != self.threads:
+            torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            if torch.get_num_threads() != before:
+                torch.set_num_threads(before)
+
+    def _score(self, requests: list[Request]) -> list[Result]:
         if requests and requests[0].params.pooling is not None:
             return self._embed(requests)
         if self.stepper is not None and requests and all(r.params.shared > 0 for r in requests):
@@ -123,17 +145,17 @@ class LoglikScorer:
                        num_generated_tokens=0, loglik=[t, c]) for r, (t, c) in zip(requests, totals)]
 
     def _suffixes(self, chunk: list[Request], k: torch.Tensor, v: torch.Tensor) -> list[tuple[float, int]]:
+        """Each request's tokens after the shared prefix prefilled alone (see _hidden), over the prefix's keys and
+        values loaded into the one slot again."""
         shared = k.shape[2]
-        cache = self.stepper.new_cache(len(chunk), max(len(r.prompt_ids) for r in chunk))
-        for slot in range(len(chunk)):
-            cache.load_prefix(slot, k, v)
-        hidden = self.stepper.prefill_hidden(cache, 0, [r.prompt_ids for r in chunk], [shared] * len(chunk))
-        out, offset = [], 0
+        cache = self.stepper.new_cache(1, max(len(r.prompt_ids) for r in chunk))
+        out = []
         for r in chunk:
-            # hidden[offset + t] is position shared + t's state, which predicts ids[shared + t + 1]
-            out.append(self._span(hidden, offset - shared, r.prompt_ids, r.params.score_from))
-            offset += len(r.prompt_ids) - shared
-        self.tokens += offset
+            cache.load_prefix(0, k, v)
+            hidden = self.stepper.prefill_hidden(cache, 0, [r.prompt_ids], [shared])
+            # hidden[t] is position shared + t's state, which predicts ids[shared + t + 1]
+            out.append(self._span(hidden, -shared, r.prompt_ids, r.params.score_from))
+            self.tokens += len(r.prompt_ids) - shared
         return out
 
     def _span(self, hidden: torch.Tensor, base: int, ids: list[int], at: int) -> tuple[float, int]:
@@ -158,18 +180,14 @@ class LoglikScorer:
         return out
 
     def _hidden(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Every token's final hidden state, packed [N, hidden] in prompt order."""
+        """Every token's final hidden state, packed [N, hidden] in prompt order, each prompt prefilled alone: a GEMM
+        over packed tokens sums a token by where it lands among the batch's (the kernel's last, partial tile of rows
+        differs), and a padded batch's width changes attention's sums, so a row in other company scored other bits."""
         if self.stepper is not None:
-            cache = self.stepper.new_cache(len(prompts), max(map(len, prompts)))
-            return self.stepper.prefill_hidden(cache, 0, prompts)
-        width = max(map(len, prompts))
-        ids = torch.zeros((len(prompts), width), dtype=torch.long, device=self.device)
-        mask = torch.zeros_like(ids)
-        for r, p in enumerate(prompts):
-            ids[r, :len(p)] = torch.tensor(p)
-            mask[r, :len(p)] = 1
-        states = self.model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
-        return torch.cat([states[r, :len(p)] for r, p in enumerate(prompts)])
+            cache = self.stepper.new_cache(1, max(map(len, prompts)))
+            return torch.cat([self.stepper.prefill_hidden(cache, 0, [p]) for p in prompts])
+        return torch.cat([self.model.base_model(input_ids=torch.tensor([p], device=self.device)).last_hidden_state[0]
+                          for p in prompts])
 
 
 def with_loglik(scorer: Callable[[], LoglikScorer], source: Source, on_result: Callable[[Result], None]) -> Source:

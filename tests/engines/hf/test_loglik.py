@@ -12,8 +12,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from batchgen.engines.hf.config import HFConfig
+from batchgen.engines.hf.engine import HFEngine
+from batchgen.engines.hf.loglik import LoglikScorer
 from batchgen.errors import ConfigError
+from batchgen.records import Request
 from batchgen.run.runner import run_job
+from batchgen.sampling import SampleParams
 from tests.conftest import compose_job, corpus, job_overrides, read_output, write_jsonl
 
 
@@ -177,3 +182,61 @@ def test_a_scoring_job_killed_after_journaling_resumes_to_the_same_rows(tiny_mod
         for k in floats:
             if k in w:
                 assert g[k] == pytest.approx(w[k], rel=1e-6, abs=1e-6), (g["id"], k)
+
+
+def scoring_requests(tokenizer) -> list[Request]:
+    """Rows of mixed lengths (4 to ~120 tokens) as task=loglik, task=embed and task=decide requests (each row's
+    prompt shared by two answers), keyed so that any order maps back."""
+    texts = [" ".join(t.split()[:n]) for t, n in zip(corpus(9, seed=21), (2, 30, 9, 60, 4, 18, 45, 12, 90))]
+    greedy = dict(max_new_tokens=0, temperature=0.0, top_p=1.0, top_k=0, stop=(), ignore_eos=False)
+    out = []
+    for i, text in enumerate(texts):
+        ids = tokenizer(text).input_ids
+        out.append(Request(key=f"loglik{i}", prompt_ids=ids, params=SampleParams(**greedy, score_from=1), seed=None))
+        out.append(Request(key=f"embed{i}", prompt_ids=ids, params=SampleParams(**greedy, pooling="mean"),
+                           seed=None))
+        question = ids + tokenizer(" Is it a bug?", add_special_tokens=False).input_ids
+        for answer in (" yes", " no"):
+            full = question + tokenizer(answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+            params = SampleParams(**greedy, score_from=len(question), shared=len(ids) - 1)
+            out.append(Request(key=f"decide{i}{answer}", prompt_ids=full, params=params, seed=None))
+    return out
+
+
+def score_in(scorer: LoglikScorer, groups: list[list[Request]]) -> dict[str, tuple]:
+    """Each request's scores, bit for bit, scored in `groups` (each group one call per kind, as with_loglik calls)."""
+    out = {}
+    for group in groups:
+        for kind in ("loglik", "embed", "decide"):
+            todo = [r for r in group if r.key.startswith(kind)]
+            for r, result in zip(todo, scorer.score(todo) if todo else []):
+                out[r.key] = tuple(result.embedding or result.loglik)
+    return out
+
+
+@pytest.mark.parametrize("path", ["step", "model forward"])
+def test_a_rows_scores_are_the_same_bits_in_any_batch_whatever_threads_a_governor_left(tiny_model, tokenizer, path):
+    """task=loglik, task=embed and task=decide: a row scored alone, in threes, with every other row, in shuffled
+    order: the same bits (a resumed job prefills its remaining rows in other groups), on the engine's configured
+    threads whatever count torch was left at (a thread governor's cut for decode steps)."""
+    engine = HFEngine(HFConfig(model=tiny_model, dtype="float32"), tokenizer)
+    scorer = engine.loglik_scorer()
+    if path == "model forward":
+        scorer = LoglikScorer(engine.model, None, engine.device, max_len=engine.max_model_len,
+                              max_batch_tokens=engine.max_batch_tokens)
+    requests = scoring_requests(tokenizer)
+    shuffled = random.Random(3).sample(requests, len(requests))
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            scorer.threads = threads
+            alone = score_in(scorer, [[r] for r in requests])
+            assert len(alone) == len(requests)
+            for groups in ([requests], [shuffled], [shuffled[i:i + 3] for i in range(0, len(shuffled), 3)],
+                           [[r] for r in reversed(requests)]):
+                torch.set_num_threads(3 - threads)  # what a governor left: scoring runs on scorer.threads
+                got = score_in(scorer, groups)
+                assert [k for k in alone if got[k] != alone[k]] == [], (threads, len(groups))
+                assert torch.get_num_threads() == 3 - threads
+    finally:
+        torch.set_num_threads(before)

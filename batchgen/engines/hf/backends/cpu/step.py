@@ -51,7 +51,9 @@ class CpuStepper(LlamaStepper):
         # row's tokens do not depend on which rows share its batches (a resumed job writes what an uninterrupted one
         # did); float GEMMs block their sums by batch shape, so there the padded batch's one call stays
         self.row_exact = bool(self.gemm_inputs) and all(torch.uint8 in kinds for kinds in self.gemm_inputs)
-        if self.row_exact:  # torch's CPU attention summed its first call of a process differently on two threads
+        # torch's CPU attention summed its first call of a process differently on two threads: one call here, so a
+        # resumed job's first rows (a fresh process) are summed as an uninterrupted job's later ones
+        if self.device.type == "cpu":
             z = torch.zeros(1, 2, 4, self.head_dim)
             F.scaled_dot_product_attention(z, z, z, is_causal=True)
         self.kv_dtype = kv_dtype if self.native_step and kv_dtype is not None else self.dtype

@@ -5,6 +5,7 @@ ConfigErrors naming the key (exit 2). Knows the config, the reader's columns and
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Optional
 
 from batchgen.engines.base import HUB_ID
@@ -15,6 +16,8 @@ from batchgen.prompts.render import Renderer, template_fields
 from batchgen.reader import Reader
 from batchgen.sampling import PROCESSOR_COLUMNS
 
+HUB_TIMEOUT_S = 2.0  # seconds the hub has to answer the pre-flight's one request before it counts as unreachable
+
 
 def load_tokenizer(cfg: JobConfig) -> Optional[Any]:
     """The job's tokenizer (engine.tokenizer, else engine.model's); None for engine=openai's chat endpoint without
@@ -22,6 +25,7 @@ def load_tokenizer(cfg: JobConfig) -> Optional[Any]:
     estimates prompt lengths from characters and the engine takes the counts from the server's usage."""
     from transformers import AutoTokenizer
 
+    check_hub(cfg)
     if cfg.engine.name == "openai" and cfg.engine.tokenizer_dir() is None:
         return None
     path = cfg.engine.tokenizer or cfg.engine.model
@@ -32,6 +36,81 @@ def load_tokenizer(cfg: JobConfig) -> Optional[Any]:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.engine.trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ConfigError([f"{key}: cannot load a tokenizer from {path!r}: {exc}"]) from exc
+
+
+def check_hub(cfg: JobConfig) -> None:
+    """A model or tokenizer named by a hub id (no local path) that cannot load: the hub unreachable and the model not
+    in the local Hugging Face cache, or HF_HUB_OFFLINE=1 and the model not cached. Said in seconds, exit 2; without
+    this check, from_pretrained retries every file for a minute or more before it fails (or uses the cache)."""
+    from huggingface_hub import constants
+
+    wanted = _hub_ids(cfg)
+    if not wanted:
+        return
+    unreachable = None if constants.HF_HUB_OFFLINE else _unreachable(constants.ENDPOINT)
+    problems = []
+    for key, repo in wanted:
+        cached = _cached(repo, constants.HF_HUB_CACHE)
+        if constants.HF_HUB_OFFLINE and cached is None:
+            problems.append(f"{key}={repo}: HF_HUB_OFFLINE=1 is set and {repo} is not in the local Hugging Face "
+                            f"cache ({constants.HF_HUB_CACHE}); point {key} at a local model directory, download it "
+                            f"where the hub is reachable (`hf download {repo}`), or unset HF_HUB_OFFLINE")
+        elif unreachable is not None:
+            problems.append(_unreachable_problem(key, repo, cached, unreachable))
+    if problems:
+        raise ConfigError(problems)
+
+
+def _unreachable_problem(key: str, repo: str, cached: Optional[str], why: str) -> str:
+    from huggingface_hub import constants
+
+    said = (f"{key}={repo} is not a local directory, and the Hugging Face Hub ({constants.ENDPOINT}) cannot be "
+            f"reached from here ({why})")
+    if cached is not None:
+        return f"{said}; {repo} is in the local cache ({cached}): set HF_HUB_OFFLINE=1 to use it, or point {key} there"
+    return (f"{said}, nor is {repo} in the local cache ({constants.HF_HUB_CACHE}); point {key} at a local model "
+            f"directory (downloaded where the hub is reachable: `hf download {repo} --local-dir DIR`), or set "
+            f"HF_HUB_CACHE to a cache that holds it and HF_HUB_OFFLINE=1")
+
+
+def _hub_ids(cfg: JobConfig) -> list[tuple[str, str]]:
+    """(key, hub id) of the model and tokenizer this job loads from the hub: those not local paths (engine=openai's
+    engine.model names the server's model, loaded by no one here)."""
+    keys = ["engine.tokenizer"] + (["engine.model"] if cfg.engine.name != "openai" else [])
+    named = [(key, getattr(cfg.engine, key.split(".")[1])) for key in keys]
+    return [(key, path) for key, path in named if path and not os.path.exists(path) and HUB_ID.match(path)
+            and not path.startswith((".", "/"))]
+
+
+def _unreachable(endpoint: str) -> Optional[str]:
+    """Why the hub at `endpoint` gives no answer within HUB_TIMEOUT_S (any HTTP answer counts as reachable), else
+    None. In a thread: a name lookup or a connect into a black hole has no timeout of its own."""
+    from huggingface_hub.utils import get_session
+
+    answer: list[Optional[str]] = []
+
+    def ask() -> None:
+        try:
+            get_session().head(endpoint, timeout=HUB_TIMEOUT_S)
+            answer.append(None)
+        except Exception as exc:  # whatever the HTTP client raises (httpx's or requests'), the hub gave no answer
+            timed_out = "Timeout" in type(exc).__name__  # httpx's ReadTimeout, ConnectTimeout; requests' too
+            answer.append(f"no answer in {HUB_TIMEOUT_S:g} s" if timed_out else f"{type(exc).__name__}: {exc}"[:200])
+
+    asking = threading.Thread(target=ask, daemon=True)
+    asking.start()
+    asking.join(HUB_TIMEOUT_S + 1)
+    return answer[0] if answer else f"no answer in {HUB_TIMEOUT_S:g} s"
+
+
+def _cached(repo: str, cache: str) -> Optional[str]:
+    """The local cache's snapshot of `repo` (its main revision), or None."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo, cache_dir=cache, local_files_only=True)
+    except OSError:  # LocalEntryNotFoundError: nothing cached
+        return None
 
 
 def check_columns(cfg: JobConfig, reader: Reader, renderer: Renderer) -> list[str]:

@@ -24,7 +24,7 @@ from batchgen.confdir import conf_dir
 from batchgen.engines import ENGINES
 from batchgen.errors import ConfigError
 from batchgen.job import JobConfig
-from batchgen.texts import unescape_texts
+from batchgen.prompts.texts import unescape_texts
 
 CONF_DIR = str(conf_dir())  # the root config, the groups, the presets
 USER_CONF_ENV = "BATCHGEN_CONF_DIR"  # directories of the user's own presets (DIR/job/NAME.yaml), os.pathsep-separated

@@ -14,8 +14,8 @@ from batchgen.job import JobConfig
 from batchgen.output.input_index import save_input_index
 from batchgen.output.manifest import build_manifest, check_or_write, job_id, record_layout
 from batchgen.output.trust import refuse_strays
+from batchgen.prompts.texts import escaped_copy
 from batchgen.reader import Reader
-from batchgen.texts import escaped_copy
 
 
 def prepare_output_dir(cfg: JobConfig, output_dir: Path, reader: Reader, resolved: dict[str, Any],

@@ -11,7 +11,7 @@ from batchgen.commands import compose
 from batchgen.commands.compose import compose_checked
 from batchgen.job import JobConfig, Question
 from batchgen.output.manifest import output_config
-from batchgen.texts import escape, escaped_copy, unescape
+from batchgen.prompts.texts import escape, escaped_copy, unescape
 from tests.conftest import dummy_overrides, job_overrides, write_parquet
 
 NEWLINE, BACKSLASH_N = "\n", "\\n"

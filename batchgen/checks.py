@@ -15,8 +15,8 @@ from batchgen.constraints import KINDS as CONSTRAINT_KINDS
 from batchgen.engines import ENGINES, engine_config, engine_problems, structured_output_problems
 from batchgen.errors import ConfigError
 from batchgen.job import ON_BAD_ROW, TOO_LONG, JobConfig, OutputConfig, Question, RunConfig
+from batchgen.prompts.texts import unescape_texts
 from batchgen.redact import control_character, remember_secrets
-from batchgen.texts import unescape_texts
 
 
 def validate(given: JobConfig) -> JobConfig:

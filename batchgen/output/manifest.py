@@ -19,8 +19,8 @@ from batchgen.errors import ConfigError, ResumeMismatchError
 from batchgen.fsutil import content_digest, file_sha256, write_json_atomic
 from batchgen.job import JobConfig
 from batchgen.output.prompt_files import prompt_identity
+from batchgen.prompts.texts import escaped_copy
 from batchgen.redact import redact
-from batchgen.texts import escaped_copy
 from batchgen.version import __version__
 
 log = logging.getLogger(__name__)

@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,14 +28,16 @@ from typing import Any, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.errors import BatchgenError, ConfigError
+from batchgen.errors import BatchgenError, ConfigError, LockedError
 from batchgen.fsutil import replace_durably, write_json_atomic
 from batchgen.job import JobConfig
+from batchgen.output.lock import is_held, lock_name
 from batchgen.output.manifest import MANIFEST, diff, read_manifest
 from batchgen.output.parts import part_schema
 from batchgen.output.rows.schema import ATTEMPT_FIELD, OPTIONAL_FIELDS, OUTPUT_COLUMNS, SUCCESS
 from batchgen.output.rows.stats import error_kind
 from batchgen.output.view import OCCURRENCE, attempt_dir, attempts, keyed_batches, latest_batches, part_files
+from batchgen.redact import MASK
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,8 @@ def prepare(output_dir: Path, kinds: Optional[list[str]], overrides: list[str],
     """The retry job to run (its config and resolved dict), or None when no row erred with these kinds."""
     manifest = _finished_manifest(output_dir)
     original = manifest["config"]
-    refused = _refused(overrides) + _code_named(original, overrides, output_dir)
+    refused = _refused(overrides) + _code_named(original, overrides, output_dir) + _masked(original, overrides,
+                                                                                          output_dir)
     unknown = [k for k in kinds or () if k not in RETRYABLE]
     if unknown:
         refused.append(f"--kinds: {', '.join(unknown)} cannot be retried (retryable kinds: {', '.join(RETRYABLE)}; "
@@ -82,16 +86,11 @@ def prepare(output_dir: Path, kinds: Optional[list[str]], overrides: list[str],
         raise ConfigError(refused)
     last = attempts(output_dir)[-1]
     recorded = _recorded(output_dir, last) if last else None
-    if last and not (attempt_dir(output_dir, last) / SUCCESS).exists() and recorded is not None:
-        asked = {"kinds": list(kinds or DEFAULT_KINDS), "overrides": overrides}
-        if (kinds is not None or overrides) and asked != {k: recorded[k] for k in asked}:
-            started = " ".join(["batchgen retry", str(output_dir), "--kinds", ",".join(recorded["kinds"]),
-                                *recorded["overrides"]])
-            raise ConfigError([f"{attempt_dir(output_dir, last)} is an unfinished retry started as `{started}`: "
-                               f"run that (or `batchgen retry {output_dir}` alone) to finish it first"])
+    unfinished = last and not (attempt_dir(output_dir, last) / SUCCESS).exists() and recorded is not None
+    if unfinished and _resumes(output_dir, last, recorded, kinds, overrides):  # type: ignore[arg-type]
         log.info("finishing attempt %d (kinds %s, overrides %s)", last, recorded["kinds"], recorded["overrides"])
-        return _job(output_dir, last, recorded["overrides"], manifest, config_from)
-    attempt = last if last and recorded is None else last + 1  # an attempt whose input was never completed: anew
+        return _job(output_dir, last, recorded["overrides"], manifest, config_from)  # type: ignore[index]
+    attempt = last if last and (recorded is None or unfinished) else last + 1  # never completed, or replaced: anew
     kinds = list(kinds or DEFAULT_KINDS)
     base = config_from(original, [])
     failed = failed_rows(output_dir, kinds)
@@ -99,12 +98,42 @@ def prepare(output_dir: Path, kinds: Optional[list[str]], overrides: list[str],
         return None
     config_from(original, overrides)  # a bad override refused before anything is written
     here = attempt_dir(output_dir, attempt)
+    if unfinished:
+        _replace(here, recorded)  # type: ignore[arg-type]
     here.mkdir(parents=True, exist_ok=True)
     rows = write_input(base, manifest, failed, here / INPUT_FILE)
     write_json_atomic(here / RETRY_FILE, {"attempt": attempt, "kinds": kinds, "overrides": overrides,
                                           "ids": len(failed), "rows": rows})
     log.info("attempt %d: %d rows erred with %s; their input is in %s", attempt, rows, ", ".join(kinds), here)
     return _job(output_dir, attempt, overrides, manifest, config_from)
+
+
+def _resumes(output_dir: Path, last: int, recorded: dict[str, Any], kinds: Optional[list[str]],
+             overrides: list[str]) -> bool:
+    """Whether the unfinished last attempt is resumed (no kinds or overrides asked, or its own), else replaced: one
+    that committed no part holds no answer yet (a run that failed before its first commit, a half-written one), so
+    a retry with other settings takes its place. One that committed parts is finished first (its rows are answers
+    in the view already); one a live retry runs is left to it."""
+    here = attempt_dir(output_dir, last)
+    if is_held(here / lock_name(0, 1)):
+        raise LockedError(f"{here} is being run by another batchgen retry; wait for it to finish, or stop it")
+    asked = {"kinds": list(kinds or DEFAULT_KINDS), "overrides": overrides}
+    if (kinds is None and not overrides) or asked == {k: recorded[k] for k in asked}:
+        return True
+    if not part_files(here):
+        return False
+    started = " ".join(["batchgen retry", str(output_dir), "--kinds", ",".join(recorded["kinds"]),
+                        *recorded["overrides"]])
+    raise ConfigError([f"{here} is an unfinished retry started as `{started}` that committed "
+                       f"{len(part_files(here))} parts: run that (or `batchgen retry {output_dir}` alone) to finish "
+                       f"it first"])
+
+
+def _replace(here: Path, recorded: dict[str, Any]) -> None:
+    """Remove an unfinished attempt that committed no part (_resumes), so that a new one starts in its place."""
+    log.warning("%s: an unfinished retry (kinds %s, overrides %s) that committed no part; replaced by this one",
+                here, ",".join(recorded["kinds"]), " ".join(recorded["overrides"]) or "none")
+    shutil.rmtree(here)
 
 
 def _refused(overrides: list[str]) -> list[str]:
@@ -141,6 +170,29 @@ def _code_named(original: dict[str, Any], overrides: list[str], output_dir: Path
     return [f"{output_dir}/{MANIFEST} records {key}={value}: batchgen retry runs no code because an output's manifest "
             f"names it; if you trust it, say it again: batchgen retry {output_dir} {key}={value}"
             for key, value in named if key not in said]
+
+
+def _masked(original: dict[str, Any], overrides: list[str], output_dir: Path) -> list[str]:
+    """The recorded settings whose credential the manifest holds masked (a URL's user, password or query value, a
+    secret-named value: batchgen.redact), unless the retry's command line gives them again: sent as recorded, the
+    mask itself would go to the server as the credential."""
+    said = [o.split("=", 1)[0].lstrip("+~") for o in overrides]
+    masked = [key for key, value in _leaves(original, "") if isinstance(value, str)
+              and (value == MASK or "://" in value and MASK in value)
+              and not any(key == s or key.startswith(s + ".") for s in said)]
+    return [f"{output_dir}/{MANIFEST} records {key} with its credential masked ({MASK}), as batchgen never stores "
+            f"one: a retry would send {MASK} in its place. Give it again: batchgen retry {output_dir} {key}=..."
+            + (" (or leave the credential out of the URL and name the variable that holds the key: "
+               "engine.api_key_env=VAR)" if key == "engine.base_url" else "") for key in masked]
+
+
+def _leaves(tree: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every value under a config mapping."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
+    else:
+        yield prefix, tree
 
 
 def _under(key: str, keys: tuple[str, ...]) -> list[str]:
@@ -180,6 +232,7 @@ def write_input(cfg: JobConfig, manifest: dict[str, Any], failed: dict[str, set[
     from batchgen.reader import open_reader
 
     reader = open_reader(cfg.dataset)
+    _refuse_own_names(reader.columns() or [], cfg.dataset.path)
     changes = diff({"input": manifest.get("input")}, {"input": json.loads(json.dumps(reader.fingerprint()))})
     if changes:
         raise ConfigError([f"the job's input changed since it ran ({'; '.join(changes[:3])}); a retry reads the "
@@ -212,6 +265,14 @@ def write_input(cfg: JobConfig, manifest: dict[str, Any], failed: dict[str, set[
     return rows
 
 
+def _refuse_own_names(columns: list[str], path: str) -> None:
+    """An input column named as a retry's hidden ones (refused at a job's start since: an output from before)."""
+    taken = [c for c in columns if c in (ID_COLUMN, OCCURRENCE)]
+    if taken:
+        raise ConfigError([f"the job's input {path} has a column {', '.join(map(repr, taken))}, a name batchgen "
+                           f"retry gives its own hidden columns: rename it in the input and run the job again"])
+
+
 def _pick(batch: Any, failed: dict[str, set[int]], seen: dict[str, int]) -> tuple[list[int], list[int]]:
     """The batch's rows to retry and their occurrences. Every input row is an output row in the same order (a read
     error too), so counting the erring ids' rows here gives the view's occurrences; `seen` carries the counts."""
@@ -236,17 +297,21 @@ def _job(output_dir: Path, attempt: int, overrides: list[str], manifest: dict[st
         used = (manifest.get("output_config") or {}).get("dataset") or {}
         dataset.update({k: v for k, v in used.items() if k.endswith("_column") and v is not None})
     # the rows' occurrences go through to the attempt's parts (none in an input written before they were recorded)
-    hidden = [OCCURRENCE] if OCCURRENCE in pq.read_schema(here / INPUT_FILE).names else []
+    names = pq.read_schema(here / INPUT_FILE).names
+    hidden = [OCCURRENCE] if OCCURRENCE in names else []
     dataset.update(path=str(here / INPUT_FILE), format="parquet", limit=None, id_column=ID_COLUMN,
-                   passthrough_columns=passthrough_of(output_dir) + hidden)
+                   passthrough_columns=[c for c in passthrough_of(output_dir, manifest) if c in names] + hidden)
     run.update(attempt=attempt, resume=True, shard=0, num_shards=1, skip_existing=None)
     resolved["output_dir"] = str(here)
     cfg = config_from(resolved, overrides)
     return cfg, resolved | {"retry": {"of": str(output_dir), "attempt": attempt, "overrides": overrides}}
 
 
-def passthrough_of(output_dir: Path) -> list[str]:
-    """The passthrough columns the job wrote (its first part's columns past the output's own)."""
+def passthrough_of(output_dir: Path, manifest: dict[str, Any]) -> list[str]:
+    """The passthrough columns the job wrote: as its manifest recorded them, else its first part's columns past the
+    output's own (_job keeps those of the input: task=decide's question columns and needs_review are not)."""
+    if isinstance(manifest.get("passthrough"), list):
+        return [str(name) for name in manifest["passthrough"]]
     own = {*OUTPUT_COLUMNS, *OPTIONAL_FIELDS, ATTEMPT_FIELD.name}
     parts = part_files(output_dir)
     return [name for name in part_schema(parts[0]).names if name not in own] if parts else []

@@ -18,6 +18,8 @@ from batchgen.sampling import PROCESSOR_COLUMNS
 
 HUB_TIMEOUT_S = 2.0  # seconds the hub has to answer the pre-flight's one request before it counts as unreachable
 
+RESERVED_PREFIX = "_batchgen_"  # batchgen retry's hidden input columns (_batchgen_id, _batchgen_occurrence)
+
 
 def load_tokenizer(cfg: JobConfig) -> Optional[Any]:
     """The job's tokenizer (engine.tokenizer, else engine.model's); None for engine=openai's chat endpoint without
@@ -130,6 +132,10 @@ def check_columns(cfg: JobConfig, reader: Reader, renderer: Renderer) -> list[st
         wanted["dataset.prompt_column"] = ds.prompt_column
     problems = [f"{key}: column {col!r} not found in {where} (columns: {', '.join(available)})"
                 for key, col in wanted.items() if col is not None and col not in available]
+    if not cfg.run.attempt:  # a retry's own input carries them (commands/retry.py)
+        problems += [f"dataset.path: {where} has a column {col!r}: names starting with {RESERVED_PREFIX!r} are "
+                     f"batchgen's own (batchgen retry adds its hidden columns under them); rename it in the input"
+                     for col in available if col.startswith(RESERVED_PREFIX)]
     if ds.template is not None:
         problems += [f"dataset.template refers to {{{name}}}, but no column {name!r} exists in {where} "
                      f"(columns: {', '.join(available)})" for name in template_fields(ds.template)

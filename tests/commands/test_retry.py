@@ -193,3 +193,37 @@ def test_a_manifest_alone_never_turns_on_a_models_own_code_for_a_retry(tiny_mode
     done = run_cli(["retry", str(out), "--kinds", "too_long", "run.too_long=truncate_left",
                     "engine.trust_remote_code=true"])
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+DECIDE = '+decide.questions=[{name: bug, kind: predicate, prompt: " Is it a bug?"}]'
+
+
+def test_a_retry_of_a_decide_output_answers_its_rows_and_a_failed_attempt_does_not_block_the_next(tiny_model,
+                                                                                                 tmp_path):
+    """task=decide: retry took the question columns for passthrough columns and was refused, and the attempt it had
+    written blocked every later retry with other settings. An attempt that committed no part is replaced now."""
+    data, long_ids = dataset(tmp_path)
+    out = tmp_path / "out"
+    summary = run_job(compose_job(job_overrides(tiny_model, data, out, "task=decide", DECIDE, "dataset.id_column=uid",
+                                                f"engine.max_model_len={MAX_LEN}", "run.too_long=skip",
+                                                "run.max_error_rate=0.9")))
+    assert summary.totals.errors == {"too_long": len(long_ids)}
+    failed = run_cli(["retry", str(out), "dataset.stop_column=missing"])  # found once the attempt's input is written
+    assert failed.returncode == 2 and (out / "_attempts" / "attempt-001" / INPUT_FILE).exists()  # half-written
+    done = run_cli(["retry", str(out), "engine.max_model_len=1024"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "committed no part; replaced by this one" in done.stderr
+    attempt = out / "_attempts" / "attempt-001"
+    assert json.loads((attempt / "_retry.json").read_text())["overrides"] == ["engine.max_model_len=1024"]
+    view = latest(out).to_pylist()
+    assert [r["id"] for r in view] == [f"r{i:02d}" for i in range(24)] and all(r["error"] is None for r in view)
+    assert all(r["bug"]["answer"] in ("yes", "no") and r["topic"] for r in view)
+    assert [r["attempt"] for r in view] == [1 if r["id"] in long_ids else 0 for r in view]
+
+
+def test_an_input_column_named_as_retrys_own_is_refused_at_the_jobs_start(tiny_model, tmp_path):
+    data = write_parquet(tmp_path / "in.parquet", [{"uid": "a", "prompt": "a b", ID_COLUMN: "x"}])
+    refused = run_cli([*job_args(tiny_model, data, tmp_path / "out")])
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert f"has a column '{ID_COLUMN}': names starting with '_batchgen_' are batchgen's own" in refused.stderr
+    assert not (tmp_path / "out").exists()

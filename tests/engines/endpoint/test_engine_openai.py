@@ -306,3 +306,22 @@ def test_a_field_the_server_refuses_names_the_key_that_set_it(tiny_model, server
         "endpoint_rejected: HTTP 400: the server refused logit_bias (sampling.logit_bias / "
         "dataset.logit_bias_column): Unsupported parameter: 'logit_bias' is not supported with this model.")
     assert got[("b", 0)]["error"] is None and got[("b", 0)]["generation"]
+
+
+def test_a_retry_refuses_a_base_url_whose_credential_the_manifest_masks(tiny_model, data, tmp_path):
+    """The manifest keeps engine.base_url with its user and password masked: a retry sent `***` as the user name.
+    It is refused (exit 2) naming the key to give again; given again, the retry runs."""
+    out = tmp_path / "out"
+    with endpoint(tiny_model) as url:
+        secret = url.replace("://", "://alice:s3cret-pw@")
+        run_job(compose_job(overrides(tiny_model, data, out, secret)))
+    assert "s3cret-pw" not in (out / "_manifest.json").read_text()
+    with endpoint(tiny_model, "--reject", "") as url:
+        secret = url.replace("://", "://alice:s3cret-pw@")
+        refused = run_cli(["retry", str(out)])
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert "records engine.base_url with its credential masked (***)" in refused.stderr
+        assert f"batchgen retry {out} engine.base_url=..." in refused.stderr
+        assert not (out / "_attempts").exists()
+        done = run_cli(["retry", str(out), f"engine.base_url={secret}"])
+    assert done.returncode == 0, done.stderr[-3000:]

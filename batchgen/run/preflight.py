@@ -8,7 +8,7 @@ import os
 import threading
 from typing import Any, Optional
 
-from batchgen.engines.base import HUB_ID
+from batchgen.engines.base import HUB_ID, EngineConfig
 from batchgen.errors import ConfigError
 from batchgen.job import JobConfig
 from batchgen.output.rows.schema import OUTPUT_COLUMNS, PROMPT_COLUMN, optional_columns
@@ -27,7 +27,7 @@ def load_tokenizer(cfg: JobConfig) -> Optional[Any]:
     estimates prompt lengths from characters and the engine takes the counts from the server's usage."""
     from transformers import AutoTokenizer
 
-    check_hub(cfg)
+    check_hub(cfg.engine)
     if cfg.engine.name == "openai" and cfg.engine.tokenizer_dir() is None:
         return None
     path = cfg.engine.tokenizer or cfg.engine.model
@@ -40,13 +40,13 @@ def load_tokenizer(cfg: JobConfig) -> Optional[Any]:
         raise ConfigError([f"{key}: cannot load a tokenizer from {path!r}: {exc}"]) from exc
 
 
-def check_hub(cfg: JobConfig) -> None:
+def check_hub(engine: EngineConfig) -> None:
     """A model or tokenizer named by a hub id (no local path) that cannot load: the hub unreachable and the model not
     in the local Hugging Face cache, or HF_HUB_OFFLINE=1 and the model not cached. Said in seconds, exit 2; without
     this check, from_pretrained retries every file for a minute or more before it fails (or uses the cache)."""
     from huggingface_hub import constants
 
-    wanted = _hub_ids(cfg)
+    wanted = _hub_ids(engine)
     if not wanted:
         return
     unreachable = None if constants.HF_HUB_OFFLINE else _unreachable(constants.ENDPOINT)
@@ -75,11 +75,11 @@ def _unreachable_problem(key: str, repo: str, cached: Optional[str], why: str) -
             f"HF_HUB_CACHE to a cache that holds it and HF_HUB_OFFLINE=1")
 
 
-def _hub_ids(cfg: JobConfig) -> list[tuple[str, str]]:
+def _hub_ids(engine: EngineConfig) -> list[tuple[str, str]]:
     """(key, hub id) of the model and tokenizer this job loads from the hub: those not local paths (engine=openai's
     engine.model names the server's model, loaded by no one here)."""
-    keys = ["engine.tokenizer"] + (["engine.model"] if cfg.engine.name != "openai" else [])
-    named = [(key, getattr(cfg.engine, key.split(".")[1])) for key in keys]
+    keys = ["engine.tokenizer"] + (["engine.model"] if engine.name != "openai" else [])
+    named = [(key, getattr(engine, key.split(".")[1])) for key in keys]
     return [(key, path) for key, path in named if path and not os.path.exists(path) and HUB_ID.match(path)
             and not path.startswith((".", "/"))]
 

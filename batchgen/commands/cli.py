@@ -36,6 +36,7 @@ from batchgen.commands.compose import (  # noqa: E402
     with_search_path,
 )
 from batchgen.commands.keynames import GROUPS  # noqa: E402
+from batchgen.commands.terminal import error_text, lines, one_line  # noqa: E402
 from batchgen.errors import BatchgenError, ConfigError  # noqa: E402
 from batchgen.job import JobConfig  # noqa: E402
 from batchgen.output.remote import RemoteOutput, is_remote  # noqa: E402
@@ -76,7 +77,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         summary = run_job(job, resolved)  # type: ignore[arg-type]
     except BatchgenError as exc:
         _to_log_file(logging.ERROR, f"{exc}")  # the console gets it once, from the line below
-        print(f"batchgen: error: {redact_text(str(exc))}", file=sys.stderr)
+        print(f"batchgen: error: {redact_text(error_text(exc))}", file=sys.stderr)  # may quote a row: escaped
         advice = invocation.advice(exc) if invocation.advice is not None else None
         if advice:
             print(f"batchgen: {redact_text(advice)}", file=sys.stderr)
@@ -86,13 +87,14 @@ def _hydra_main(cfg: DictConfig) -> None:
             print(f"batchgen: committed parts and journaled results are kept; {resume_line()}", file=sys.stderr)
         sys.exit(exc.exit_code)
     except StopRequested as exc:
-        print(f"batchgen: {redact_text(str(exc))}; committed parts and journaled results are kept, {resume_line()}",
+        print(f"batchgen: {one_line(redact_text(str(exc)))}; committed parts and journaled results are kept, "
+              f"{resume_line()}",
               file=sys.stderr)
         _exit_now(exc.exit_code)
     except KeyboardInterrupt:
         print(f"batchgen: interrupted; committed parts are kept, {resume_line()}", file=sys.stderr)
         sys.exit(130)
-    print(summary.render())
+    print(lines(summary.render()))
 
 
 def _keep_secrets_out(cfg: DictConfig) -> None:

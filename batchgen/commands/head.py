@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import pyarrow as pa
 
+from batchgen.commands.terminal import one_line
 from batchgen.errors import BatchgenError
 from batchgen.output.manifest import MANIFEST
 from batchgen.output.parts import open_part, part_schema
@@ -52,18 +53,20 @@ def first_rows(output_dir: Path, n: int) -> tuple[list[str], list[dict[str, Any]
 
 
 def row_line(row: dict[str, Any]) -> str:
-    """One row as make demo prints it; a retried row's attempt added where it is not the job's own."""
+    """One row as make demo prints it; a retried row's attempt added where it is not the job's own. Row data
+    escaped for the terminal (commands/terminal.py); the text as Python quotes it, which escapes them too."""
     text = row["generation"] if row["generation"] is not None else row["error"] or ""
     retried = f" attempt={row['attempt']}" if row.get("attempt") else ""
-    return (f"  {row['id']:<12} {row['finish_reason']:<7} prompt={str(row['num_prompt_tokens']):<4} "
-            f"gen={str(row['num_generated_tokens']):<4}{retried} {text.replace(chr(10), ' ')[:TEXT_CHARS]!r}")
+    return (f"  {one_line(row['id']):<12} {one_line(row['finish_reason']):<7} "
+            f"prompt={str(row['num_prompt_tokens']):<4} gen={str(row['num_generated_tokens']):<4}{retried} "
+            f"{text.replace(chr(10), ' ')[:TEXT_CHARS]!r}")
 
 
 def show(output_dir: Path, n: int) -> int:
     """Print the header and the first `n` rows; the rows the view holds."""
     total = view_rows(output_dir)
     columns, rows = first_rows(output_dir, n)
-    print(f"{output_dir}: {total} rows, columns: {', '.join(columns)}")
+    print(f"{output_dir}: {total} rows, columns: {', '.join(map(one_line, columns))}")
     for row in rows:
         print(row_line(row))
     return total

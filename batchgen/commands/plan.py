@@ -12,9 +12,8 @@ Without a tokenizer (engine=openai's chat endpoint and no engine.tokenizer) the 
 characters (about 4 a token), marked so: the rows over max_model_len are the ones that may be, and the job sends them
 all (the server refuses a prompt too long for it), so they do not make the plan's exit code.
 
-`--show N` first prints the first N rows' prompts as the engine gets them (the job's own rendering: the template's
-text, or the chat template's with its generation prompt and system prompt), each with its id, its token count and
-what run.too_long does to it; they are in _plan.json too (`shown`).
+`--show N` first prints the first N rows' prompts as the engine gets them, with id, token count and what run.too_long
+does to each (a prompt's lines after `| `, escaped for the terminal; exact in _plan.json's `shown`).
 `--calibrate` then loads the engine and runs a short probe on the longest prompts first (an out-of-memory shows at
 once), and prints its rate and an ETA for the whole job (an estimate on the machine as it is, not a bound). Exit
 codes are the job's: 0 when it would run, 1 when it would stop (run.too_long=fail with a row too long, or more error
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from batchgen.commands.terminal import block, one_line
 from batchgen.engines.base import model_max_len
 from batchgen.errors import ConfigError, TooLongError
 from batchgen.fsutil import write_json_atomic
@@ -186,17 +186,17 @@ def shown_row(planner: Planner, row_id: str, m: Measured, i: int, limit: int) ->
 
 
 def render_shown(shown: list[dict[str, Any]], estimated: bool = False) -> str:
-    """`--show`'s rows: a header line each (row, id, tokens, too_long), then the prompt exactly, as it is (without a
-    tokenizer, `estimated`: a chat row's messages as JSON, its tokens estimated)."""
+    """`--show`'s rows: a header line each (row, id, tokens, too_long), then the prompt, its lines after `| `, row data
+    escaped (without a tokenizer, `estimated`: a chat row's messages as JSON, its tokens estimated)."""
     out = []
     for k, row in enumerate(shown):
         cut = f"; {row['too_long']}" if row["too_long"] else ""
         tokens = f"about {row['prompt_tokens']} prompt tokens ({ESTIMATED})" if estimated else (
             f"{row['prompt_tokens']} prompt tokens")
         what = row["error"] or f"{tokens}{cut}"
-        out.append(f"--- row {k}: id {row['id']}, {what} ---")
+        out.append(f"--- row {k}: id {one_line(row['id'])}, {one_line(what)} ---")
         if row["prompt"] is not None and row["error"] is None:
-            out.append(row["prompt"])
+            out.append(block(row["prompt"]))
     return "\n".join([*out, f"--- end of the {len(shown)} rows shown ---"])
 
 

@@ -28,6 +28,7 @@ from typing import Any, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchgen.commands.terminal import error_text, lines
 from batchgen.errors import BatchgenError, ConfigError, LockedError
 from batchgen.fsutil import replace_durably, write_json_atomic
 from batchgen.job import JobConfig
@@ -338,12 +339,12 @@ def main(argv: list[str], config_from: Callable[[dict[str, Any], list[str]], Job
             return 0
         summary = run_job(*job)
     except BatchgenError as exc:
-        print(f"batchgen retry: error: {exc}", file=sys.stderr)
+        print(f"batchgen retry: error: {error_text(exc)}", file=sys.stderr)  # may quote a row: escaped
         return exc.exit_code
     except StopRequested as exc:
         print(f"batchgen retry: {exc}; rerun the same command to finish this attempt", file=sys.stderr)
         return exc.exit_code
-    print(summary.render())
+    print(lines(summary.render()))
     if summary.state == "done":
         from batchgen.output.openai_out import write_if_wanted
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from batchgen.commands.terminal import one_line
 from batchgen.errors import ConfigError
 from batchgen.output.heartbeat import Heartbeat, read_heartbeats, writer_is_gone
 from batchgen.output.journal import read_journals
@@ -113,9 +114,9 @@ def _attempts(output_dir: Path) -> list[str]:
         here = attempt_dir(output_dir, a)
         recorded = json.loads((here / "_retry.json").read_text()) if (here / "_retry.json").exists() else {}
         state = "complete" if (here / SUCCESS).exists() else "incomplete (rerun batchgen retry to finish it)"
-        overrides = " ".join(recorded.get("overrides", [])) or "none"
+        overrides = one_line(" ".join(recorded.get("overrides", [])) or "none")
         lines.append(f"  {here.name}: {state}: {recorded.get('rows', '?')} rows retried "
-                     f"({', '.join(recorded.get('kinds', []))}; overrides: {overrides}), "
+                     f"({one_line(', '.join(recorded.get('kinds', [])))}; overrides: {overrides}), "
                      f"{len(list(here.glob('part-*.parquet')))} committed parts")
     return lines
 
@@ -174,7 +175,7 @@ class _Shard:
         if s.invalid_outputs:
             lines.append(f"    invalid outputs: {s.invalid_outputs} constrained samples did not parse or validate")
         if s.error:
-            lines.append(f"    last error: {s.error}")
+            lines.append(f"    last error: {one_line(s.error)}")  # may quote a row or a server: escaped
         return lines
 
     def _rows(self) -> str:
@@ -188,7 +189,7 @@ class _Shard:
         return said
 
     def _errors(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in sorted(self.done.errors.items())) or "none"
+        return ", ".join(f"{one_line(k)}={v}" for k, v in sorted(self.done.errors.items())) or "none"
 
     def _work(self) -> str:
         """Tokens committed and journaled (never fewer than the run counted), and the run's throughput figure."""

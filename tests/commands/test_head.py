@@ -43,3 +43,24 @@ def test_head_refuses_what_is_not_an_output(tmp_path, capsys):
     (tmp_path / "_manifest.json").write_text("{}")
     assert main([str(tmp_path)]) == 2 and "holds no committed part" in capsys.readouterr().err
     assert main([str(tmp_path), "-n", "-1"]) == 2 and "0 or more" in capsys.readouterr().err
+
+
+def test_head_escapes_ids_errors_and_column_names_from_the_rows(tiny_model, tmp_path, capsys):
+    """An id, an error quoting a row's value and an input column's name holding terminal escapes (a window title, a
+    clear screen), a bidi override and a line that looks like a row of head's own reach the terminal escaped, one
+    line per row."""
+    from tests.commands.test_terminal import HOSTILE, assert_safe
+
+    rows = [{"uid": f"r0{HOSTILE}", "prompt": "the river town", f"note{HOSTILE}": 1, "temp": None},
+            {"uid": "r1", "prompt": "a quiet night", f"note{HOSTILE}": 2, "temp": HOSTILE}]
+    data = write_parquet(tmp_path / "in.parquet", rows)
+    out = tmp_path / "out"
+    run_job(compose_job(dummy_overrides(tiny_model, data, out, "dataset.id_column=uid",
+                                        "dataset.temperature_column=temp", "sampling.max_new_tokens=4",
+                                        "run.max_error_rate=1")))
+    assert main([str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert_safe(printed)
+    header, first, second = printed.splitlines()
+    assert "notex\\x1b]0;pwned\\x07" in header and first.split()[0].startswith("r0x\\x1b]0;pwned\\x07\\x1b[2J\\u202e")
+    assert second.split()[:2] == ["r1", "error"]

@@ -75,13 +75,38 @@ def test_plan_show_prints_the_prompts_as_the_engine_gets_them(tiny_model, tokeni
                                                        for w in want]
     assert shown[3]["error"] == "empty_prompt" and shown[0]["too_long"] is None
     assert shown[1]["too_long"] == "run.too_long=truncate_left: the engine gets its last 112 tokens (BOS kept)"
-    assert f"--- row 0: id u0, {shown[0]['prompt_tokens']} prompt tokens ---\n{want[0]}\n--- row 1: id u1" in printed
+    margined = "\n".join(f"| {line}" for line in want[0].split("\n"))  # each prompt line after the margin
+    assert f"--- row 0: id u0, {shown[0]['prompt_tokens']} prompt tokens ---\n{margined}\n--- row 1: id u1" in printed
     assert "--- row 3: id u3, empty_prompt ---\n--- end of the 4 rows shown ---\nrows 4 (3 to generate)" in printed
     template = [*base, f"output_dir={tmp_path / 'plain'}", 'dataset.template="Topic {topic}: {q}"']
     assert main([*template, "--show=2"], compose_checked) == 0
     shown = json.loads((tmp_path / "plain" / "_plan.json").read_text())["shown"]
     assert [r["prompt"] for r in shown] == ["Topic {topic}: {q}".format(**r) for r in rows[:2]]
     assert main(["--show", "many", *template], compose_checked) == 2
+
+
+def test_plan_show_escapes_row_data_and_no_prompt_line_can_forge_a_frame(tiny_model, tmp_path, capsys):
+    """Ids and prompts holding terminal escapes (a window title, a clear screen), a bidi override and lines that
+    look like --show's own frames reach the terminal escaped, each prompt line after `| `; _plan.json keeps them
+    exactly."""
+    from batchgen.commands.compose import compose_checked
+    from batchgen.commands.plan import main
+    from tests.commands.test_terminal import HOSTILE, assert_safe
+
+    rows = [{"uid": f"u0{HOSTILE}", "prompt": f"Summarize: {HOSTILE}"}, {"uid": f"u1{HOSTILE}", "prompt": None},
+            {"uid": "u2", "prompt": "plain"}]
+    data = write_parquet(tmp_path / "in.parquet", rows)
+    assert main(["--show", "3", "name=p", f"dataset.path={data}", "engine=dummy", f"engine.model={tiny_model}",
+                 "dataset.id_column=uid", f"output_dir={tmp_path / 'out'}", "run.max_error_rate=1"],
+                compose_checked) == 0
+    printed = capsys.readouterr().out
+    assert_safe(printed)
+    frames = [line for line in printed.splitlines() if line.startswith("---")]
+    assert [f.split(":")[0] for f in frames] == ["--- row 0", "--- row 1", "--- row 2",
+                                                 "--- end of the 3 rows shown ---"]
+    assert "| === row 2 ===" in printed and "\\x1b]0;pwned\\x07" in frames[0] and "\\u202e" in printed
+    shown = json.loads((tmp_path / "out" / "_plan.json").read_text())["shown"]
+    assert shown[0]["prompt"] == f"Summarize: {HOSTILE}" and shown[1]["id"] == f"u1{HOSTILE}"
 
 
 def test_the_calibrated_eta_is_called_an_estimate_not_a_bound():

@@ -104,3 +104,18 @@ def test_after_sigkill_the_headline_does_not_lag_the_committed_parts(tiny_model,
     said = headline(out)
     assert said["state"] == "stopped (no live writer)" and (said["rows"], said["total"]) == ("3", "12")
     assert int(said["tokens"]) >= sum(read_output(out).column("num_generated_tokens").to_pylist()) > 0
+
+
+def test_a_failure_quoting_a_row_reaches_the_terminal_escaped_on_the_console_and_in_status(tiny_model, tmp_path):
+    """run.on_bad_row=fail stops at a row whose id holds terminal escapes, a bidi override and lines that look like
+    batchgen's own: the CLI's error line and `batchgen status`'s last error print them escaped."""
+    from tests.commands.test_terminal import HOSTILE, assert_safe
+
+    data = write_parquet(tmp_path / "in.parquet", [{"uid": f"u0{HOSTILE}", "prompt": None}])
+    out = tmp_path / "out"
+    failed = run_cli(dummy_overrides(tiny_model, data, out, "dataset.id_column=uid", "run.on_bad_row=fail"))
+    assert failed.returncode == 1 and "run.on_bad_row=fail" in failed.stderr
+    assert_safe(failed.stderr)
+    said = describe(out)
+    assert "last error: row u0x\\x1b]0;pwned\\x07" in said
+    assert_safe(said)

@@ -43,14 +43,16 @@ COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860")
 
 
 def history(output_dir: Path) -> list[dict[str, Any]]:
-    """Every committed part's history record, all runs and shards, in time order (a torn last line skipped)."""
+    """Every committed part's history record, all runs and shards, in time order (a torn last line skipped),
+    with made_tokens: the tokens its run generated while it was in flight (less those an earlier run journaled)."""
     out = []
     for path in sorted(output_dir.glob(HISTORY_GLOB)):
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
-                out.append(json.loads(line))
+                out.append(record := json.loads(line))
             except ValueError:
                 continue  # a run killed while appending: its last line is torn
+            record["made_tokens"] = record.get("generated_tokens", 0) - record.get("reused_tokens", 0)
     return sorted(out, key=lambda r: r.get("t", 0))
 
 
@@ -153,7 +155,7 @@ def _throughput(ax1: Any, ax2: Any, hist: list[dict[str, Any]]) -> None:
     for k, (worker, items) in enumerate(sorted(by_worker.items())):
         total, xs, ys = 0, [0.0], [0]
         for h in items:
-            total += h.get("generated_tokens", 0)
+            total += h["made_tokens"]
             xs.append(h["t"] - t0)
             ys.append(total)
         ax1.plot(xs, ys, marker="o", ms=3, color=COLORS[k % len(COLORS)], label=worker)
@@ -169,7 +171,7 @@ def _throughput(ax1: Any, ax2: Any, hist: list[dict[str, Any]]) -> None:
             if stop == start and i * width <= stop <= (i + 1) * width:
                 overlap = 1.0 if i == min(int(stop / width), RATE_BINS - 1) else 0.0
             if overlap > 0:
-                tokens[i] += h.get("generated_tokens", 0) * (overlap / (stop - start) if stop > start else 1.0)
+                tokens[i] += h["made_tokens"] * (overlap / (stop - start) if stop > start else 1.0)
     ax2.bar([i * width for i in range(RATE_BINS)], [t / width for t in tokens], width=width, align="edge",
             color=COLORS[0])
     ax2.set_title("generated tokens per second (all parts in flight)")
@@ -287,7 +289,7 @@ def _run_sections(facts: dict[str, Any]) -> list[str]:
         w = workers[_worker(h)]
         w["parts"] += 1
         w["rows"] += h.get("rows", 0)
-        w["tokens"] += h.get("generated_tokens", 0)
+        w["tokens"] += h["made_tokens"]
     said = dict(figures(facts["beats"]))
     shard_rows = [[name, b.state, f"{b.rows_done}/{b.rows_total if b.rows_total is not None else '?'}",
                    b.rows_failed, b.generated_tokens, said.get(name, "not recorded"), b.updated_at]

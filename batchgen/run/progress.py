@@ -188,8 +188,8 @@ class Progress:
     The bar moves per journaled sample, not per committed part: a part of R rows and P samples advances it R/P
     rows a sample (its error rows, which have no sample, when it commits), so a slow model's first part shows its
     progress long before it commits. A resumed run's bar starts at the rows committed and those its part journals
-    stand for. The rate and the ETA come from the tokens and samples journaled in this run since its engine was ready
-    (`loaded`)."""
+    stand for; the bar never moves back. The rate and the ETA come from the tokens and samples journaled in this run
+    since its engine was ready (`loaded`)."""
 
     HEARTBEAT_S = 2.0
 
@@ -219,6 +219,7 @@ class Progress:
         # once loaded: the engine's counters (decode steps, OOM backoffs; Ray's per-worker breakdown) in the status
         self.engine_stats: Optional[Callable[[], EngineStats]] = None
         self.preshown = dict(resumed.journaled_rows)  # journaled rows the bar starts with, until their parts open
+        self.ahead = 0.0  # rows the bar shows beyond the count (an estimate the count fell below): see _move
         if resumed.parts or resumed.samples:
             said = resumed.said(self.total)
             log.info("%s", said)
@@ -237,10 +238,8 @@ class Progress:
         self.part_rows[index] = rows
         if index not in self.shown:  # a part opened again (requeued on a Ray worker) keeps what the bar showed
             self.shown[index], self.part_tokens[index] = 0.0, 0
+            self._move(-self.preshown.pop(index, 0.0))  # the bar started with an estimate: now the part's own count
             self._advance(index, reused, this_run=False)
-            estimated = self.preshown.pop(index, 0.0)
-            if estimated:  # the bar started with it: now counted as the part's own
-                self.bar.update(-estimated)
         self.write("running")
 
     def loaded(self) -> None:
@@ -264,7 +263,18 @@ class Progress:
             step = self.part_rows.get(index, 0) * samples / planned
             self.shown[index] = self.shown.get(index, 0.0) + step
             self.run_progress += step if this_run else 0.0
-            self.bar.update(step)
+            self._move(step)
+
+    def _move(self, rows: float) -> None:
+        """Move the bar by `rows`, never back: a step back (an estimate above the count that replaces it) is taken
+        from the next steps forward instead, so the bar holds still until the count passes it."""
+        if rows < 0:
+            self.ahead -= rows
+            return
+        held = min(rows, self.ahead)
+        self.ahead -= held
+        if rows > held:
+            self.bar.update(rows - held)
 
     def committed(self, index: int, stats: PartStats, generated_tokens: int, worker: Optional[str] = None) -> None:
         self._history(index, stats, generated_tokens, worker)
@@ -276,7 +286,7 @@ class Progress:
         self.part_rows.pop(index, None)
         rest = stats.rows - self.shown.pop(index, 0.0)
         self.run_progress += rest
-        self.bar.update(rest)
+        self._move(rest)
         self._postfix()
         self.write("running")
 
@@ -287,10 +297,13 @@ class Progress:
 
     def _history(self, index: int, stats: PartStats, generated_tokens: int, worker: Optional[str]) -> None:
         """Append the committed part to the shard's history (`_history*.jsonl`, read by `batchgen report`): one line
-        per part, appended; a line torn by a kill is skipped by its reader. A failed write costs the line only."""
+        per part, appended; a line torn by a kill is skipped by its reader. A failed write costs the line only.
+        `generated_tokens` is the part's, as its file counts them; `reused_tokens` those of its samples an earlier run
+        generated and journaled (the rest, this run's, are what its time in flight produced)."""
         opened = self.opened.pop(index, None)
         record = {"t": round(time.time(), 3), "part": index, "rows": stats.rows, "samples": stats.samples,
-                  "generated_tokens": generated_tokens, "prompt_tokens": stats.prompt_tokens,
+                  "generated_tokens": stats.generated_tokens, "prompt_tokens": stats.prompt_tokens,
+                  "reused_tokens": max(stats.generated_tokens - generated_tokens, 0),
                   "errors": stats.error_rows, "part_s": None if opened is None else round(time.time() - opened, 3),
                   "shard": self.share.shard, "pid": os.getpid(), "host": socket.gethostname(), "worker": worker,
                   **({"cost": round(stats.cost, 9)} if self.priced else {}),

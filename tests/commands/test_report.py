@@ -110,7 +110,7 @@ def test_the_page_tells_the_truth(reported, tmp_path):
     bars = sorted((p.get_x(), p.get_x() + p.get_width()) for p in ax2.patches)
     assert bars[0][0] == 0 and all(a[1] <= b[0] + 1e-9 for a, b in zip(bars, bars[1:]))
     assert sum(p.get_height() * p.get_width() for p in ax2.patches) == pytest.approx(
-        sum(h["generated_tokens"] for h in history(out)))  # every generated token counted once
+        sum(h["made_tokens"] for h in history(out)))  # every token counted once, in the run that generated it
     plt.close(fig)
     text = page.read_text()
     assert "error samples (latest view: after retries)" in text and "before retries" in text

@@ -218,8 +218,9 @@ def grammar(constraint: Constraint) -> Any:
 
 
 def check(constraint: Constraint, text: str, finish_reason: str) -> tuple[Optional[str], Optional[str]]:
-    """(parsed, error) for a constrained sample's text: parsed is the JSON text of the validated value (the object,
-    the choice, the matched string), error is `invalid_output: ...` (truncated, not JSON, not valid) or None."""
+    """(parsed, error) for a constrained sample's text: parsed is the validated value, a JSON schema's as strict JSON
+    text (the object), a choice's, regex's or grammar's as the text itself (the label `positive`, not the JSON
+    string `"positive"`); error is `invalid_output: ...` (truncated, not JSON, not valid) or None."""
     if finish_reason == "length":
         return None, f"{INVALID}: truncated: the sample reached its max_new_tokens before the constraint was complete"
     if constraint.kind == "json_schema":
@@ -236,10 +237,10 @@ def check(constraint: Constraint, text: str, finish_reason: str) -> tuple[Option
     if constraint.kind == "choice":
         if text not in constraint.choices:
             return None, f"{INVALID}: {text[:80]!r} is none of the choices"
-        return json.dumps(text, ensure_ascii=False), None
+        return text, None
     if not accepts(constraint, text):
         return None, f"{INVALID}: {text[:80]!r} does not match sampling.{constraint.kind}"
-    return json.dumps(text, ensure_ascii=False), None
+    return text, None
 
 
 def accepts(constraint: Constraint, text: str) -> bool:

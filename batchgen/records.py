@@ -95,8 +95,8 @@ class OutputRow:
     num_generated_tokens: int
     seed: int | None
     error: str | None  # an input error (generation null) or, for a constrained sample, `invalid_output: ...`
-    parsed: str | None = None  # a constrained sample: the JSON text of its validated value
-    choice_scores: list[dict] | None = None  # [{"choice": label, "score": probability}, ...] in choice order
+    parsed: str | None = None  # a constrained sample's validated value: a schema's JSON text, else the text itself
+    choice_scores: list[tuple[str, float]] | None = None  # [(label, probability), ...] in choice order: a map column
     token_logprobs: list[float] | None = None
     top_logprobs: list[list[dict]] | None = None  # per generated token: [{"token", "token_id", "logprob"}, ...]
     reasoning: str | None = None

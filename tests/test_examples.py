@@ -2,17 +2,20 @@
 model the docs name and small local files in place of the data they name (the paths only; every key and value the
 user would type is kept). A command that needs what a test machine lacks (a GPU, a Slurm or Ray cluster, a bucket,
 cron, a second venv) is listed in NOT_HERE with the test that covers it instead. A new example fails this test
-until it is added to one of the two tables: the docs cannot hold a command nobody ran."""
+until it is added to one of the two tables: the docs cannot hold a command nobody ran. docs/recipes.md is run
+differently: as written, paths and model included, in a fresh `git clone` of the repository (CLONED)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -54,27 +57,41 @@ PATHS = {
     "dataset.path=s3://bucket/docs/*.parquet": "docs/*.parquet",  # S3 itself: tests/output/test_s3.py
 }
 
+# Run as written (their paths and model too) in a fresh clone of the repository, commands and Python blocks in order
+CLONED = ("recipes.md",)
+
 # Appended to every job so that each runs in seconds (a key the command sets keeps the command's value).
 SMALL = {"dataset.limit": "6", "sampling.max_new_tokens": "6", "run.progress": "false", "engine.dtype": "float32"}
 
 
 def commands(path: Path) -> list[str]:
-    """The shell commands of a file's ```bash blocks: continued lines joined, a quoted value spanning lines kept
-    whole (a `duckdb -c "..."`, a `python -c "..."`), comments and blank lines dropped."""
+    """The shell commands of a file's ```bash blocks."""
+    return [step for kind, step in steps(path) if kind == "bash"]
+
+
+def steps(path: Path) -> list[tuple[str, str]]:
+    """("bash", command) and ("python", code) of a file's ```bash and ```python blocks, in document order."""
     out = []
-    for block in re.findall(r"```(?:bash|sh)\n(.*?)```", path.read_text(), re.S):
-        pending = ""
-        for line in block.replace("\\\n", " ").splitlines():
-            pending = f"{pending}\n{line}" if pending else line.strip()
-            if not pending or pending.startswith("#"):
-                pending = ""
-                continue
-            try:
-                shlex.split(pending, comments=True)
-            except ValueError:  # an open quote: the command goes on
-                continue
-            out.append(pending)
+    for lang, block in re.findall(r"```(bash|sh|python)\n(.*?)```", path.read_text(), re.S):
+        out += [("python", block)] if lang == "python" else [("bash", c) for c in block_commands(block)]
+    return out
+
+
+def block_commands(block: str) -> list[str]:
+    """A ```bash block's commands: continued lines joined, a quoted value spanning lines kept whole (a
+    `duckdb -c "..."`, a `python -c "..."`), comments and blank lines dropped."""
+    out, pending = [], ""
+    for line in block.replace("\\\n", " ").splitlines():
+        pending = f"{pending}\n{line}" if pending else line.strip()
+        if not pending or pending.startswith("#"):
             pending = ""
+            continue
+        try:
+            shlex.split(pending, comments=True)
+        except ValueError:  # an open quote: the command goes on
+            continue
+        out.append(pending)
+        pending = ""
     return out
 
 
@@ -104,13 +121,16 @@ def workspace(root: Path, model: str) -> None:
     DatasetDict({"train": Dataset.from_dict({"prompt": lines})}).save_to_disk(str(root / "my_dataset"))
 
 
-def localized(command: str, model: str) -> list[str]:
-    """The command's words with the stand-ins in place and SMALL appended; `batchgen` run by this interpreter."""
+def localized(command: str, model: Optional[str]) -> list[str]:
+    """The command's words with the stand-ins in place (none without a `model`: as written) and SMALL appended;
+    `batchgen` and `python` run by this interpreter."""
     words = shlex.split(command, comments=True)
     out = []
     for word in words:
         key = word.split("=", 1)[0]
-        if key == "engine.model":
+        if model is None:
+            pass
+        elif key == "engine.model":
             word = f"engine.model={model}"
         elif word in PATHS:
             word = f"dataset.path={PATHS[word]}"
@@ -137,6 +157,9 @@ def test_every_documented_command_runs_as_written(tiny_model, tmp_path):
     a job, then its retry, then its status)."""
     ran, skipped = [], []
     for path in DOCS:
+        if path.name in CLONED:  # test_the_recipes_run_as_written_from_a_fresh_clone
+            skipped += [c for c in commands(path) if not_here(c)]
+            continue
         home = tmp_path / path.stem
         workspace(home, tiny_model)
         for command in commands(path):
@@ -176,17 +199,32 @@ def test_a_preset_template_with_an_openai_batch_input_is_one_error_naming_it(tin
                                             "or by a preset such as job=demo) with dataset.format=openai_batch")
 
 
-def test_the_recipes_python_runs_as_written(tiny_model, tmp_path):
-    """docs/recipes.md's Python (the notebook recipe), run whole in a fresh interpreter, the tiny model in place of
-    the model it names: what it prints is the output's rows."""
-    home = tmp_path / "recipes"
-    workspace(home, tiny_model)
-    blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "recipes.md").read_text(), re.S)
-    assert blocks
-    for block in blocks:
-        code = re.sub(r"engine\.model=[^\"']+", f"engine.model={tiny_model}", block)
-        done = subprocess.run([sys.executable, "-c", code], cwd=home, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, (block, done.stderr[-3000:])
-        rows = eval(done.stdout.strip().splitlines()[-1])  # noqa: S307 - the printed list of the test's own rows
-        assert [r["id"] for r in rows] == ["0", "1"] or len(rows) == 2, rows
-        assert all(r["finish_reason"] in ("length", "stop") for r in rows)
+def fresh_clone(dest: Path) -> Path:
+    """A `git clone` of this repository (its committed files only: no model, no output, no venv)."""
+    done = subprocess.run(["git", "clone", "--quiet", str(REPO), str(dest)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert not (dest / "data" / "models").exists() and not (dest / "data" / "outputs").exists()
+    return dest
+
+
+def test_the_recipes_run_as_written_from_a_fresh_clone(tmp_path):
+    """docs/recipes.md from top to bottom in a fresh clone: its commands and Python blocks as written, their paths
+    and model included (the demo data and the demo model the recipes build), SMALL appended to each job for time.
+    The recipes named files a clone lacks (data/questions.jsonl, tickets/, /models/...)."""
+    home = fresh_clone(tmp_path / "clone")
+    env = os.environ | {"PYTHONPATH": str(home)}  # the clone's batchgen, wherever a script runs from
+    ran = []
+    for kind, step in steps(REPO / "docs" / "recipes.md"):
+        if kind == "bash" and not_here(step):
+            continue
+        argv = localized(step, None) if kind == "bash" else [sys.executable, "-c", step]
+        done = subprocess.run(argv, cwd=home, capture_output=True, text=True, timeout=600, env=env)
+        assert done.returncode == 0, (step, argv, done.stdout[-2000:], done.stderr[-3000:])
+        ran.append((kind, step, done.stdout))
+    assert sum(kind == "python" for kind, _, _ in ran) >= 4 and len(ran) >= 10, [s for _, s, _ in ran]
+    printed = next(out for kind, step, out in ran if kind == "python" and "batchgen.generate(" in step)
+    rows = eval(printed.strip().splitlines()[-1])  # noqa: S307 - the printed list of the recipe's own rows
+    assert len(rows) == 2 and all(r["finish_reason"] in ("length", "stop") for r in rows)
+    labels = next(out for kind, step, out in ran if kind == "python" and "pd.read_parquet" in step)
+    assert "p_bug" in labels and '"' not in labels  # the labels as values, not JSON text

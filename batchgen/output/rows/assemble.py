@@ -70,10 +70,11 @@ def _top(top: Optional[list[list[list]]]) -> Optional[list[list[dict[str, Any]]]
     return [[{"token": t, "token_id": i, "logprob": lp} for i, t, lp in position] for position in top]
 
 
-def _labelled(constraint: Optional[Constraint], scores: Optional[list[float]]) -> Optional[list[dict[str, Any]]]:
+def _labelled(constraint: Optional[Constraint], scores: Optional[list[float]]) -> Optional[list[tuple[str, float]]]:
+    """The choice_scores map's entries: (label, probability) in choice order."""
     if constraint is None or scores is None:
         return None
-    return [{"choice": c, "score": p} for c, p in zip(constraint.choices, scores, strict=True)]
+    return list(zip(constraint.choices, scores, strict=True))
 
 
 def _ungenerated(row: OutputRow, res: Result) -> OutputRow:

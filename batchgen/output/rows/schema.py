@@ -25,14 +25,14 @@ OUTPUT_FIELDS = [
     pa.field("error", pa.string()),
 ]
 OUTPUT_COLUMNS = tuple(f.name for f in OUTPUT_FIELDS)
-CHOICE_SCORE = pa.struct([pa.field("choice", pa.string()), pa.field("score", pa.float64())])
+CHOICE_SCORES = pa.map_(pa.string(), pa.float64())  # label -> probability, in choice order (a map keeps it)
 TOP_LOGPROB = pa.struct([pa.field("token", pa.string()), pa.field("token_id", pa.int32()),
                          pa.field("logprob", pa.float32())])
 PROMPT_COLUMN = "rendered_prompt"  # output.include_prompt's; not `prompt`, the default dataset.prompt_column's name
 # written only where the job asks for them (Committer.optional): a constraint adds `parsed`, choice_scores its own
 OPTIONAL_FIELDS = {
     "parsed": pa.field("parsed", pa.string()),
-    "choice_scores": pa.field("choice_scores", pa.list_(CHOICE_SCORE)),
+    "choice_scores": pa.field("choice_scores", CHOICE_SCORES),
     "token_logprobs": pa.field("token_logprobs", pa.list_(pa.float32())),
     "top_logprobs": pa.field("top_logprobs", pa.list_(pa.list_(TOP_LOGPROB))),
     "reasoning": pa.field("reasoning", pa.string()),

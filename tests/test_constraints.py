@@ -49,11 +49,10 @@ def test_every_stop_row_of_a_constrained_job_parses_and_validates(tiny_model, pr
     assert len(t) == 40 and summary.totals.invalid_outputs == 0
     for row in t:
         assert row["finish_reason"] == "stop" and row["error"] is None, row  # 100%: bounded constraints
-        parsed = json.loads(row["parsed"])
+        parsed = row["parsed"]  # a schema's JSON text; a choice's or regex's value itself, not JSON text
         if kind == "json_schema":
-            jsonschema.validate(parsed, TICKET)
-            assert parsed == json.loads(row["generation"])
-            assert row["generation"] == row["parsed"]  # compact: no whitespace the model could loop on
+            jsonschema.validate(json.loads(parsed), TICKET)
+            assert row["generation"] == parsed  # compact: no whitespace the model could loop on
         elif kind == "choice":
             assert parsed == row["generation"] and parsed in CHOICES
         else:
@@ -89,12 +88,12 @@ def test_the_output_check_names_what_is_wrong():
     assert check(schema, '{"label": "cat", "urgent": true}', "stop")[1].startswith("invalid_output: schema: at label")
     assert check(schema, '{"label": "bug", "urgent": true}', "length")[1].startswith("invalid_output: truncated")
     choice = Constraint("choice", json.dumps(CHOICES))
-    assert check(choice, "not sure", "stop") == ('"not sure"', None)
+    assert check(choice, "not sure", "stop") == ("not sure", None)  # the label itself, not the JSON '"not sure"'
     assert "none of the choices" in check(choice, "nope", "stop")[1]
     regex = Constraint("regex", REGEX)
-    assert check(regex, "ab-12", "stop")[1] is None and check(regex, "ab-123", "stop")[1] is not None
+    assert check(regex, "ab-12", "stop") == ("ab-12", None) and check(regex, "ab-123", "stop")[1] is not None
     grammar = Constraint("grammar", 'root ::= "a" [0-9]+')
-    assert check(grammar, "a12", "stop")[1] is None and check(grammar, "b12", "stop")[1] is not None
+    assert check(grammar, "a12", "stop") == ("a12", None) and check(grammar, "b12", "stop")[1] is not None
 
 
 @pytest.mark.parametrize(("settings", "expect"), [
@@ -200,9 +199,9 @@ def test_choice_scores_sum_to_one_and_equal_a_separate_forward_pass_of_each_choi
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     texts = [r["prompt"] for r in pq.read_table(prompts).to_pylist()]
     for row, text in zip(rows, texts):
-        scores = row["choice_scores"]
-        assert [s["choice"] for s in scores] == labels
-        assert abs(sum(s["score"] for s in scores) - 1) < 1e-4
+        scores = dict(row["choice_scores"])  # a map: (label, score) pairs in label order
+        assert list(scores) == labels
+        assert abs(sum(scores.values()) - 1) < 1e-4
         prompt = tokenizer(text)["input_ids"]
         logps = []
         for label in labels:  # each choice alone: one unpadded forward pass of prompt + choice + EOS
@@ -212,9 +211,9 @@ def test_choice_scores_sum_to_one_and_equal_a_separate_forward_pass_of_each_choi
             logp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
             logps.append(float(logp.gather(-1, torch.tensor(tail)[:, None]).sum()))
         expected = torch.softmax(torch.tensor(logps, dtype=torch.float64), dim=0).tolist()
-        assert [s["score"] for s in scores] == pytest.approx(expected, abs=1e-4)
-        best = max(scores, key=lambda s: s["score"])["choice"]  # greedy: the answer is the top score, never generated
-        assert row["generation"] == best and row["error"] is None and row["parsed"] == json.dumps(best)
+        assert list(scores.values()) == pytest.approx(expected, abs=1e-4)
+        best = max(scores, key=scores.get)  # greedy: the answer is the top score, never generated
+        assert row["generation"] == best and row["error"] is None and row["parsed"] == best
         assert row["num_generated_tokens"] == len(tokenizer(best, add_special_tokens=False)["input_ids"]) + 1
 
 
@@ -238,4 +237,62 @@ def test_choice_scores_count_the_logit_bias_the_answer_is_picked_with(tiny_model
     scored = run("scored", bias, "sampling.choice_scores=true", "sampling.repetition_penalty=1.2")
     assert unscored == [other] * 4
     assert [r["generation"] for r in scored] == [other] * 4
-    assert all(r["choice_scores"][labels.index(other)]["score"] > 0.99 for r in scored)
+    assert all(dict(r["choice_scores"])[other] > 0.99 for r in scored)
+
+
+def test_labels_are_values_read_by_the_recipes_pandas_and_duckdb_lines(tiny_model, tmp_path, monkeypatch):
+    """A choice's `parsed` is the label itself (it was the JSON text '"bug"', so `df.parsed == "bug"` was all
+    False) and choice_scores a map of label to probability: docs/recipes.md's "A label set" Python, run as written
+    over a job=classify output, selects rows by label and reads one label's probability without a pivot."""
+    import re
+
+    from tests.conftest import REPO
+
+    out = tmp_path / "data" / "outputs" / "classify"
+    summary = run_job(compose_job(["job=classify", f"dataset.path={REPO / 'data/demo/tickets.parquet'}",
+                                   f"engine.model={tiny_model}", f"output_dir={out}", "dataset.limit=6",
+                                   "engine.dtype=float32", "run.progress=false"]))
+    assert summary.state == "done"
+    labels = ["billing", "bug", "feature", "account", "other"]
+    recipes = (REPO / "docs" / "recipes.md").read_text()
+    section = recipes[recipes.index("## A label set"):recipes.index("## A nightly job")]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(blocks) == 2 and "pd.read_parquet" in blocks[0] and "duckdb" in blocks[1]
+    monkeypatch.chdir(tmp_path)
+    names: dict = {}
+    exec(blocks[0], names)  # noqa: S102 - the documentation's own lines
+    df = names["df"]
+    assert len(df) == 6 and set(df.parsed) <= set(labels) and (df.parsed == df.generation).all()
+    for _, row in df.iterrows():
+        scores = dict(row.choice_scores)
+        assert list(scores) == labels and abs(sum(scores.values()) - 1) < 1e-4
+        assert row.p_bug == scores["bug"] and row.parsed == max(scores, key=scores.get)  # greedy: the top label
+    assert int((df.parsed == "bug").sum()) == sum(r.parsed == "bug" for r in df.itertuples())
+    pytest.importorskip("duckdb")
+    exec(blocks[1], names)  # noqa: S102
+    by_id = {i: (p, b) for i, p, b in names["rows"]}
+    assert by_id == {i: (p, b) for i, p, b in zip(df.id, df.parsed, df.p_bug)}
+
+
+def test_an_output_with_quoted_labels_is_neither_resumed_nor_retried_into_the_new_form(tiny_model, prompts, tmp_path):
+    """An output started when a choice's `parsed` was JSON text ('"yes"') and choice_scores a list of structs (its
+    manifest has no `output.parsed: plain`) is refused on resume and by `batchgen retry`, exit 2, naming both forms
+    and what to do, so that no output holds both; a new output resumes as usual."""
+    out = tmp_path / "out"
+    args = (f"sampling.choice={json.dumps(CHOICES)}", "run.rows_per_part=20", "sampling.choice_scores=true")
+    run_job(constrained(tiny_model, prompts, out, *args))
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["output_config"]["output"] == {"parsed": "plain"}
+    (out / "_SUCCESS").unlink()
+    (out / "part-00001.parquet").unlink()
+    assert run_job(constrained(tiny_model, prompts, out, *args)).state == "done"  # the new form resumes
+    del manifest["output_config"]["output"]  # as the batchgen before plain values wrote it
+    (out / "_manifest.json").write_text(json.dumps(manifest))
+    done = run_cli(["retry", str(out)])
+    assert done.returncode == 2 and "whose `parsed` holds a choice, regex or grammar value as JSON text" in done.stderr
+    assert "retry it with the batchgen install that started it, or write to a new output_dir" in done.stderr
+    (out / "_SUCCESS").unlink()
+    (out / "part-00001.parquet").unlink()
+    with pytest.raises(ResumeMismatchError, match=r"one output never holds both: resume it with the batchgen"):
+        run_job(constrained(tiny_model, prompts, out, *args))
+    assert not (out / "part-00001.parquet").exists()

@@ -33,7 +33,7 @@ from batchgen.errors import BatchgenError, ConfigError, LockedError
 from batchgen.fsutil import replace_durably, write_json_atomic
 from batchgen.job import JobConfig
 from batchgen.output.lock import is_held, lock_name
-from batchgen.output.manifest import MANIFEST, diff, read_manifest
+from batchgen.output.manifest import MANIFEST, diff, read_manifest, refuse_quoted
 from batchgen.output.parts import part_schema
 from batchgen.output.rows.schema import ATTEMPT_FIELD, OPTIONAL_FIELDS, OUTPUT_COLUMNS, SUCCESS
 from batchgen.output.rows.stats import error_kind
@@ -76,6 +76,7 @@ def prepare(output_dir: Path, kinds: Optional[list[str]], overrides: list[str],
             config_from: Callable[[dict[str, Any], list[str]], JobConfig]) -> Optional[tuple[JobConfig, dict]]:
     """The retry job to run (its config and resolved dict), or None when no row erred with these kinds."""
     manifest = _finished_manifest(output_dir)
+    refuse_quoted(output_dir, manifest, "retry")  # an attempt's parts are the view's rows beside the output's
     original = manifest["config"]
     refused = _refused(overrides) + _code_named(original, overrides, output_dir) + _masked(original, overrides,
                                                                                           output_dir)

@@ -80,14 +80,33 @@ def output_config(cfg: JobConfig) -> dict[str, Any]:
 def _output(cfg: JobConfig) -> dict[str, Any]:
     """output.usage, output.prices and output.include_prompt add columns, a table sink writes elsewhere: in the hash
     where set (an output written before them keeps its). A table is its name and its catalog's (credentials are
-    neither)."""
-    out = cfg.output
+    neither). `parsed: plain`: a choice's, regex's or grammar's `parsed` is its text, choice_scores a map."""
+    out, s = cfg.output, cfg.sampling
+    plain = bool(cfg.dataset.choice_column) or any(getattr(s, k) not in (None, "", []) for k in PLAIN_KINDS)
     table = {"sink": out.sink, "table": out.table, "mode": out.mode,
              **({"catalog": {k: out.catalog.get(k) for k in ("type", "uri", "warehouse")}} if out.catalog else {})}
     extra = {**({"usage": True} if out.usage else {}), **({"include_prompt": True} if out.include_prompt else {}),
              **({"prices": dataclasses.asdict(out.prices)} if out.priced() is not None else {}),
-             **(table if out.sink != "parquet" else {})}
+             **(table if out.sink != "parquet" else {}), **({"parsed": "plain"} if plain else {})}
     return {"output": extra} if extra else {}
+
+
+PLAIN_KINDS = ("choice", "regex", "grammar")  # whose `parsed` is the text itself, choice_scores a map (before: JSON)
+
+
+def refuse_quoted(output_dir: Any, manifest: dict[str, Any], doing: str) -> None:
+    """Refuse to add to an output written before `output.parsed: plain` was recorded, whose `parsed` holds a choice,
+    regex or grammar value as JSON text ('"positive"'), choice_scores a list of {choice, score}: never both forms."""
+    old = manifest.get("output_config") or {}
+    sampling, version = old.get("sampling") or {}, manifest.get("batchgen_version")
+    if (old.get("output") or {}).get("parsed") or not ((old.get("dataset") or {}).get("choice_column") or any(
+            sampling.get(k) not in (None, "", []) for k in PLAIN_KINDS)):
+        return
+    raise ResumeMismatchError(
+        f"{output_dir} was started by batchgen {version}, whose `parsed` holds a choice, regex or grammar value as "
+        f"JSON text ('\"positive\"') and `choice_scores` a list of {{choice, score}}; this batchgen writes the value "
+        f"itself (positive) and a map of label to score, and one output never holds both: {doing} it with the "
+        f"batchgen install that started it, or write to a new output_dir (output_dir=NEW_DIR on the command line).")
 
 
 def _endpoint(engine: Any) -> dict[str, Any]:
@@ -256,6 +275,7 @@ def check_or_write(output_dir: Path, manifest: dict[str, Any]) -> None:
     if old is None:
         write_json_atomic(path, manifest)
         return
+    refuse_quoted(output_dir, old, "resume")
     changes = diff(old, manifest)
     if changes:
         lines = "\n".join(f"  {c}" for c in changes)

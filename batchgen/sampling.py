@@ -49,6 +49,15 @@ class SamplingConfig:
     min_p: float = 0.0  # 0..1: after temperature, tokens below min_p times the likeliest's probability are dropped
     min_tokens: int = 0  # EOS and stop strings are ignored until this many tokens were generated
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (-100..100)
+    bad_words: list[str] = field(default_factory=list)  # never generated: each word's tokens as vLLM finds them
+    allowed_token_ids: list[int] = field(default_factory=list)  # only these tokens are generated; [] = every token
+    stop_token_ids: list[int] = field(default_factory=list)  # a generated token among these ends the sample ("stop")
+    # the text and the prompt, as vLLM's SamplingParams shape them (DECODING: each off at its default)
+    include_stop_str_in_output: bool = False  # the text keeps the stop string it is cut at
+    skip_special_tokens: bool = True  # special tokens (EOS, chat markers) dropped from the text
+    spaces_between_special_tokens: bool = True  # a space between special tokens in the text (slow tokenizers only)
+    truncate_prompt_tokens: Optional[int] = None  # k: only the prompt's last k tokens are given to the model
+    prompt_logprobs: Optional[int] = None  # vLLM's per-token prompt log-probabilities: not supported yet (null)
 
     @property
     def greedy(self) -> bool:
@@ -70,6 +79,7 @@ class SamplingConfig:
             out.append("sampling.stop must be a list of non-empty strings")
         out += [f"sampling.{key} {problem}" for key in PROCESSORS
                 if (problem := processor_value(key, getattr(self, key))[1])]
+        out += self._decoding_problems()
         if isinstance(self.min_tokens, int) and self.min_tokens > self.max_new_tokens:
             out.append(f"sampling.min_tokens={self.min_tokens} must be <= sampling.max_new_tokens "
                        f"({self.max_new_tokens})")
@@ -78,6 +88,25 @@ class SamplingConfig:
     def processors(self) -> dict[str, Any]:
         """The logits processors' settings as SampleParams takes them (call after problems() found none)."""
         return {key: processor_value(key, getattr(self, key))[0] for key in PROCESSORS}
+
+    def _decoding_problems(self) -> list[str]:
+        """The DECODING keys: switches, a prompt cut and a prompt logprobs' k."""
+        out = [f"sampling.{key} must be true or false (got {getattr(self, key)!r})" for key, off in DECODING.items()
+               if isinstance(off, bool) and not isinstance(getattr(self, key), bool)]
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            out.append(f"sampling.truncate_prompt_tokens must be null or an integer >= 1, the prompt tokens kept "
+                       f"(got {k!r}; vLLM's -1, the model's length, is run.too_long=truncate_left)")
+        if self.prompt_logprobs is not None:
+            out.append(f"sampling.prompt_logprobs={self.prompt_logprobs!r}: per-token prompt log-probabilities are "
+                       f"not supported yet; leave it null (task=loglik scores a text's tokens after a prompt, summed)")
+        if self.allowed_token_ids and from_sampling(self)[0] is not None:
+            out.append("sampling.allowed_token_ids cannot go with a constraint: the constraint chooses the tokens")
+        return out
+
+    def decoding(self) -> dict[str, Any]:
+        """The DECODING keys' settings, as SampleParams takes them."""
+        return {key: getattr(self, key) for key in DECODING}
 
     def _annotation_problems(self) -> list[str]:
         """Structured outputs, label scores, logprobs and reasoning."""
@@ -117,6 +146,7 @@ class SamplingConfig:
         taken = [k for k, v in (("a constraint", constraint), ("sampling.choice_scores", self.choice_scores),
                                 ("sampling.logprobs", self.logprobs is not None), ("sampling.stop", self.stop),
                                 ("sampling.reasoning", self.reasoning != "off"),
+                                ("sampling.prompt_logprobs", self.prompt_logprobs is not None),
                                 *((f"sampling.{k}", v != PROCESSORS[k]) for k, v in self.processors().items())) if v]
         if taken:
             out.append(f"sampling.num_beams > 1 cannot go with {', '.join(taken)}")
@@ -134,11 +164,19 @@ class SamplingConfig:
 REASONING = ("off", "split", "auto")
 # the logits processors' keys (sampling.KEY, dataset.KEY_column, SampleParams.KEY) and the value that turns each off
 PROCESSORS: dict[str, Any] = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                              "min_p": 0.0, "min_tokens": 0, "logit_bias": ()}
+                              "min_p": 0.0, "min_tokens": 0, "logit_bias": (), "bad_words": (),
+                              "allowed_token_ids": (), "stop_token_ids": ()}
 # the dataset.* key of each one's per-row column
 PROCESSOR_COLUMNS = {"repetition_penalty": "repetition_penalty_column", "presence_penalty": "presence_penalty_column",
                      "frequency_penalty": "frequency_penalty_column", "min_p": "min_p_column",
-                     "min_tokens": "min_tokens_column", "logit_bias": "logit_bias_column"}
+                     "min_tokens": "min_tokens_column", "logit_bias": "logit_bias_column",
+                     "bad_words": "bad_words_column", "allowed_token_ids": "allowed_token_ids_column",
+                     "stop_token_ids": "stop_token_ids_column"}
+TOKEN_LISTS = ("allowed_token_ids", "stop_token_ids")  # the PROCESSORS keys that hold token ids, ascending
+# the keys that shape the text and the prompt (sampling.KEY, SampleParams.KEY) and the value that turns each off
+DECODING: dict[str, Any] = {"include_stop_str_in_output": False, "skip_special_tokens": True,
+                            "spaces_between_special_tokens": True, "truncate_prompt_tokens": None,
+                            "prompt_logprobs": None}
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on a bias (vLLM clamps to it)
 
 
@@ -149,6 +187,13 @@ def processor_value(key: str, value: Any) -> tuple[Any, Optional[str]]:
     pairs."""
     if key == "logit_bias":
         return _logit_bias(value)
+    if key in TOKEN_LISTS:
+        return _token_list(value)
+    if key == "bad_words":
+        words = value if isinstance(value, (list, tuple)) else None
+        if words is None or not all(isinstance(w, str) and w.strip() for w in words):
+            return None, f"must be a list of words, each with a character other than a space (got {value!r:.80})"
+        return tuple(dict.fromkeys(words)), None
     if isinstance(value, float) and key == "min_tokens" and value.is_integer():
         value = int(value)  # pandas' float64 for an int column with NaN
     number = not isinstance(value, bool) and isinstance(value, (int, float)) and abs(value) <= sys.float_info.max
@@ -181,6 +226,14 @@ def _logit_bias(value: Any) -> tuple[Any, Optional[str]]:
             return None, f"gives token {token} the bias {bias!r:.40}, not a number in [-100, 100]"
         biases[token] = float(bias)
     return tuple(sorted(biases.items())), None
+
+
+def _token_list(value: Any) -> tuple[Any, Optional[str]]:
+    """A list of token ids (ints, or their ASCII digits), held as a sorted tuple without repeats."""
+    tokens = [token_id(v) for v in value] if isinstance(value, (list, tuple)) else [None]
+    if None in tokens:
+        return None, f"must be a list of token ids, each an integer >= 0 (got {value!r:.80})"
+    return tuple(sorted(set(tokens))), None  # type: ignore[type-var]
 
 
 def _bias_pairs(value: Any) -> Optional[list[tuple[Any, Any]]]:
@@ -248,6 +301,15 @@ class SampleParams:
     min_p: float = 0.0  # applied after temperature, top-k and top-p, as HF's MinPLogitsWarper
     min_tokens: int = 0  # EOS masked, stop strings ignored, until this many tokens were generated (<= the cap)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), ids ascending
+    bad_words: tuple[str, ...] = ()  # words never generated (vLLM's bad_words: the engine tokenizes them)
+    allowed_token_ids: tuple[int, ...] = ()  # only these are generated; () = every token
+    stop_token_ids: tuple[int, ...] = ()  # generating one ends the sample ("stop"; the token kept in its ids)
+    # the text and the prompt (DECODING), each off at its default
+    include_stop_str_in_output: bool = False  # the text keeps the stop string it was cut at
+    skip_special_tokens: bool = True  # special tokens dropped from the text
+    spaces_between_special_tokens: bool = True  # a space between special tokens (slow tokenizers' decode only)
+    truncate_prompt_tokens: Optional[int] = None  # the prompt ids were cut to their last k (the planner's)
+    prompt_logprobs: Optional[int] = None  # k: each prompt token's log-probability and the top k per position
 
     @property
     def greedy(self) -> bool:
@@ -258,7 +320,8 @@ class SampleParams:
         """Whether a penalty, a logit bias or min_tokens changes this sample's logits before any token choice
         (min_p does not: it only filters what sampling draws from)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.min_tokens > 0 or bool(self.logit_bias))
+                or self.min_tokens > 0 or bool(self.logit_bias) or bool(self.bad_words)
+                or bool(self.allowed_token_ids))
 
 
 def derive_seed(job_seed: int, row_id: str, sample_index: int) -> int:

@@ -32,7 +32,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
-PROCESSOR_FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty", "min_p", "min_tokens")
+PROCESSOR_FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty", "min_p", "min_tokens",
+                    "bad_words", "allowed_token_ids", "stop_token_ids", "include_stop_str_in_output",
+                    "truncate_prompt_tokens")
 
 
 class OpenAIPenalties:
@@ -48,10 +50,20 @@ class OpenAIPenalties:
         return scores - self.frequency * counts - self.presence * (counts > 0)
 
 
-def processor_kwargs(body: dict[str, Any], prompt_len: int) -> dict[str, Any]:
-    """The body's logits processor fields as HF generate's keywords."""
+def processor_kwargs(body: dict[str, Any], prompt_len: int, tok: Any = None) -> dict[str, Any]:
+    """The body's logits processor fields as HF generate's keywords (vLLM's stop_token_ids as eos_token_id's list,
+    allowed_token_ids as prefix_allowed_tokens_fn, bad_words as bad_words_ids tokenized as vLLM does)."""
     out: dict[str, Any] = {"repetition_penalty": body.get("repetition_penalty"), "min_p": body.get("min_p"),
                            "min_new_tokens": body.get("min_tokens")}
+    if body.get("stop_token_ids"):
+        out["eos_token_id"] = [tok.eos_token_id, *body["stop_token_ids"]]
+    if body.get("allowed_token_ids"):
+        out["prefix_allowed_tokens_fn"] = lambda batch, ids: list(body["allowed_token_ids"])
+    if body.get("bad_words"):
+        out["bad_words_ids"] = []
+        for word in body["bad_words"]:  # vLLM's SamplingParams.update_from_tokenizer
+            alone, spaced = (tok.encode(p + word.lstrip(), add_special_tokens=False) for p in ("", " "))
+            out["bad_words_ids"] += [alone] + ([spaced] if spaced[0] != alone[0] and len(spaced) == len(alone) else [])
     if body.get("logit_bias"):
         out["sequence_bias"] = {(int(token),): float(bias) for token, bias in body["logit_bias"].items()}
     if body.get("presence_penalty") or body.get("frequency_penalty"):
@@ -88,9 +100,9 @@ class Backend:
                                       temperature=temperature if temperature > 0 else None,
                                       top_p=body.get("top_p", 1.0) if temperature > 0 else None, top_k=None,
                                       pad_token_id=tok.eos_token_id, output_scores=True, return_dict_in_generate=True,
-                                      **processor_kwargs(body, len(ids)))
+                                      **processor_kwargs(body, len(ids), tok))
         new = out.sequences[0, len(ids):].tolist()
-        finish = "stop" if new and new[-1] == tok.eos_token_id else "length"
+        finish = "stop" if new and new[-1] in (tok.eos_token_id, *body.get("stop_token_ids", ())) else "length"
         text = tok.decode(new, skip_special_tokens=True)
         for stop in body.get("stop") or []:
             at = text.find(stop)

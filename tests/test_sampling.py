@@ -19,7 +19,8 @@ def test_the_keys_compose_from_the_command_line_into_sample_params(tiny_model, t
     cfg = compose_job(job_overrides(tiny_model, data, tmp_path / "out", *SET))
     assert cfg.sampling.processors() == {"repetition_penalty": 1.2, "presence_penalty": 0.5,
                                          "frequency_penalty": -0.5, "min_p": 0.05, "min_tokens": 3,
-                                         "logit_bias": ((3, 2.5), (7, -100.0))}
+                                         "logit_bias": ((3, 2.5), (7, -100.0)), "bad_words": (),
+                                         "allowed_token_ids": (), "stop_token_ids": ()}
     params = SampleParams(max_new_tokens=8, temperature=0.0, top_p=1.0, top_k=0, stop=(), ignore_eos=False,
                           **cfg.sampling.processors())
     assert params.shapes_logits and not SampleParams(8, 0.0, 1.0, 0, (), False).shapes_logits
@@ -63,3 +64,24 @@ def test_a_stop_string_within_the_first_min_tokens_does_not_count():
     assert find_stop("ab.cd.ef", (".",), after=3) == 5  # ends at 3, inside the held text: the next one
     assert find_stop("ab.cd.ef", ("b.c",), after=3) == 1  # ends past it: counts, where it starts
     assert find_stop("ab.cd.ef", (".",), after=6) == -1
+
+
+def test_vllms_token_and_text_knobs_are_checked_naming_their_keys(tiny_model, tmp_path):
+    """bad values of sampling.stop_token_ids, allowed_token_ids, bad_words, the text's switches and
+    truncate_prompt_tokens are each reported at once by key; prompt_logprobs is refused as not supported yet;
+    allowed_token_ids with a constraint, and the token knobs under beam search, are refused."""
+    bad = SamplingConfig(stop_token_ids=[-1], allowed_token_ids=["x"], bad_words=[""], skip_special_tokens="no",
+                         truncate_prompt_tokens=0, prompt_logprobs=1)
+    problems = bad.problems()
+    for key in ("stop_token_ids", "allowed_token_ids", "bad_words", "skip_special_tokens", "truncate_prompt_tokens",
+                "prompt_logprobs"):
+        assert sum(p.startswith(f"sampling.{key}") for p in problems) == 1, (key, problems)
+    assert "vLLM's -1, the model's length, is run.too_long=truncate_left" in " ".join(problems)
+    assert SamplingConfig(allowed_token_ids=[3], choice=["a", "b"]).problems() == [
+        "sampling.allowed_token_ids cannot go with a constraint: the constraint chooses the tokens"]
+    assert SamplingConfig(stop_token_ids=["12", 3, 12]).processors()["stop_token_ids"] == (3, 12)
+    data = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a b"}])
+    with pytest.raises(ConfigError) as err:
+        compose_job(job_overrides(tiny_model, data, tmp_path / "a", "sampling.num_beams=2",
+                                  "sampling.bad_words=[x]", "sampling.stop_token_ids=[3]"))
+    assert "sampling.num_beams > 1 cannot go with sampling.bad_words, sampling.stop_token_ids" in str(err.value)

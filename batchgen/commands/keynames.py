@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from batchgen.commands.keys import VLLM_NAMES, vllm_answer
 from batchgen.engines import ENGINES, foreign_key
 from batchgen.job import JobConfig, LauncherConfig, OutputConfig, RunConfig
 from batchgen.reader import DatasetConfig
@@ -46,7 +47,13 @@ SECTIONS = {"DatasetConfig": DatasetConfig, "SamplingConfig": SamplingConfig, "R
 
 def _no_such_key(key: str, prefix: str, names: list[str]) -> str:
     """An unknown key, its likely meaning and where to read about it: `batchgen help`, which every install has (a
-    wheel has no docs/ folder)."""
+    wheel has no docs/ folder). A vLLM name (VLLM_NAMES: max_tokens) is answered with its batchgen key, or why there
+    is none, never with a look-alike."""
+    name = key.rsplit(".", 1)[-1]
+    target = VLLM_NAMES.get(name, ("", ""))[0]
+    if name in VLLM_NAMES and target.rsplit(".", 1)[-1] != name:  # a name batchgen spells otherwise, or lacks
+        hint = f" (did you mean {target}, vLLM's {name}?)" if target else f" ({vllm_answer(name)})"
+        return f"{key}: no such config key{hint}; see batchgen help {name}"
     likely = _likely_keys(key, prefix, names)
     hint = f" (did you mean {' or '.join(likely)}?)" if likely else ""
     about = (likely[0] if len(likely) == 1 else key.rsplit(".", 1)[-1] if likely else prefix.split(".")[0]

@@ -20,6 +20,56 @@ DOCS_BEGIN = "<!-- generated from conf/reference.md: python -m batchgen.commands
 DOCS_END = "<!-- end of the generated reference -->"
 
 
+# vLLM's names (every SamplingParams field of the vLLM the vLLM tier installs, and LLM.generate's arguments) -> the
+# batchgen key that does the same, or "" and why there is none: `batchgen help max_tokens` answers with them, and an
+# override naming one is told its key (keynames.py). docs/recipes.md's "Coming from vLLM" table lists the same.
+VLLM_NAMES: dict[str, tuple[str, str]] = {
+    **{name: (f"sampling.{name}", "") for name in (
+        "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "top_k", "min_p",
+        "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "logprobs", "prompt_logprobs",
+        "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output", "logit_bias",
+        "allowed_token_ids", "bad_words", "truncate_prompt_tokens")},
+    "max_tokens": ("sampling.max_new_tokens", ""),
+    "structured_outputs": ("sampling.json_schema", "or sampling.regex, sampling.choice, sampling.grammar"),
+    "thinking_token_budget": ("sampling.max_reasoning_tokens", "with sampling.reasoning=split or auto"),
+    "sampling_params": ("sampling", "the sampling section; a row's own settings: dataset.*_column"),
+    "prompts": ("dataset.path", "the rows' prompts: dataset.prompt_column, template or messages_column"),
+    "use_tqdm": ("run.progress", ""),
+    "watermarking": ("", "not supported, because batchgen writes no output watermark"),
+    "prompt_logprob_token_ids": ("", "not supported, because per-token prompt scoring is not supported yet "
+                                     "(task=loglik scores a text after a prompt, summed)"),
+    "prompt_logprob_start": ("", "not supported, because per-token prompt scoring is not supported yet"),
+    "logprob_token_ids": ("", "not supported, because a label's probability is sampling.choice_scores's"),
+    "flat_logprobs": ("", "not needed, because logprobs are written as Parquet lists"),
+    "detokenize": ("", "not supported, because the text is always written"),
+    "output_kind": ("", "not needed, because each sample is written once, when it is finished"),
+    "stream_interval": ("", "not needed, because batchgen writes finished samples, it does not stream"),
+    "skip_clone": ("", "not needed, because it is internal to vLLM"),
+    "output_text_buffer_length": ("", "not needed, because vLLM sets it itself"),
+    "extra_args": ("", "not supported, because it feeds custom vLLM plugins (engine.extra_args goes to vllm.LLM)"),
+    "skip_reading_prefix_cache": ("", "not supported, because the prefix cache is job-wide "
+                                      "(engine.enable_prefix_caching)"),
+    "repetition_detection": ("", "not supported, because batchgen has no n-gram stop (sampling.repetition_penalty "
+                                 "and sampling.max_new_tokens bound repetition)"),
+    "routed_experts_prompt_start": ("", "not supported, because MoE routing data is not written"),
+    "trace_decode_token_ids": ("", "not supported, because it is a vLLM debugging knob"),
+    "lora_request": ("", "not supported, because adapters are not loaded: merge one into the weights"),
+    "priority": ("", "not needed, because every row of the input is generated; order the input instead"),
+    "tokenization_kwargs": ("", "not supported, because the prompt is tokenized as rendered "
+                                "(sampling.truncate_prompt_tokens cuts it)"),
+    "mm_processor_kwargs": ("", "not supported, because images are not supported yet"),
+}
+
+
+def vllm_answer(name: str) -> str:
+    """What batchgen calls vLLM's `name` (VLLM_NAMES), as one line; "" for a name vLLM does not have."""
+    key, why = VLLM_NAMES.get(name, ("", ""))
+    if not key and not why:
+        return ""
+    said = f"vLLM's {name} is {key}" if key else f"vLLM's {name}: {why}"
+    return said + (f" ({why})" if key and why else "")
+
+
 class Row(NamedTuple):
     keys: list[str]  # the keys documented together (`sampling.temperature`, `sampling.top_p`, ...)
     default: str
@@ -87,12 +137,17 @@ def main(argv: list[str]) -> int:
     if not args.query:
         parser.print_help()
         return 0
-    found = matching(args.query)
-    if not found:
+    key = VLLM_NAMES.get(args.query, ("", ""))[0]
+    renamed = args.query in VLLM_NAMES and key.rsplit(".", 1)[-1] != args.query  # vLLM calls it otherwise
+    found = matching(key) if renamed and key else matching(args.query)
+    if renamed:
+        print(vllm_answer(args.query))
+    if not found and not renamed:
         print(f"batchgen help: no config key matches {args.query!r}; `batchgen help SECTION` lists a section's "
               f"(dataset, engine, sampling, run, output, launcher)", file=sys.stderr)
         return 2
-    print(render(found))
+    if found:
+        print(render(found))
     return 0
 
 

@@ -42,13 +42,14 @@ def _load_openai(cfg: EngineConfig, tokenizer: Any) -> Engine:
 
 def _openai_sampling(cfg: Any, sampling: Any, dataset: Any) -> list[str]:
     from batchgen.constraints import KINDS
-    from batchgen.engines.endpoint.wire import VLLM_PROCESSORS, unsupported
-    from batchgen.sampling import PROCESSOR_COLUMNS, PROCESSORS
+    from batchgen.engines.endpoint.wire import VLLM_DECODING, VLLM_PROCESSORS, unsupported
+    from batchgen.sampling import DECODING, PROCESSOR_COLUMNS, PROCESSORS
 
     kind = next((k for k in KINDS if getattr(sampling, k, None) not in (None, "", [])), None)
     kind = kind or ("choice" if dataset.choice_column else None)
     extras = tuple(f"sampling.{k}" for k in VLLM_PROCESSORS if getattr(sampling, k) != PROCESSORS[k]) + tuple(
-        f"dataset.{PROCESSOR_COLUMNS[k]}" for k in VLLM_PROCESSORS if getattr(dataset, PROCESSOR_COLUMNS[k]))
+        f"dataset.{PROCESSOR_COLUMNS[k]}" for k in VLLM_PROCESSORS if getattr(dataset, PROCESSOR_COLUMNS[k])) + tuple(
+        f"sampling.{k}" for k in VLLM_DECODING if getattr(sampling, k) != DECODING[k])
     out = unsupported(cfg.extensions, kind, sampling.top_k, sampling.ignore_eos, sampling.reasoning != "off", extras)
     if sampling.reasoning != "off" and cfg.extensions == "vllm" and cfg.tokenizer_dir() is None:
         out.append("sampling.reasoning: the reasoning is split from the generated token ids, which only a local "

@@ -172,16 +172,26 @@ def split_answer(tokenizer: Any, ids: list[int], params: SampleParams) -> tuple[
 
 
 def answer_text(tokenizer: Any, ids: list[int], answer: list[int], params: SampleParams) -> str:
-    """The answer's ids (split_answer's, of the generated `ids`) decoded in one piece and cut before the first stop
-    string, as every engine reports it; a stop string within the sample's first min_tokens tokens does not count
-    (vLLM's min_tokens, which the hf engine follows)."""
-    text = tokenizer.decode(answer, skip_special_tokens=True)
+    """The answer's ids (split_answer's, of the generated `ids`) decoded in one piece (special tokens skipped and
+    spaced as the sample says) and cut before the first stop string, or after it with include_stop_str_in_output, as
+    every engine reports it; a stop string within the sample's first min_tokens tokens does not count (vLLM's
+    min_tokens, which the hf engine follows)."""
+    text = decode(tokenizer, answer, params)
     if not params.stop:
         return text
     head = params.min_tokens - (len(ids) - len(answer))  # the answer's tokens among the first min_tokens
-    after = len(tokenizer.decode(answer[:head], skip_special_tokens=True)) if head > 0 else 0
+    after = len(decode(tokenizer, answer[:head], params)) if head > 0 else 0
     cut = find_stop(text, params.stop, after)
+    if cut >= 0 and params.include_stop_str_in_output:
+        cut += next(len(s) for s in params.stop if text.startswith(s, cut))
     return text if cut < 0 else text[:cut]
+
+
+def decode(tokenizer: Any, ids: list[int], params: SampleParams) -> str:
+    """Generated ids as text, as vLLM's skip_special_tokens and spaces_between_special_tokens say (the latter only
+    changes a slow tokenizer's decoding, as in vLLM, whose fast detokenizer ignores it too)."""
+    return tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens,
+                            spaces_between_special_tokens=params.spaces_between_special_tokens)
 
 
 def reasoning_tokens(ids: list[int], answer: list[int], params: SampleParams) -> Optional[int]:

@@ -248,14 +248,19 @@ class VLLMEngine:
 
 def sampling_kwargs(req: Request, top_k_off: int = 0) -> dict[str, Any]:
     """SamplingParams' keywords for one sample (its constraint aside): its settings under vLLM's names, the logits
-    processors included (vLLM's own repetition_penalty, presence_penalty, frequency_penalty, min_p, min_tokens and
-    logit_bias, the same semantics as the hf engine's). top_k_off: what this vLLM takes for top-k off."""
+    processors included (vLLM's own repetition_penalty, presence_penalty, frequency_penalty, min_p, min_tokens,
+    logit_bias, bad_words, allowed_token_ids and stop_token_ids, the same semantics as the hf engine's), and the text's
+    switches (batchgen decodes the ids itself with the same ones: answer_text). truncate_prompt_tokens is not one:
+    the prompt ids sent were cut already (the planner). top_k_off: what this vLLM takes for top-k off."""
     p = req.params
     out = dict(n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else top_k_off,
                max_tokens=p.max_new_tokens, stop=list(p.stop) or None, ignore_eos=p.ignore_eos, seed=req.seed,
-               skip_special_tokens=True, repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-               frequency_penalty=p.frequency_penalty, min_p=p.min_p, min_tokens=p.min_tokens,
-               logit_bias=dict(p.logit_bias) or None)
+               skip_special_tokens=p.skip_special_tokens, repetition_penalty=p.repetition_penalty,
+               presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty, min_p=p.min_p,
+               min_tokens=p.min_tokens, logit_bias=dict(p.logit_bias) or None, bad_words=list(p.bad_words) or None,
+               allowed_token_ids=list(p.allowed_token_ids) or None, stop_token_ids=list(p.stop_token_ids) or None,
+               include_stop_str_in_output=p.include_stop_str_in_output,
+               spaces_between_special_tokens=p.spaces_between_special_tokens)
     if p.logprobs is not None:
         out["logprobs"] = p.logprobs
     return out

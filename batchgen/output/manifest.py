@@ -121,11 +121,14 @@ def _endpoint(engine: Any) -> dict[str, Any]:
 LATER_SAMPLING_KEYS = ("json_schema", "regex", "choice", "grammar", "choice_scores", "schemas", "logprobs",
                        "reasoning", "reasoning_start", "reasoning_end", "max_reasoning_tokens", "num_beams",
                        "length_penalty", "early_stopping", "repetition_penalty", "presence_penalty",
-                       "frequency_penalty", "min_p", "min_tokens", "logit_bias")
+                       "frequency_penalty", "min_p", "min_tokens", "logit_bias", "bad_words", "allowed_token_ids",
+                       "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+                       "spaces_between_special_tokens", "truncate_prompt_tokens", "prompt_logprobs")
 LATER_DATASET_KEYS = ("temperature_column", "stop_column", "choice_column", "schema_column", "top_p_column",
                       "seed_column", "n_column", "response_format_column", "text_column", "repetition_penalty_column",
                       "presence_penalty_column", "frequency_penalty_column", "min_p_column", "min_tokens_column",
-                      "logit_bias_column", "chat_template")
+                      "logit_bias_column", "chat_template", "bad_words_column", "allowed_token_ids_column",
+                      "stop_token_ids_column")
 
 
 def _sampling(cfg: JobConfig) -> dict[str, Any]:

@@ -177,7 +177,9 @@ class Planner:
         for row in range(part.num_rows):
             if errors[row] is not None or row in skipped:
                 continue
-            fitted, errors[row] = self.fit(ids[row], settings[row].max_new_tokens, max_model_len, part.ids[row],
+            kept = self.cfg.sampling.truncate_prompt_tokens  # vLLM's: the prompt's last k tokens (a server's own)
+            prompt = ids[row][-kept:] if kept and not self.sends_messages else ids[row]
+            fitted, errors[row] = self.fit(prompt, settings[row].max_new_tokens, max_model_len, part.ids[row],
                                            cuttable=not self.sends_messages)
             if errors[row] is not None:
                 continue
@@ -348,4 +350,4 @@ class Planner:
                             choice_scores=s.choice_scores and row.constraint is not None
                             and row.constraint.kind == "choice", logprobs=s.logprobs, reasoning=reasoning,
                             num_beams=s.num_beams, length_penalty=s.length_penalty, early_stopping=s.early_stopping,
-                            **processors)
+                            **processors, **s.decoding())

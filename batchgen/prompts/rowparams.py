@@ -21,7 +21,7 @@ import pyarrow as pa
 from batchgen.constraints import Constraint, compile_problem, from_row
 from batchgen.errors import ConfigError
 from batchgen.reader import column_values
-from batchgen.sampling import PROCESSOR_COLUMNS, PROCESSORS, processor_value
+from batchgen.sampling import PROCESSOR_COLUMNS, PROCESSORS, TOKEN_LISTS, processor_value
 
 
 @dataclass(slots=True)
@@ -61,6 +61,9 @@ def _held_problem(row: RowSettings) -> Optional[str]:
     if held and row.constraint is not None:
         return (f"bad_value: min_tokens={held} with a {row.constraint.kind} constraint: a constrained sample ends "
                 f"when its constraint is complete")
+    if row.processors.get("allowed_token_ids") and row.constraint is not None:
+        return (f"bad_value: allowed_token_ids with a {row.constraint.kind} constraint: the constraint chooses the "
+                f"tokens")
     return None
 
 
@@ -74,8 +77,10 @@ class RowParams:
         self.unconstrained = unconstrained
         self.vocab = vocab
         self.processors = sampling.processors()  # the job's, for rows without their own
-        if (problem := self._vocab_problem(self.processors["logit_bias"])) is not None:
-            raise ConfigError([f"sampling.logit_bias {problem}"])
+        problems = [f"sampling.{key} {problem}" for key in (*TOKEN_LISTS, "logit_bias")
+                    if (problem := self._vocab_problem(key, self.processors[key])) is not None]
+        if problems:
+            raise ConfigError(problems)
         self.constraint = sampling.constraint()  # the job's, for rows without their own
         self.schemas = sampling.named_schemas() if sampling.schemas else {}
         self._choices: dict[tuple[str, ...], Optional[str]] = {}  # choice list -> why it does not compile (None: ok)
@@ -191,23 +196,25 @@ class RowParams:
     def _processor(self, key: str, row: RowSettings, value: Any) -> Optional[str]:
         """A row's logits processor setting, checked as sampling.KEY is; a logit_bias as an object, its JSON text, a
         struct (JSONL objects with different keys read as one: its null fields dropped) or an Arrow map."""
-        if key == "logit_bias" and isinstance(value, str):
+        if key in ("logit_bias", "bad_words", *TOKEN_LISTS) and isinstance(value, str):
             try:
                 value = json.loads(value, object_pairs_hook=list)  # pairs: a key written twice is seen twice
             except ValueError:
-                pass  # reported below as not a mapping
+                pass  # reported below as not a mapping or a list
         setting, problem = processor_value(key, value)
-        problem = problem or (self._vocab_problem(setting) if key == "logit_bias" else None)
+        problem = problem or self._vocab_problem(key, setting)
         if problem:
             return f"bad_value: {key} {problem} (dataset.{PROCESSOR_COLUMNS[key]})"
         row.processors[key] = setting
         return None
 
-    def _vocab_problem(self, bias: tuple[tuple[int, float], ...]) -> Optional[str]:
-        """A logit_bias token id at or past the tokenizer's size (bias: ids ascending), else None."""
-        if self.vocab is None or not bias or bias[-1][0] < self.vocab:
+    def _vocab_problem(self, key: str, setting: Any) -> Optional[str]:
+        """A logit_bias's or a token list's (TOKEN_LISTS) token id at or past the tokenizer's size (the setting's ids
+        ascending), else None."""
+        if key not in ("logit_bias", *TOKEN_LISTS) or self.vocab is None or not setting:
             return None
-        return f"has token id {bias[-1][0]}, not one of the tokenizer's {self.vocab} ids"
+        last = setting[-1][0] if key == "logit_bias" else setting[-1]
+        return None if last < self.vocab else f"has token id {last}, not one of the tokenizer's {self.vocab} ids"
 
     def _response_format(self, row: RowSettings, value: Any) -> Optional[str]:
         """OpenAI's response_format: text (no constraint), json_object (any JSON object), json_schema (its schema)."""

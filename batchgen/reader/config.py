@@ -52,6 +52,9 @@ class DatasetConfig:
     min_p_column: Optional[str] = None  # a number in [0, 1]
     min_tokens_column: Optional[str] = None  # an integer >= 0 (above the row's cap: the cap)
     logit_bias_column: Optional[str] = None  # an object {token id: bias in [-100, 100]}, or its JSON text
+    bad_words_column: Optional[str] = None  # a list of words (or its JSON text): the row's own
+    allowed_token_ids_column: Optional[str] = None  # a list of token ids (or its JSON text): the row's own
+    stop_token_ids_column: Optional[str] = None  # a list of token ids (or its JSON text): the row's own
     split: Optional[str] = None  # format=hf: split of a DatasetDict or hub dataset
     batch_rows: int = 2048  # rows per read batch (memory bound of the reader)
     max_line_bytes: int = 8 * 1024 * 1024  # JSONL: a longer line is a too_large error row, never parsed

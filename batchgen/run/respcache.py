@@ -27,7 +27,7 @@ from typing import Any, Optional
 
 from batchgen.engines.base import Engine, EngineStats, ResponseCacheCounts, Source, generate_by_stream
 from batchgen.records import Request, Result
-from batchgen.sampling import PROCESSORS
+from batchgen.sampling import DECODING, PROCESSORS
 
 log = logging.getLogger(__name__)
 STORED = ("text", "finish_reason", "num_prompt_tokens", "num_generated_tokens", "choice_scores", "token_logprobs",
@@ -45,7 +45,7 @@ def request_key(space: str, req: Request) -> Optional[str]:
     if req.params.num_beams > 1:
         return None
     params = dataclasses.asdict(req.params)
-    for key, default in PROCESSORS.items():  # keys added later: at their defaults, the key they had before
+    for key, default in (PROCESSORS | DECODING).items():  # keys added later: at their defaults, the key they had
         if params.get(key) in (default, {}, None):
             params.pop(key, None)
     body = {"prompt": req.prompt_ids, "messages": req.messages, "seed": req.seed, "params": params}

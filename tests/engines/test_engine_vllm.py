@@ -36,10 +36,27 @@ def test_sampling_kwargs_carry_the_logits_processors_under_vllms_names():
     kwargs = sampling_kwargs(Request(key=0, prompt_ids=[1], params=params, seed=11), top_k_off=-1)
     assert kwargs == dict(n=1, temperature=0.5, top_p=0.9, top_k=-1, max_tokens=9, stop=["x"], ignore_eos=False,
                           seed=11, skip_special_tokens=True, repetition_penalty=1.2, presence_penalty=0.5,
-                          frequency_penalty=-0.25, min_p=0.1, min_tokens=3, logit_bias={5: -100.0, 8: 2.0})
+                          frequency_penalty=-0.25, min_p=0.1, min_tokens=3, logit_bias={5: -100.0, 8: 2.0},
+                          bad_words=None, allowed_token_ids=None, stop_token_ids=None,
+                          include_stop_str_in_output=False, spaces_between_special_tokens=True)
     off = sampling_kwargs(Request(key=0, prompt_ids=[1], params=SampleParams(9, 0.0, 1.0, 0, (), False), seed=None))
     assert (off["repetition_penalty"], off["presence_penalty"], off["frequency_penalty"], off["min_p"],
             off["min_tokens"], off["logit_bias"]) == (1.0, 0.0, 0.0, 0.0, 0, None)
+
+
+def test_sampling_kwargs_carry_vllms_token_and_text_knobs_under_its_names():
+    """bad_words, allowed_token_ids, stop_token_ids and the text's switches go to SamplingParams as vLLM names them;
+    truncate_prompt_tokens does not (the prompt ids sent are cut already)."""
+    params = SampleParams(max_new_tokens=9, temperature=0.0, top_p=1.0, top_k=0, stop=("x",), ignore_eos=False,
+                          bad_words=("foo", "bar baz"), allowed_token_ids=(3, 5, 8), stop_token_ids=(7,),
+                          include_stop_str_in_output=True, skip_special_tokens=False,
+                          spaces_between_special_tokens=False, truncate_prompt_tokens=4)
+    kwargs = sampling_kwargs(Request(key=0, prompt_ids=[1], params=params, seed=None))
+    assert {k: kwargs[k] for k in ("bad_words", "allowed_token_ids", "stop_token_ids", "include_stop_str_in_output",
+                                   "skip_special_tokens", "spaces_between_special_tokens")} == dict(
+        bad_words=["foo", "bar baz"], allowed_token_ids=[3, 5, 8], stop_token_ids=[7],
+        include_stop_str_in_output=True, skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert "truncate_prompt_tokens" not in kwargs
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")

@@ -36,7 +36,8 @@ def test_row_values_replace_the_jobs_and_nulls_keep_it():
                              "mint": [3, None], "bias": ['{"7": -100}', None]}, job)
     assert errors == [None, None]
     assert rows[0].processors == {"repetition_penalty": 1.5, "presence_penalty": 0.5, "frequency_penalty": -1.0,
-                                  "min_p": 0.2, "min_tokens": 3, "logit_bias": ((7, -100.0),)}
+                                  "min_p": 0.2, "min_tokens": 3, "logit_bias": ((7, -100.0),), "bad_words": (),
+                                  "allowed_token_ids": (), "stop_token_ids": ()}
     assert rows[1].processors == job.processors()
 
 
@@ -164,3 +165,37 @@ def test_a_job_reads_logit_bias_objects_with_different_keys_and_survives_a_bad_k
     assert [r["error"] for r in objects] == [None, None, objects[2]["error"], None]
     assert objects[2]["error"].startswith("bad_value: logit_bias has '²', which is not a token id")
     assert [r["generation"] for r in objects] == [r["generation"] for r in text]
+
+
+def test_a_rows_token_lists_and_bad_words_replace_the_jobs_and_bad_ones_are_its_bad_value():
+    """dataset.stop_token_ids_column, allowed_token_ids_column and bad_words_column: a list or its JSON text, the
+    ids sorted and each once; a non-list, an id that is not a token id or past the tokenizer, an empty word, and
+    allowed ids with the row's own constraint are that row's bad_value naming the column; the job's ids past the
+    tokenizer are a ConfigError naming the key."""
+    ds = DatasetConfig(path="unused", stop_token_ids_column="s", allowed_token_ids_column="a",
+                       bad_words_column="b", choice_column="c")
+    job = SamplingConfig(stop_token_ids=[2], bad_words=["no"])
+    params = RowParams(ds, job, vocab=100)
+    table = pa.table({"s": ["[7, 3, 7]", None, "[100]", None, None, None],
+                      "a": [[5, 4], None, None, [-1], [4], None],
+                      "b": [["x y"], None, None, None, None, [" "]],
+                      "c": [None, None, None, None, ["yes", "no"], None]})
+    errors = [None] * 6
+    rows = params.settings(table, errors)
+    assert errors[:2] == [None, None]
+    assert {k: rows[0].processors[k] for k in ("stop_token_ids", "allowed_token_ids", "bad_words")} == {
+        "stop_token_ids": (3, 7), "allowed_token_ids": (4, 5), "bad_words": ("x y",)}
+    assert {k: rows[1].processors[k] for k in ("stop_token_ids", "allowed_token_ids", "bad_words")} == {
+        "stop_token_ids": (2,), "allowed_token_ids": (), "bad_words": ("no",)}
+    assert errors[2] == ("bad_value: stop_token_ids has token id 100, not one of the tokenizer's 100 ids "
+                         "(dataset.stop_token_ids_column)")
+    assert errors[3].startswith("bad_value: allowed_token_ids must be a list of token ids") and \
+        errors[3].endswith("(dataset.allowed_token_ids_column)")
+    assert errors[4] == ("bad_value: allowed_token_ids with a choice constraint: the constraint chooses the tokens")
+    assert errors[5].startswith("bad_value: bad_words must be a list of words") and "(dataset.bad_words_column)" in \
+        errors[5]
+    with pytest.raises(ConfigError) as err:
+        RowParams(DatasetConfig(path="unused"), SamplingConfig(stop_token_ids=[3, 400], allowed_token_ids=[500]),
+                  vocab=385)
+    assert "sampling.allowed_token_ids has token id 500, not one of the tokenizer's 385 ids" in str(err.value)
+    assert "sampling.stop_token_ids has token id 400, not one of the tokenizer's 385 ids" in str(err.value)

@@ -20,17 +20,20 @@ from typing import Any, Optional
 from batchgen.constraints import Constraint
 from batchgen.engines.base import answer_text, estimate_tokens, reasoning_tokens, split_answer
 from batchgen.records import Request, Result
-from batchgen.sampling import PROCESSOR_COLUMNS, PROCESSORS, SampleParams
+from batchgen.sampling import DECODING, PROCESSOR_COLUMNS, PROCESSORS, SampleParams
 
 VLLM_ONLY_KINDS = ("regex", "choice", "grammar")
 OPENAI_PROCESSORS = ("presence_penalty", "frequency_penalty", "logit_bias")  # the OpenAI API's own fields
-VLLM_PROCESSORS = ("repetition_penalty", "min_p", "min_tokens")  # vLLM's extra fields (engine.extensions=vllm)
+VLLM_PROCESSORS = ("repetition_penalty", "min_p", "min_tokens", "bad_words", "allowed_token_ids",
+                   "stop_token_ids")  # vLLM's extra fields (engine.extensions=vllm)
+VLLM_DECODING = ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                 "truncate_prompt_tokens")  # vLLM's extra fields shaping the text and the prompt (sampling.DECODING)
 
 
 def unsupported(extensions: str, constraint_kind: Optional[str], top_k: int, ignore_eos: bool,
                 reasoning: bool, extras: tuple[str, ...] = ()) -> list[str]:
     """What a job asks that the endpoint cannot be sent without vLLM's extensions, as config problems. extras: the
-    keys that set a VLLM_PROCESSORS field (sampling.min_p, dataset.min_p_column, ...)."""
+    keys that set a VLLM_PROCESSORS or VLLM_DECODING field (sampling.min_p, dataset.min_p_column, ...)."""
     if extensions == "vllm":
         return []
     out = [f"{key}: not an OpenAI API setting; set engine.extensions=vllm for a vLLM server" for key in extras]
@@ -65,7 +68,8 @@ def body(req: Request, model: str, chat: bool, vllm: bool, messages: Optional[li
     if p.logprobs is not None:
         out.update({"logprobs": True, "top_logprobs": p.logprobs} if chat else {"logprobs": p.logprobs})
     if vllm:
-        out.update({"return_token_ids": True} if token_ids else {}, skip_special_tokens=True)
+        out.update({"return_token_ids": True} if token_ids else {}, skip_special_tokens=p.skip_special_tokens)
+        out.update({key: getattr(p, key) for key in VLLM_DECODING if getattr(p, key) != DECODING[key]})
         if p.top_k > 0:
             out["top_k"] = p.top_k
         if p.ignore_eos:

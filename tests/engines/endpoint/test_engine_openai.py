@@ -325,3 +325,29 @@ def test_a_retry_refuses_a_base_url_whose_credential_the_manifest_masks(tiny_mod
         assert not (out / "_attempts").exists()
         done = run_cli(["retry", str(out), f"engine.base_url={secret}"])
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_vllms_token_knobs_arrive_and_the_rows_equal_the_hf_engines(tiny_model, server, tmp_path):
+    """bad_words, allowed_token_ids and stop_token_ids (sampling.* and a row's own column) reach a vLLM server as
+    its fields, and the rows equal the hf engine's; without engine.extensions=vllm they are refused before anything
+    is sent, each key named."""
+    data = write_jsonl(tmp_path / "in.jsonl", [dict(r, stops=[9] if i % 2 else None)
+                                               for i, r in enumerate(rows(4, rejected=()))])
+    url, log = server
+    keys = ("sampling.bad_words=[ab,the]", "sampling.stop_token_ids=[12]", "dataset.stop_token_ids_column=stops",
+            f"sampling.allowed_token_ids=[{','.join(map(str, range(1, 200)))}]")
+    before = len(log.read_text().splitlines()) if log.exists() else 0
+    run_job(compose_job(overrides(tiny_model, data, tmp_path / "api", url, "engine.extensions=vllm", *keys)))
+    run_job(compose_job(overrides(tiny_model, data, tmp_path / "hf", None, *keys)))
+    sent = [json.loads(line)["processors"] for line in log.read_text().splitlines()[before:]]
+    assert sorted(s["stop_token_ids"] for s in sent) == [[9]] * 2 + [[12]] * 2
+    assert all(s["bad_words"] == ["ab", "the"] and s["allowed_token_ids"] == list(range(1, 200)) for s in sent)
+    got, want = by_id(tmp_path / "api"), by_id(tmp_path / "hf")
+    assert columns(got, "generation", "finish_reason", "num_generated_tokens") == columns(
+        want, "generation", "finish_reason", "num_generated_tokens")
+    with pytest.raises(ConfigError) as err:
+        compose_job(overrides(tiny_model, data, tmp_path / "x", url, "engine.extensions=none", *keys,
+                              "sampling.include_stop_str_in_output=true"))
+    for key in ("sampling.bad_words", "sampling.stop_token_ids", "dataset.stop_token_ids_column",
+                "sampling.allowed_token_ids", "sampling.include_stop_str_in_output"):
+        assert f"{key}: not an OpenAI API setting; set engine.extensions=vllm" in str(err.value)

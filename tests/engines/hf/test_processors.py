@@ -153,3 +153,76 @@ def test_min_tokens_holds_stop_strings_off_and_cuts_at_a_later_match(engine, tok
     assert plain.text == free.text[:first] and plain.finish_reason == "stop"
     assert held.text == free.text[:free.text.find(stop, first + 1)] and held.finish_reason == "stop"
     assert held.num_generated_tokens > plain.num_generated_tokens
+
+
+def free_run(engine, tokenizer, text: str = "the river town", n: int = 24):
+    """A row's greedy generation with nothing set: the ids the knobs below change."""
+    ids = tokenizer(text).input_ids
+    got = engine.generate([Request(key=0, prompt_ids=ids, params=params(max_new_tokens=n, ignore_eos=True),
+                                   seed=None)])[0]
+    return ids, tokenizer(got.text, add_special_tokens=False).input_ids, got
+
+
+def vllm_bad_words_ids(tokenizer, words) -> list[list[int]]:
+    """vLLM 0.32's SamplingParams.update_from_tokenizer, written out: each word alone, and with a leading space where
+    that is another first token of as many tokens."""
+    out = []
+    for w in words:
+        alone = tokenizer.encode(w.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + w.lstrip(), add_special_tokens=False)
+        out += [alone] + ([spaced] if spaced[0] != alone[0] and len(spaced) == len(alone) else [])
+    return out
+
+
+def test_bad_words_allowed_and_stop_token_ids_equal_hf_generate(engine, reference, tokenizer):
+    """vLLM's bad_words (HF's bad_words_ids of the words' tokens), allowed_token_ids (HF's prefix_allowed_tokens_fn)
+    and stop_token_ids (HF's eos_token_id list: the token is kept, a special one dropped from the text), min_tokens
+    holding a stop token off as it holds EOS: token for token HF generate's, on both decode paths."""
+    ids, free, _ = free_run(engine, tokenizer)
+    words = [tokenizer.decode([free[2]]).strip(), tokenizer.decode(free[5:7]).strip()]
+    allowed = sorted(set(free) - {free[0]})
+    stop = free[6]
+    eos = tokenizer.eos_token_id
+    cases = [(params(bad_words=tuple(words)), dict(bad_words_ids=vllm_bad_words_ids(tokenizer, words))),
+             (params(allowed_token_ids=tuple(allowed)), dict(prefix_allowed_tokens_fn=lambda b, x: allowed)),
+             (params(stop_token_ids=(stop,)), dict(eos_token_id=[eos, stop])),
+             (params(stop_token_ids=(stop,), min_tokens=8), dict(eos_token_id=[eos, stop], min_new_tokens=8))]
+    for p, keywords in cases:
+        want = hf_generate(reference, ids, 24, **keywords)
+        assert want != free[:len(want)] or len(want) < len(free)  # the knob changes the row
+        reqs = [Request(key=0, prompt_ids=ids, params=p, seed=None)]
+        for got in (engine.generate(reqs), generate_generic(engine, reqs)):
+            assert (got[0].text, got[0].num_generated_tokens) == (tokenizer.decode(want, skip_special_tokens=True),
+                                                                  len(want)), p
+            assert got[0].finish_reason == ("stop" if want[-1] in (eos, stop) else "length")
+    held = hf_generate(reference, ids, 24, eos_token_id=[eos, stop], min_new_tokens=8)
+    assert stop not in held[:8]
+
+
+def test_a_multi_token_bad_word_bans_its_last_token_only_after_the_others():
+    """vLLM's rule: a word's last token is -inf where the generation ends with its other tokens, and only there."""
+    h = processors.History.start(params(bad_words=("x",)), [4], 16, torch.device("cpu"), bad=((3, 7), (9,)))
+    assert h.banned() == [9]
+    h.take(3)
+    assert h.banned() == [7, 9]
+    h.take(2)
+    assert h.banned() == [9]
+
+
+def test_the_text_keeps_the_stop_string_and_the_special_tokens_where_asked(engine, tokenizer):
+    """include_stop_str_in_output: the text is cut after the stop string, not before it; skip_special_tokens=false:
+    the EOS the row ended on is in its text (as tokenizer.decode without skipping writes it)."""
+    ids, _, free = free_run(engine, tokenizer)
+    stop = free.text[6:9]
+    first = free.text.find(stop)
+    assert 0 < first + len(stop) < len(free.text)
+    kept = engine.generate([Request(key=0, prompt_ids=ids, params=params(
+        ignore_eos=True, stop=(stop,), include_stop_str_in_output=True), seed=None)])[0]
+    assert kept.text == free.text[:first + len(stop)] and kept.finish_reason == "stop"
+    ended = params(logit_bias=EOS_BIAS, max_new_tokens=40)
+    plain = engine.generate([Request(key=0, prompt_ids=ids, params=ended, seed=None)])[0]
+    raw = engine.generate([Request(key=0, prompt_ids=ids, params=params(
+        logit_bias=EOS_BIAS, max_new_tokens=40, skip_special_tokens=False), seed=None)])[0]
+    assert plain.finish_reason == raw.finish_reason == "stop"
+    assert raw.text == tokenizer.decode(tokenizer(plain.text, add_special_tokens=False).input_ids
+                                        + [tokenizer.eos_token_id]) and raw.text.endswith(tokenizer.eos_token)

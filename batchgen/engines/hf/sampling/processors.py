@@ -27,16 +27,19 @@ class History:
 
     in_context: Optional[torch.Tensor]  # [V] bool: in the prompt or generated (repetition_penalty); None: off
     counts: Optional[torch.Tensor]  # [V] float32: times generated (presence and frequency penalties); None: off
+    bad: tuple[tuple[int, ...], ...] = ()  # bad_words as token sequences (Sampler.bad_words)
+    generated: Optional[list[int]] = None  # its generated tokens, where a bad word has several tokens
 
     @classmethod
-    def start(cls, params: SampleParams, prompt_ids: list[int], vocab: int, device: torch.device) -> History:
+    def start(cls, params: SampleParams, prompt_ids: list[int], vocab: int, device: torch.device,
+              bad: tuple[tuple[int, ...], ...] = ()) -> History:
         in_context = counts = None
         if params.repetition_penalty != 1.0:
             in_context = torch.zeros(vocab, dtype=torch.bool, device=device)
             in_context[torch.tensor(prompt_ids, dtype=torch.int64, device=device)] = True
         if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
             counts = torch.zeros(vocab, dtype=torch.float32, device=device)
-        return cls(in_context, counts)
+        return cls(in_context, counts, bad, [] if any(len(b) > 1 for b in bad) else None)
 
     def take(self, token: int) -> None:
         """The sample generated `token` (no host sync: a write at a host index)."""
@@ -44,6 +47,15 @@ class History:
             self.in_context[token] = True
         if self.counts is not None:
             self.counts[token] += 1
+        if self.generated is not None:
+            self.generated.append(token)
+
+    def banned(self) -> list[int]:
+        """The tokens its bad words forbid now (vLLM's rule): a word's last token where the tokens before it end the
+        generation (its own tokens only, not the prompt's)."""
+        done = self.generated or []
+        return [b[-1] for b in self.bad
+                if len(b) == 1 or len(done) >= len(b) - 1 and tuple(done[1 - len(b):]) == b[:-1]]
 
 
 def apply(logits: torch.Tensor, rows: list[int], params: list[SampleParams], histories: list[History],
@@ -54,6 +66,8 @@ def apply(logits: torch.Tensor, rows: list[int], params: list[SampleParams], his
     x = logits.index_select(0, index).float()  # [R, V], a copy
     add_bias(x, params)
     mask_eos(x, params, generated, [t for t in eos_ids if t < x.shape[-1]])
+    ban_words(x, histories)
+    allow_only(x, params)
     x = penalise_repetition(x, params, histories)
     x = penalise_presence_frequency(x, params, histories)
     if len(rows) == logits.shape[0]:
@@ -73,12 +87,29 @@ def add_bias(x: torch.Tensor, params: list[SampleParams]) -> None:
 
 
 def mask_eos(x: torch.Tensor, params: list[SampleParams], generated: list[int], eos_ids: list[int]) -> None:
-    """min_tokens: EOS is -inf in a row that generated fewer tokens than its min_tokens (HF's MinNewTokensLength
-    processor, vLLM's min_tokens)."""
-    early = [i for i, (p, n) in enumerate(zip(params, generated)) if n < p.min_tokens]
-    if early and eos_ids:
-        rows = torch.tensor(early, device=x.device)[:, None]
-        x[rows, torch.tensor(eos_ids, device=x.device)[None, :]] = float("-inf")
+    """min_tokens: EOS and the row's stop_token_ids are -inf in a row that generated fewer tokens than its min_tokens
+    (HF's MinNewTokensLength processor over its eos_token_id list, vLLM's min_tokens)."""
+    for i, (p, n) in enumerate(zip(params, generated)):
+        ids = [t for t in (*eos_ids, *p.stop_token_ids) if t < x.shape[-1]]
+        if n < p.min_tokens and ids:
+            x[i, torch.tensor(ids, device=x.device)] = float("-inf")
+
+
+def ban_words(x: torch.Tensor, histories: list[History]) -> None:
+    """bad_words: the tokens each row's words forbid now are -inf (vLLM's bad words processor, HF's
+    NoBadWordsLogitsProcessor over the generated tokens)."""
+    for i, h in enumerate(histories):
+        if h.bad and (banned := [t for t in h.banned() if t < x.shape[-1]]):
+            x[i, torch.tensor(banned, device=x.device)] = float("-inf")
+
+
+def allow_only(x: torch.Tensor, params: list[SampleParams]) -> None:
+    """allowed_token_ids: every other token is -inf (vLLM's allowed_token_ids, HF's prefix_allowed_tokens_fn)."""
+    for i, p in enumerate(params):
+        if p.allowed_token_ids:
+            keep = torch.zeros(x.shape[-1], dtype=torch.bool, device=x.device)
+            keep[torch.tensor([t for t in p.allowed_token_ids if t < x.shape[-1]], device=x.device)] = True
+            x[i].masked_fill_(~keep, float("-inf"))
 
 
 def penalise_repetition(x: torch.Tensor, params: list[SampleParams], histories: list[History]) -> torch.Tensor:

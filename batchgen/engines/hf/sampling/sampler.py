@@ -123,7 +123,7 @@ class Sampler:
         for j in shaped:
             if draws[j].history is None:
                 draws[j].history = processors.History.start(reqs[j].params, reqs[j].prompt_ids, logits.shape[-1],
-                                                            logits.device)
+                                                            logits.device, self.bad_words(reqs[j].params.bad_words))
         logits = processors.apply(logits, shaped, [reqs[j].params for j in shaped],
                                   [draws[j].history for j in shaped],  # type: ignore[misc]
                                   [draws[j].drawn for j in shaped], sorted(self.eos_ids))
@@ -131,6 +131,17 @@ class Sampler:
             index = torch.tensor(shaped, device=picks.device)
             picks = picks.clone().index_copy_(0, index, logits.index_select(0, index).max(dim=-1).indices)
         return logits, picks
+
+    def bad_words(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's bad_words as token sequences (SamplingParams.update_from_tokenizer): each word (its leading spaces
+        dropped) as it starts a text, and with a leading space where that is another first token and as many tokens
+        (the word inside a text)."""
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            alone = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            out += [alone] + ([spaced] if spaced and spaced[0] != alone[0] and len(spaced) == len(alone) else [])
+        return tuple(out)
 
     def _think(self, req: Request, d: Draw, token: int) -> None:
         """A thinking row took `token`: its block ends when the end marker is complete (the constraint applies from
@@ -146,8 +157,8 @@ class Sampler:
 
     def finish_reason(self, params: SampleParams, generated: list[int], draw: Optional[Draw] = None
                       ) -> Optional[str]:
-        if not params.ignore_eos and generated[-1] in self.eos_ids:
-            return "stop"
+        if not params.ignore_eos and generated[-1] in self.eos_ids or generated[-1] in params.stop_token_ids:
+            return "stop"  # vLLM's ignore_eos leaves stop_token_ids stopping
         if draw is not None and draw.matcher is not None and not draw.thinking and draw.matcher.is_terminated():
             return "stop"  # the grammar is complete and took its stop token
         if params.stop and len(generated) > params.min_tokens and self._ends_in_stop(generated, params):

@@ -34,13 +34,15 @@ class InputError(BatchgenError):
 
 class ResumeMismatchError(BatchgenError):
     """output_dir holds a run whose input or output-affecting config differs from this one; `changes` says what
-    differs, one line each as the manifest's diff words it (`input[0].size: was 10, now 12`), where it is known."""
+    differs, one line each as the manifest's diff words it (`input[0].size: was 10, now 12`), where it is known;
+    `output_dir` the refused output, as the job named it, where known."""
 
     exit_code = 2
 
-    def __init__(self, message: str, changes: tuple[str, ...] = ()):
+    def __init__(self, message: str, changes: tuple[str, ...] = (), output_dir: str = ""):
         super().__init__(message)
         self.changes = tuple(changes)
+        self.output_dir = output_dir
 
 
 class LockedError(BatchgenError):

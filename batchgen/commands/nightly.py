@@ -56,19 +56,23 @@ def input_changed(exc: BatchgenError) -> list[str]:
 
 def advice(typed: str, exc: BatchgenError) -> Optional[str]:
     """What a refused nightly run over a changed input says to do: a job over a changing input wants `batchgen
-    increment`, the command as typed (`typed`) with that word in place of `nightly`."""
+    increment`, the command as typed (`typed`) with that word in place of `nightly` and an output_dir of its own
+    (the refused one's name with -nights), a line that runs as printed."""
     if not input_changed(exc):
         return None
     import shlex
 
     words = shlex.split(typed)
     at = words.index("nightly") if "nightly" in words else len(words)
-    again = shlex.join([*words[:at], "increment", *words[at + 1:]])
+    given = [w for w in words[at + 1:] if w.lstrip("+~").split("=", 1)[0] == "output_dir"]
+    refused = getattr(exc, "output_dir", "") or (given[-1].split("=", 1)[1] if given else "OUTPUT_DIR")
+    kept = [w for w in words[at + 1:] if w not in given]
+    again = shlex.join([*words[:at], "increment", *kept, f"output_dir={refused.rstrip('/')}-nights"])
     return ("the job's input changed since its output was made: `batchgen nightly` keeps one output for a fixed "
             "input, and does not start it again over another input. A job over a changing input (a table that gets "
             "new rows) wants `batchgen increment`, a dated output per night under an output_dir of its own, with only "
-            f"the new ids generated: {again} (with another output_dir; docs/scheduled-jobs.md). A job over a new "
-            "fixed input wants a new output_dir")
+            f"the new ids generated: {again} (docs/scheduled-jobs.md). A job over a new fixed input wants a new "
+            "output_dir")
 
 
 def main(argv: list[str], run_as_job: RunAsJob, typed: str = "batchgen nightly") -> int:

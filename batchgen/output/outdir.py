@@ -9,12 +9,11 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from batchgen.errors import ConfigError
+from batchgen.errors import ConfigError, ResumeMismatchError
 from batchgen.job import JobConfig
 from batchgen.output.input_index import save_input_index
 from batchgen.output.manifest import build_manifest, check_or_write, job_id, record_layout
 from batchgen.output.trust import refuse_strays
-from batchgen.prompts.texts import escaped_copy
 from batchgen.reader import Reader
 
 
@@ -28,8 +27,13 @@ def prepare_output_dir(cfg: JobConfig, output_dir: Path, reader: Reader, resolve
         raise ConfigError([f"run.resume=false but {output_dir} already holds a run; set run.resume=true to "
                            f"continue it, or choose a new output_dir"])
     if not resolved:  # a job built in Python: its own config as written (texts.py), so that `batchgen retry` can
-        resolved = json.loads(json.dumps(dataclasses.asdict(escaped_copy(cfg)), default=str))  # rebuild it
-    check_or_write(output_dir, build_manifest(cfg, resolved, reader.fingerprint(), reader.count_rows(), passthrough))
+        resolved = json.loads(json.dumps(dataclasses.asdict(cfg.escaped()), default=str))  # rebuild it
+    try:
+        check_or_write(output_dir, build_manifest(cfg, resolved, reader.fingerprint(), reader.count_rows(),
+                                                  passthrough))
+    except ResumeMismatchError as exc:
+        exc.output_dir = cfg.output_dir  # as the job names it (an object-storage URL, not its staging directory)
+        raise
     record_layout(output_dir, cfg.run.num_shards)
     job_id(output_dir)  # made once: what a table output names this output's transactions by
     save_input_index(output_dir, reader)

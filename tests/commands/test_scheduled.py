@@ -7,6 +7,8 @@ night and is refused, naming `batchgen increment`, once its input changed."""
 
 from __future__ import annotations
 
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -122,6 +124,11 @@ def test_nightly_is_a_noop_on_a_fixed_input_and_refuses_a_changed_one(project):
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert "wants `batchgen increment`" in refused.stderr and "Traceback" not in refused.stderr
     assert "batchgen increment --config-dir presets job=tickets" in refused.stderr  # the line to run instead
+    printed = re.search(r"the new ids generated: batchgen (increment .*?) \(docs/", refused.stderr, re.S)
+    assert printed, refused.stderr[-2000:]
+    instead = run_cli(shlex.split(printed.group(1)), cwd=home)  # run as printed: it was refused (exit 2) before
+    assert instead.returncode == 0, instead.stderr[-2000:]
+    assert ids(next((home / "fixed-nights").glob("20*"))) == list("abcdefgh")  # its first night: every row
     broken = cron(home, "nightly.sh", [*job], BATCHGEN_PYTHON="/bin/false")
     assert broken.returncode == 2 and "set BATCHGEN_PYTHON to the interpreter" in broken.stderr
 

@@ -34,9 +34,10 @@ __all__ = ["BatchgenError", "JobConfig", "Session", "Summary", "generate", "load
 
 if TYPE_CHECKING:
     from batchgen.commands.compose import load_job
+    from batchgen.commands.session import Session
     from batchgen.errors import BatchgenError
     from batchgen.job import JobConfig
-    from batchgen.run.api import Session, generate
+    from batchgen.run.api import generate
     from batchgen.run.runner import Summary, run_job
 
 
@@ -45,10 +46,14 @@ def __getattr__(name: str) -> Any:  # lazy: `import batchgen` stays cheap (no to
         import batchgen.run.runner as runner
 
         return getattr(runner, name)
-    if name == "generate" or name == "Session":
-        import batchgen.run.api as api
+    if name == "generate":
+        from batchgen.run.api import generate
 
-        return getattr(api, name)
+        return generate
+    if name == "Session":
+        from batchgen.commands.session import Session
+
+        return Session
     if name == "load_job":
         from batchgen.commands.compose import load_job
 

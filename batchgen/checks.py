@@ -15,7 +15,7 @@ from batchgen.constraints import KINDS as CONSTRAINT_KINDS
 from batchgen.engines import ENGINES, engine_config, engine_problems, structured_output_problems
 from batchgen.errors import ConfigError
 from batchgen.job import ON_BAD_ROW, TOO_LONG, JobConfig, OutputConfig, Question, RunConfig
-from batchgen.prompts.texts import unescape_texts
+from batchgen.prompts.texts import unescape
 from batchgen.redact import control_character, remember_secrets
 
 
@@ -25,7 +25,7 @@ def validate(given: JobConfig) -> JobConfig:
     input's columns, the text keys' newlines: texts.py), a copy: the config it was given is left as it was."""
     cfg = copy.deepcopy(given)
     if not cfg.texts_unescaped:  # `\n` in a text key is a newline (texts.py), applied once
-        unescape_texts(cfg)
+        cfg.map_texts(unescape)
         cfg.texts_unescaped = True
     cfg.engine, problems = engine_config(cfg.engine)  # its engine's own config class (made in Python: maybe not)
     problems += _slurm_defaults(cfg.run)

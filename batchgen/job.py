@@ -5,6 +5,8 @@ Plain dataclasses: the CLI fills them from Hydra once; nothing here imports omeg
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
@@ -12,6 +14,7 @@ from batchgen.engines import (
     default_rows_per_part,
 )
 from batchgen.engines.base import EngineConfig
+from batchgen.prompts.texts import escape, map_texts
 from batchgen.reader import DatasetConfig
 from batchgen.sampling import SamplingConfig
 
@@ -194,6 +197,18 @@ class JobConfig:
     @property
     def rows_per_part(self) -> int:
         return self.run.rows_per_part or default_rows_per_part(self.engine.name)
+
+    def map_texts(self, fn: Callable[[str], str]) -> None:
+        """`fn` applied to each text key (prompts/texts.py's TEXT_KEYS), in place."""
+        map_texts(self.dataset, self.sampling, self.decide.questions, fn)
+
+    def escaped(self) -> JobConfig:
+        """A copy of a validated config with its text keys written back as a config writes them (a manifest's
+        config, from which `batchgen retry` builds and validates the job again)."""
+        out = copy.deepcopy(self)
+        out.map_texts(escape)
+        out.texts_unescaped = False  # written again: validating the copy makes its newlines once more
+        return out
 
     def share(self) -> Share:
         """This worker's share: run.shard of run.num_shards (0 of 1 where a config made in Python was never

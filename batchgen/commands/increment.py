@@ -2,7 +2,7 @@
 GROWING input (a table that gets new rows), one dated output per night under the job's output_dir
 (OUTPUT_DIR/2026-12-06), each generating only the ids that no other night generated: `run.skip_existing` names
 OUTPUT_DIR itself, whose every finished night, whatever its date (a missed night run late, a clock set back), is the
-ledger (output/existing.py reads it where the root is now, so a moved root keeps working). A rerun the same night
+ledger (ledger/existing.py reads it where the root is now, so a moved root keeps working). A rerun the same night
 resumes that night's output; once it is complete, a rerun is a no-op (rows the input gained since are the next
 night's); a night left unfinished is passed over, its rows generated again tonight. One night at a time: while
 another increment of the root or a writer of another night lives, it refuses (exit 2), or with --wait waits. Ids
@@ -10,7 +10,7 @@ must be stable: without dataset.id_column it refuses (exit 2) unless run.skip_by
 codes are kept (docs/contract.md section 7): 0 done (or nothing new), 1 a failure, 2 a config or input problem,
 130/143 stopped by a signal.
 
-Knows the nights' folder layout (output/nights.py) and the root's lock; the config comes composed and the job runs
+Knows the nights' folder layout (ledger/nights.py) and the root's lock; the config comes composed and the job runs
 as the CLI runs any job (compose_checked and cli.run_as_job, handed in by cli.py). docs/scheduled-jobs.md is its page.
 """
 
@@ -31,9 +31,9 @@ from filelock import FileLock, Timeout
 from batchgen.commands.nightly import RunAsJob, input_changed, parser, scheduled
 from batchgen.errors import BatchgenError, ConfigError, LockedError
 from batchgen.job import JobConfig
-from batchgen.output.existing import positions_problem
+from batchgen.output.ledger.existing import positions_problem
+from batchgen.output.ledger.nights import DATE, finished, nights, writers
 from batchgen.output.manifest import MANIFEST, NIGHTS_BESIDE, read_manifest
-from batchgen.output.nights import DATE, finished, nights, writers
 from batchgen.output.remote import is_remote
 from batchgen.output.rows.schema import SUCCESS
 

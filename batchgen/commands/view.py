@@ -5,7 +5,7 @@ renamed when complete), else as JSON lines on stdout. Only committed parts are r
 With --table: the rows of the job's table output (output.sink=delta|iceberg) as the table holds them now (with
 output.mode=upsert, the latest attempt per row; other jobs' rows of the same table included).
 `batchgen view ROOT`, ROOT a `batchgen increment` root (ROOT/YYYY-MM-DD nights): the union of its nights, each id
-once, retried answers included (output/nights.py).
+once, retried answers included (output/ledger/nights.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.errors import BatchgenError
+from batchgen.output.ledger.nights import is_root, union_batches
 from batchgen.output.manifest import MANIFEST, read_manifest
-from batchgen.output.nights import is_root, union_batches
 from batchgen.output.tables import recorded_sink
 from batchgen.output.view import latest_batches
 

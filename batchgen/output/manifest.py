@@ -19,7 +19,6 @@ from batchgen.errors import ConfigError, ResumeMismatchError
 from batchgen.fsutil import content_digest, file_sha256, write_json_atomic
 from batchgen.job import JobConfig
 from batchgen.output.prompt_files import prompt_identity
-from batchgen.prompts.texts import escaped_copy
 from batchgen.redact import redact
 from batchgen.version import __version__
 
@@ -70,7 +69,7 @@ def output_config(cfg: JobConfig) -> dict[str, Any]:
         **_output(cfg),
         **({"task": cfg.task} if cfg.task != "generate" else {}),
         **({"embed": dataclasses.asdict(cfg.embed)} if cfg.task == "embed" else {}),
-        **({"decide": dataclasses.asdict(escaped_copy(cfg).decide)} if cfg.task == "decide" else {}),
+        **({"decide": dataclasses.asdict(cfg.escaped().decide)} if cfg.task == "decide" else {}),
         "run": {"rows_per_part": cfg.rows_per_part, "too_long": cfg.run.too_long,
                 **({"skip_existing": _skipped(cfg)} if cfg.run.skip_existing else {}),
                 **({"attempt": cfg.run.attempt} if cfg.run.attempt else {})},
@@ -160,7 +159,7 @@ def _dataset(cfg: JobConfig) -> dict[str, Any]:
         out["chat_template"] = chat_template_text(cfg.dataset.chat_template)
     # the template and the system prompt compared as written before validate made their newlines (texts.py), so
     # that an output made since `\n` meant a newline in them resumes under the same hash
-    written = escaped_copy(cfg).dataset
+    written = cfg.escaped().dataset
     out["template"], out["system_prompt"] = written.template, written.system_prompt
     if any(re.search(r"\\[nt\\]", text or "") for text in (written.template, written.system_prompt)):
         out["text_escapes"] = True  # \n in them is a newline: an output made before that differs
@@ -176,7 +175,7 @@ NIGHTS_BESIDE = ".."  # run.skip_existing as recorded when it names the folder h
 
 def nights_beside(skip_existing: str, output_dir: str) -> bool:
     """Whether run.skip_existing names the folder that holds output_dir: the nights of a `batchgen increment` root,
-    every finished one of which counts (output/existing.py)."""
+    every finished one of which counts (output/ledger/existing.py)."""
     if "://" in skip_existing or "://" in output_dir:
         return False
     return os.path.realpath(skip_existing) == os.path.realpath(os.path.dirname(os.path.abspath(output_dir)))

@@ -3,12 +3,12 @@ or cuts its output (TEXT_KEYS), the two characters `\\n` are a newline, `\\t` a 
 `\\\\n` is a backslash and an n); any other backslash stays as written. A command line cannot pass a real newline
 through Hydra's grammar and a YAML preset's plain or single-quoted text keeps backslashes as written, so the rule
 makes every way of writing a key mean the same; YAML's double quotes have already made "\\n" a newline, which the rule
-leaves alone. checks.validate applies it once, to the config it returns; row values are data and never unescaped.
-Knows the config's shape (any object of it: a JobConfig, or Hydra's config for `--cfg job`), not Hydra."""
+leaves alone. checks.validate applies it once (JobConfig.map_texts), to the config it returns; row values are data
+and never unescaped. Knows the config's text keys (handed their sections, from a JobConfig or Hydra's config for
+`--cfg job`), not Hydra."""
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 from collections.abc import Callable
@@ -33,30 +33,21 @@ def escape(value: str) -> str:
 
 
 def unescape_texts(cfg: Any) -> None:
-    """Apply the rule to every text key of `cfg`, in place."""
-    map_texts(cfg, unescape)
+    """Apply the rule to every text key of `cfg` (Hydra's composed config, for `--cfg job`), in place; a JobConfig
+    does the same with its own map_texts."""
+    map_texts(cfg.dataset, cfg.sampling, cfg.decide.questions, unescape)
 
 
-def escaped_copy(cfg: Any) -> Any:
-    """A copy of a validated config with its text keys written back as a config writes them (a manifest's config,
-    from which `batchgen retry` builds and validates the job again)."""
-    out = copy.deepcopy(cfg)
-    map_texts(out, escape)
-    out.texts_unescaped = False  # written again: validating the copy makes its newlines once more
-    return out
-
-
-def map_texts(cfg: Any, fn: Callable[[str], str]) -> None:
-    """`fn` applied to each text of TEXT_KEYS in `cfg`, in place; a value of another type is left for validation to
-    name."""
-    ds, s = cfg.dataset, cfg.sampling
+def map_texts(dataset: Any, sampling: Any, questions: Any, fn: Callable[[str], str]) -> None:
+    """`fn` applied to each text of TEXT_KEYS (a config's dataset, sampling and decide questions), in place; a value
+    of another type is left for validation to name."""
     for key in ("template", "system_prompt"):
-        setattr(ds, key, _one(getattr(ds, key), fn))
-    if isinstance(ds.chat_template, str) and not os.path.isfile(ds.chat_template):  # a file's text is as read
-        ds.chat_template = fn(ds.chat_template)
-    s.stop = _many(s.stop, fn)
-    s.choice = _many(s.choice, fn)
-    for question in cfg.decide.questions:
+        setattr(dataset, key, _one(getattr(dataset, key), fn))
+    if isinstance(dataset.chat_template, str) and not os.path.isfile(dataset.chat_template):  # a file: as read
+        dataset.chat_template = fn(dataset.chat_template)
+    sampling.stop = _many(sampling.stop, fn)
+    sampling.choice = _many(sampling.choice, fn)
+    for question in questions:
         question.prompt = _one(question.prompt, fn)
         question.options = _many(question.options, fn)
 

@@ -1,5 +1,5 @@
-"""The Python API for rows held in memory: batchgen.generate (one job over the rows, its engine loaded for the call)
-and batchgen.Session (the job's engine loaded once, serving many generate calls). The rows (a pandas DataFrame, a
+"""The Python API for rows held in memory: batchgen.generate (one job over the rows, its engine loaded for the call,
+or handed in held by a batchgen.Session: commands/session.py). The rows (a pandas DataFrame, a
 pyarrow Table, a datasets.Dataset or a list of dicts) become the job's input file, `_input.parquet` in its
 output_dir, so a given output_dir resumes, refuses other rows and records errors exactly as a job from a file does;
 without one, the job runs in a temporary directory removed afterwards. Rows without an id get `row:N`, their
@@ -103,41 +103,3 @@ def generate(rows: Any, cfg: JobConfig, output_dir: Optional[str | Path] = None,
                 f"{'; '.join(exc.changes[:3]) or 'see its _manifest.json'}): pass a new output_dir=..., or "
                 f"overwrite=True to replace that output", exc.changes) from None
         return _returned(latest(out), rows, to)
-
-
-class Session:
-    """batchgen.Session: a job whose engine is loaded once and serves many generate calls (a notebook's, say), each
-    with the job's guarantees (ids, error rows, constraints, carried columns; resumable given an output_dir):
-
-        with batchgen.Session(job="classify", overrides=["engine.model=..."]) as s:
-            df = s.generate(reviews)            # the model loads here, once
-            more = s.generate(other_reviews)    # the same engine
-
-    `job` and `overrides` as for load_job (no job: the overrides alone), or a JobConfig as `cfg`. The engine loads on
-    the first call (launcher=local) and is closed by close() or the end of the `with` block."""
-
-    def __init__(self, job: Optional[str] = None, overrides: Optional[list[str]] = None, *,
-                 config_dir: Optional[str] = None, cfg: Optional[JobConfig] = None):
-        if cfg is None:
-            from batchgen.commands.compose import load_job
-
-            cfg = load_job(job, overrides, config_dir)
-        elif job is not None or overrides:
-            raise TypeError("Session: give job and overrides, or cfg, not both")
-        self.cfg = cfg  # as given: each call validates its own copy, with its rows and output_dir
-        self.held = HeldEngine()
-
-    def generate(self, rows: Any, output_dir: Optional[str | Path] = None, render_row: Optional[RenderRow] = None,
-                 *, overwrite: bool = False, to: str = "auto") -> Any:
-        """batchgen.generate(rows, <the session's job>, ...) on the session's engine."""
-        return generate(rows, self.cfg, output_dir, render_row, overwrite=overwrite, to=to, held=self.held)
-
-    def close(self) -> None:
-        """Release the engine (its memory); a later generate loads it again."""
-        self.held.close()
-
-    def __enter__(self) -> Session:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

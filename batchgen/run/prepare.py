@@ -15,9 +15,9 @@ from typing import Any, Optional
 from batchgen.engines.base import Engine
 from batchgen.job import JobConfig
 from batchgen.output.committer import Committer, writing
-from batchgen.output.existing import Existing
 from batchgen.output.heartbeat import status_name
 from batchgen.output.input_index import load_input_index
+from batchgen.output.ledger.existing import Existing
 from batchgen.output.lock import OutputLock
 from batchgen.output.manifest import MANIFEST, config_hash, file_metadata, job_id, model_identity, read_manifest
 from batchgen.output.outdir import prepare_output_dir

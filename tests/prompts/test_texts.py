@@ -11,7 +11,7 @@ from batchgen.commands import compose
 from batchgen.commands.compose import compose_checked
 from batchgen.job import JobConfig, Question
 from batchgen.output.manifest import output_config
-from batchgen.prompts.texts import escape, escaped_copy, unescape
+from batchgen.prompts.texts import escape, unescape
 from tests.conftest import dummy_overrides, job_overrides, write_parquet
 
 NEWLINE, BACKSLASH_N = "\n", "\\n"
@@ -63,7 +63,7 @@ def test_every_text_key_gets_its_newlines_at_validation_and_only_once(tiny_model
     decided = validate(given)
     assert given.decide.questions[0].prompt == "\\nIs it?"  # the caller's config is left as it was
     assert (decided.decide.questions[0].prompt, decided.decide.questions[0].options) == ("\nIs it?", ["a\tb", "c"])
-    assert validate(escaped_copy(cfg)).sampling.choice == cfg.sampling.choice  # a manifest's config rebuilds it
+    assert validate(cfg.escaped()).sampling.choice == cfg.sampling.choice  # a manifest's config rebuilds it
 
 
 def test_an_output_made_since_templates_took_escapes_is_compared_as_written(tiny_model, tmp_path):

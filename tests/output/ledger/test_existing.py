@@ -1,4 +1,4 @@
-"""output/existing.py: run.skip_existing's ids must be stable. Without dataset.id_column a row's id is its position
+"""ledger/existing.py: run.skip_existing's ids must be stable. Without dataset.id_column a row's id is its position
 `<file>:<row>`, so a table rewritten in another order would skip new rows as generated and generate old ones again:
 the job is refused (exit 2, naming dataset.id_column) unless run.skip_by_position=true says positions are ids, which
 is warned. (The chain and the ledger of nights: tests/output/test_nights.py, tests/scenarios/test_round2_output.py.)"""

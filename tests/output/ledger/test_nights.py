@@ -1,4 +1,4 @@
-"""output/nights.py and run.skip_existing over a root of nights (output/existing.py's ledger), as `batchgen increment`
+"""ledger/nights.py and run.skip_existing over a root of nights (ledger/existing.py's ledger), as `batchgen increment`
 sets them: every finished night under the root counts whatever its date (a missed night run late, a clock set back),
 found where the root is now (a moved root), and the union of the nights (`batchgen view ROOT`, the docs' duckdb line)
 holds each id once with `batchgen retry`'s answers."""
@@ -13,8 +13,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from batchgen.output.ledger.nights import union_batches
 from batchgen.output.manifest import NIGHTS_BESIDE, read_manifest
-from batchgen.output.nights import union_batches
 from batchgen.run.runner import run_job
 from tests.conftest import REPO, compose_job, dummy_overrides, read_output, run_cli, write_parquet
 

@@ -10,7 +10,7 @@ manifest's weight digests): otherwise the job is refused (exit 2), naming the ni
 exists (a retention policy removed it) ends the chain, with a warning: its rows are generated again, once.
 
 PATH the folder that holds the job's own output_dir (a `batchgen increment` root, ROOT/YYYY-MM-DD): the ledger is
-every finished night under it whatever its date, found where the root is now (output/nights.py); a night a live
+every finished night under it whatever its date, found where the root is now (output/ledger/nights.py); a night a live
 process writes is refused (exit 2), an unfinished one passed over with a warning. Ids must be stable: without
 dataset.id_column (ids are positions `<file>:<row>`) the job is refused unless run.skip_by_position says so.
 
@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from batchgen.errors import ConfigError, LockedError
+from batchgen.output.ledger.nights import finished, id_hash, nights, writers
 from batchgen.output.manifest import MANIFEST, diff, model_identity, nights_beside, output_config, read_manifest
-from batchgen.output.nights import finished, id_hash, nights, writers
 from batchgen.output.rows.schema import SUCCESS
 
 log = logging.getLogger(__name__)

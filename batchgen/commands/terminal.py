@@ -5,11 +5,15 @@ A row's value may hold terminal escape sequences (ESC and CSI sequences that cle
 OSC that retitles the window, BEL), other C0 and C1 controls, bidi overrides (U+202E) that reorder what is shown, and
 newlines that print a line looking like the command's own framing (`--- row 2: ...`). Each such character is shown
 as a visible escape (`\\x1b`, `\\u202e`, `\\n`); a multi-line value (a prompt --show prints) keeps its lines, each
-after BLOCK_MARGIN, so that none can read as a line of the command's. Knows characters, not what a row is.
+after BLOCK_MARGIN, so that none can read as a line of the command's. JSON lines a command prints (`batchgen view`
+on stdout) show each such character as JSON's `\\uXXXX`, so that they stay valid JSON holding the same values; the
+console's log lines (a warning that quotes a row's id or error) are escaped by ConsoleFormatter. Knows characters,
+not what a row is.
 """
 
 from __future__ import annotations
 
+import logging
 import unicodedata
 from typing import Any
 
@@ -45,6 +49,47 @@ def error_text(exc: BaseException) -> str:
     if isinstance(exc, ConfigError):
         return "invalid config:\n" + "\n".join(f"  - {one_line(p)}" for p in exc.problems)
     return one_line(exc)
+
+
+def json_line(text: str) -> str:
+    """JSON text (json.dumps with ensure_ascii=False, which leaves C1 controls, DEL and bidi overrides raw) with every
+    unsafe character as JSON's `\\uXXXX` (a surrogate pair above U+FFFF): the same JSON value, safe on a terminal.
+    JSON's own syntax is ASCII, so only characters inside strings change."""
+    if text.isprintable():
+        return text
+    return "".join(_json_escape(ch) if unicodedata.category(ch) in UNSAFE else ch for ch in text)
+
+
+class ConsoleFormatter(logging.Formatter):
+    """A console handler's formatter, since a log line may quote a row's id or a server's text: the message (its
+    arguments merged in) on one line, every unsafe character escaped (so that no row forges a log line), then the
+    line its own formatter gives, a traceback's lines kept and escaped."""
+
+    def __init__(self, inner: logging.Formatter | None):
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        shown = logging.makeLogRecord(record.__dict__)
+        shown.msg, shown.args = one_line(record.getMessage()), None
+        return lines(self.inner.format(shown))
+
+
+def escape_console(logger: logging.Logger) -> None:
+    """Wrap the formatter of each of `logger`'s handlers that writes to a stream other than a file (the console) in
+    ConsoleFormatter (once each); the run's log file keeps the text as it was logged."""
+    for handler in logger.handlers:
+        console = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+        if console and not isinstance(handler.formatter, ConsoleFormatter):
+            handler.setFormatter(ConsoleFormatter(handler.formatter))
+
+
+def _json_escape(ch: str) -> str:
+    code = ord(ch)
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    code -= 0x10000
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
 
 
 def _escaped(text: str, *, keep: str) -> str:

@@ -1,7 +1,8 @@
 """`batchgen view OUTPUT_DIR [--to FILE.parquet|FILE.jsonl] [--columns a,b] [--limit N]`: the latest-attempt view
 of an output (output/view.py: one row per row of the job, a retried row's latest attempt without error in its
 place), streamed batch by batch: into one Parquet or JSONL file with --to (written under a temporary name and
-renamed when complete), else as JSON lines on stdout. Only committed parts are read; nothing in OUTPUT_DIR changes.
+renamed when complete), else as JSON lines on stdout (control characters and bidi overrides in values written as
+`\\uXXXX`, so that none reaches the terminal). Only committed parts are read; nothing in OUTPUT_DIR changes.
 With --table: the rows of the job's table output (output.sink=delta|iceberg) as the table holds them now (with
 output.mode=upsert, the latest attempt per row; other jobs' rows of the same table included).
 `batchgen view ROOT`, ROOT a `batchgen increment` root (ROOT/YYYY-MM-DD nights): the union of its nights, each id
@@ -21,6 +22,7 @@ from typing import Any, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchgen.commands.terminal import json_line
 from batchgen.errors import BatchgenError
 from batchgen.output.ledger.nights import is_root, union_batches
 from batchgen.output.manifest import MANIFEST, read_manifest
@@ -40,9 +42,12 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _lines(table: pa.Table) -> list[str]:
-    return [json.dumps({k: _jsonable(v) for k, v in row.items()}, ensure_ascii=False, default=str) + "\n"
+def _lines(table: pa.Table, *, shown: bool) -> list[str]:
+    """The rows as JSON lines; `shown` (stdout, a terminal's or a pipe's): controls and bidi overrides as `\\uXXXX`
+    (commands/terminal.py), the same JSON values; in a --to file: as the rows hold them."""
+    said = [json.dumps({k: _jsonable(v) for k, v in row.items()}, ensure_ascii=False, default=str)
             for row in table.to_pylist()]
+    return [(json_line(line) if shown else line) + "\n" for line in said]
 
 
 class _Sink:
@@ -58,7 +63,7 @@ class _Sink:
 
     def write(self, table: pa.Table) -> None:
         if self.text is not None:
-            self.text.writelines(_lines(table))
+            self.text.writelines(_lines(table, shown=self.to is None))
             return
         self.parquet = self.parquet or pq.ParquetWriter(self.temp, table.schema)
         self.parquet.write_table(table)

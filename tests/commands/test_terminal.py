@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import unicodedata
 
-from batchgen.commands.terminal import block, error_text, lines, one_line
+from batchgen.commands.terminal import block, error_text, escape_console, json_line, lines, one_line
 
 # a row value as a red team writes one: a window title (OSC ... BEL), a clear screen (CSI), a bidi override, a C1
 # CSI, and a line forging a frame of the command's own
@@ -54,3 +54,37 @@ def test_an_errors_text_is_one_line_and_a_config_errors_problems_a_line_each():
     assert said.split("\n")[:2] == ["invalid config:", "  - dataset.id_column: no column 'uid'"]
     assert len(said.split("\n")) == 3
     assert_safe(said)
+
+
+def test_json_line_writes_c1_controls_and_bidi_overrides_as_json_escapes_holding_the_same_value():
+    import json
+
+    value = {"id": "a\x9b2J\u202eb\x7f", "text": "caf\u00e9 \U0001f600 \U000e0001", "n": 1}
+    said = json_line(json.dumps(value, ensure_ascii=False))
+    assert json.loads(said) == value
+    assert "\\u009b" in said and "\\u202e" in said and "\\udb40\\udc01" in said and "caf\u00e9 \U0001f600" in said
+    assert_safe(said)
+
+
+def test_the_console_formatter_escapes_a_log_line_quoting_row_data_and_the_log_file_keeps_it(tmp_path):
+    import io
+    import logging
+
+    logger = logging.getLogger("batchgen.test_console")
+    console, file = logging.StreamHandler(io.StringIO()), logging.FileHandler(tmp_path / "run.log")
+    console.setFormatter(logging.Formatter("[%(levelname)s] - %(message)s"))
+    for handler in (console, file):
+        logger.addHandler(handler)
+    try:
+        escape_console(logger)
+        escape_console(logger)  # once each
+        logger.warning("part %d failed: %s; requeued", 3, f"row {HOSTILE}: empty_prompt")
+    finally:
+        for handler in (console, file):
+            logger.removeHandler(handler)
+            handler.close()
+    printed = console.stream.getvalue()
+    assert printed.startswith("[WARNING] - part 3 failed: row x\\x1b]0;pwned\\x07\\x1b[2J\\u202etxt.exe\\x9b1m")
+    assert printed.count("\n") == 1 and "\\n=== row 2 ===\\n--- row 1: id forged" in printed
+    assert_safe(printed)
+    assert HOSTILE in (tmp_path / "run.log").read_text()

@@ -38,3 +38,24 @@ def test_view_exports_the_latest_attempts_where_the_directory_still_shows_the_er
     assert list(tmp_path.glob(".view*")) == []  # no temporary file left
     refused = run_cli(["view", str(tmp_path), "--to", str(tmp_path / "v.csv")])
     assert refused.returncode == 2 and "no _manifest.json" in refused.stderr
+
+
+def test_view_on_stdout_writes_controls_and_bidi_overrides_as_json_escapes_and_a_file_keeps_them(tiny_model,
+                                                                                                  tmp_path):
+    from tests.commands.test_terminal import HOSTILE, assert_safe
+
+    rows = [{"uid": f"u{i}\x9b2J\u202e{HOSTILE}", "prompt": f"say {i}\x9b\u202e\x7f"} for i in range(3)]
+    out = tmp_path / "out"
+    job = dummy_overrides(tiny_model, write_parquet(tmp_path / "in.parquet", rows), out, "dataset.id_column=uid",
+                          "output.include_prompt=true", "sampling.max_new_tokens=4")
+    assert run_cli(job).returncode == 0
+    expected = latest(out).select(["id", "prompt"]).to_pylist()
+    assert {r["id"] for r in expected} == {r["uid"] for r in rows}
+
+    shown = run_cli(["view", str(out), "--columns", "id,prompt"])
+    assert shown.returncode == 0, shown.stderr
+    assert_safe(shown.stdout)
+    assert "\\u009b2J\\u202e" in shown.stdout
+    assert [json.loads(line) for line in shown.stdout.splitlines()] == expected  # the same values
+    assert run_cli(["view", str(out), "--columns", "id,prompt", "--to", str(tmp_path / "v.jsonl")]).returncode == 0
+    assert "\x9b2J\u202e" in (tmp_path / "v.jsonl").read_text(encoding="utf-8")  # a file holds the rows as they are

@@ -36,7 +36,7 @@ from batchgen.commands.compose import (  # noqa: E402
     with_search_path,
 )
 from batchgen.commands.keynames import GROUPS  # noqa: E402
-from batchgen.commands.terminal import error_text, lines, one_line  # noqa: E402
+from batchgen.commands.terminal import error_text, escape_console, lines, one_line  # noqa: E402
 from batchgen.errors import BatchgenError, ConfigError  # noqa: E402
 from batchgen.job import JobConfig  # noqa: E402
 from batchgen.output.remote import RemoteOutput, is_remote  # noqa: E402
@@ -106,6 +106,7 @@ def _keep_secrets_out(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     redact_logs(logging.getLogger())
+    escape_console(logging.getLogger())  # a console log line may quote a row's id: escaped
     hydra_cfg = HydraConfig.get()
     remember_secrets(OmegaConf.to_container(cfg, resolve=False))
     saved = Path(hydra_cfg.runtime.output_dir) / ".hydra"
@@ -134,21 +135,21 @@ def _entries(directory: Path) -> Optional[set[str]]:
 
 
 def _forget_refused_run() -> None:
-    """A job refused at start (exit 2: config, input, refused resume) in a new output_dir leaves no output_dir
-    behind: Hydra made it, with this run's log folder (`_logs/<time>`), before the job's own checks ran. Kept where
-    output_dir was there before (each run its own log folder, refused or not), where the job wrote anything beside
-    the logs, or where hydra.run.dir is the user's own place."""
-    if invocation.logs_home is None or invocation.logs_home[1] is not None:
+    """A job refused at start (exit 2: config, input, a refused resume, another job's output, a live writer) writes
+    nothing into output_dir: Hydra made this run's log folder (`_logs/<time>`, and output_dir itself where it was
+    new) before the job's own checks ran; both go again, and `_logs` where it is left empty. Kept where the job
+    wrote a file beside the logs that was not there before, or where hydra.run.dir is the user's own place."""
+    if invocation.logs_home is None:
         return
-    home = invocation.logs_home[0]
+    home, before = invocation.logs_home
     from hydra.core.hydra_config import HydraConfig
 
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
-    if run_dir.parent != home / LOGS or (_entries(home) or set()) - {LOGS}:
+    if run_dir.parent != home / LOGS or (_entries(home) or set()) - {LOGS} - (before or set()):
         return
     shutil.rmtree(run_dir, ignore_errors=True)
-    for directory in (home / LOGS, home):
-        with contextlib.suppress(OSError):  # not empty: another run started there meanwhile
+    for directory in (home / LOGS, home) if before is None else (home / LOGS,):
+        with contextlib.suppress(OSError):  # not empty: another run's logs, or another run started there meanwhile
             directory.rmdir()
 
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.conftest import REPO, corpus, job_overrides, read_output, run_cli, write_parquet
+from tests.conftest import REPO, corpus, dummy_overrides, job_overrides, read_output, run_cli, write_parquet
 
 
 def test_config_errors_exit_2_naming_the_key_before_the_model_loads(tiny_model, tmp_path):
@@ -113,7 +113,7 @@ def test_second_writer_is_refused_and_a_dead_holder_lock_is_taken_over(tiny_mode
     second = run_cli(job_overrides(tiny_model, data, out, *extra), timeout=120)
     assert second.returncode == 2 and f"pid {first.pid}" in second.stderr
     assert all(p.stat().st_mtime_ns == t for p, t in logs.items() if p.suffix == ".yaml")  # the live run's logs
-    assert len(list((out / "_logs").iterdir())) == 2  # each run its own logs folder
+    assert len(list((out / "_logs").iterdir())) == 1  # the refused writer's log folder went with it
     status = run_cli(["status", str(out)], timeout=60)
     assert status.returncode == 0 and f"held by pid {first.pid}" in status.stdout
     assert "stopped (no live writer)" not in status.stdout
@@ -128,6 +128,19 @@ def test_second_writer_is_refused_and_a_dead_holder_lock_is_taken_over(tiny_mode
     for lock in out.glob("_lock*"):
         lock.unlink()
     assert run_cli(["status", str(out)], timeout=60).returncode == 0 and not list(out.glob("_lock*"))  # reads only
+
+
+def test_a_refused_run_writes_nothing_into_the_output_it_was_refused(tiny_model, tmp_path):
+    """Another job pointed at a finished job's output_dir is refused (exit 2, the manifest's differences named), and
+    leaves the output as it was: no `_logs/<time>` folder of its own among the first job's (it left one before)."""
+    data = write_parquet(tmp_path / "in.parquet", [{"prompt": t} for t in corpus(4)])
+    out = tmp_path / "out"
+    first = run_cli(dummy_overrides(tiny_model, data, out), timeout=120)
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = {p.relative_to(out): p.is_dir() or p.stat().st_mtime_ns for p in out.rglob("*")}
+    other = run_cli(dummy_overrides(tiny_model, data, out, "sampling.max_new_tokens=3"), timeout=120)
+    assert other.returncode == 2 and "holds a run made from a different input, model or config" in other.stderr
+    assert {p.relative_to(out): p.is_dir() or p.stat().st_mtime_ns for p in out.rglob("*")} == before  # files
 
 
 def test_the_cli_explains_itself():

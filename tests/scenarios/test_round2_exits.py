@@ -267,7 +267,7 @@ def test_case13c_status_and_report_read_an_s3_output(s3, tiny_model, tmp_path):
 def test_case13d_refused_skip_existing_creates_nothing(tiny_model, tmp_path):
     """A job refused at start (run.skip_existing naming a directory that holds no output) in a new output_dir leaves
     no output_dir: Hydra's run folder (`_logs/<time>`) was made before the refusal and stayed, with output_dir. (In
-    an output_dir that was there before, a refused run keeps its own log folder, as test_cli's second writer does.)"""
+    an output_dir that was there before, a refused run leaves nothing either: tests/commands/test_cli.py.)"""
     data = write_parquet(tmp_path / "in.parquet", keyed_rows(4, "p", 1))
     (tmp_path / "not-an-output").mkdir()
     out = tmp_path / "out"

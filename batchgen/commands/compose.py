@@ -70,10 +70,16 @@ def load_job(preset: Optional[str] = None, overrides: Optional[list[str]] = None
              config_dir: Optional[str] = None) -> JobConfig:
     """batchgen.load_job: a preset (job=NAME, from batchgen's presets or `config_dir`'s) with key=value overrides,
     as the command line composes it, checked for unknown keys and bad values; the paths it names are checked when
-    the job runs (run_job or generate), so that the caller can set them first."""
-    if config_dir is not None and config_dir not in _config_dirs:
-        _config_dirs.append(config_dir)
-    cfg = composed(([f"job={preset}"] if preset else []) + list(overrides or []))
+    the job runs (run_job or generate), so that the caller can set them first. `config_dir` is searched by this call
+    only: a later call without it does not see its presets."""
+    added = config_dir is not None and config_dir not in _config_dirs
+    if added:
+        _config_dirs.append(str(config_dir))
+    try:
+        cfg = composed(([f"job={preset}"] if preset else []) + list(overrides or []))
+    finally:
+        if added:
+            _config_dirs.remove(str(config_dir))
     if OmegaConf.is_missing(cfg, "name"):
         cfg.name = preset or "job"
     # dataset.path and engine.model may be left open for the caller to set (generate sets dataset.path); run_job's

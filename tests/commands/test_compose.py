@@ -72,3 +72,18 @@ def test_a_key_without_its_section_gets_its_full_name(tiny_model, tmp_path):
         "format: no such config key (did you mean dataset.format or output.format?); see batchgen help format",
         "zzqqxx: no such config key; see batchgen help SECTION (dataset, engine, sampling, run, output, launcher)"]
     assert not [p for p in problems if "docs/" in p]  # a wheel install has no docs/ folder
+
+
+def test_load_jobs_config_dir_serves_that_call_only(tiny_model, tmp_path, monkeypatch):
+    """load_job(config_dir=DIR) finds DIR/job/NAME.yaml; a later load_job without config_dir no longer does (the
+    directory stayed in the search path of every later call, and of the command line's composition, before)."""
+    monkeypatch.setattr(compose, "_config_dirs", [])
+    monkeypatch.delenv(compose.USER_CONF_ENV, raising=False)
+    (tmp_path / "conf" / "job").mkdir(parents=True)
+    (tmp_path / "conf" / "job" / "mine.yaml").write_text("# @package _global_\nname: mine\nsampling:\n"
+                                                        "  max_new_tokens: 7\n")
+    given = ["engine=dummy", f"engine.model={tiny_model}"]
+    assert compose.load_job("mine", given, config_dir=str(tmp_path / "conf")).sampling.max_new_tokens == 7
+    assert compose.user_conf_dirs() == []
+    with pytest.raises(ConfigError, match="job=mine"):
+        compose.load_job("mine", given)

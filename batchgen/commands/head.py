@@ -54,8 +54,10 @@ def first_rows(output_dir: Path, n: int) -> tuple[list[str], list[dict[str, Any]
 
 def row_line(row: dict[str, Any]) -> str:
     """One row as make demo prints it; a retried row's attempt added where it is not the job's own. Row data
-    escaped for the terminal (commands/terminal.py); the text as Python quotes it, which escapes them too."""
-    text = row["generation"] if row["generation"] is not None else row["error"] or ""
+    escaped for the terminal (commands/terminal.py); the text as Python quotes it, which escapes them too. A row
+    with an error shows it in place of the text: an input error's, or a constrained sample's invalid_output (whose
+    text is kept in the output, its finish reason the engine's)."""
+    text = row["error"] or row["generation"] or ""
     retried = f" attempt={row['attempt']}" if row.get("attempt") else ""
     return (f"  {one_line(row['id']):<12} {one_line(row['finish_reason']):<7} "
             f"prompt={str(row['num_prompt_tokens']):<4} gen={str(row['num_generated_tokens']):<4}{retried} "

@@ -9,7 +9,7 @@ from batchgen.commands.head import main
 from batchgen.commands.retry import main as retry_main
 from batchgen.output.view import latest
 from batchgen.run.runner import run_job
-from tests.conftest import compose_job, dummy_overrides, keyed_rows, write_parquet
+from tests.conftest import compose_job, dummy_overrides, job_overrides, keyed_rows, write_parquet
 
 
 def test_head_prints_the_first_rows_of_the_latest_attempt_view(tiny_model, tmp_path, capsys):
@@ -64,3 +64,18 @@ def test_head_escapes_ids_errors_and_column_names_from_the_rows(tiny_model, tmp_
     header, first, second = printed.splitlines()
     assert "notex\\x1b]0;pwned\\x07" in header and first.split()[0].startswith("r0x\\x1b]0;pwned\\x07\\x1b[2J\\u202e")
     assert second.split()[:2] == ["r1", "error"]
+
+
+def test_head_shows_an_invalid_outputs_error_not_only_its_finish_reason(tiny_model, tmp_path, capsys):
+    """A constrained sample cut before its match ends (the tiny model on engine=hf, a 20-digit regex, 3 tokens) is
+    error=invalid_output, its text kept and its finish reason the engine's: the line shows the error where it showed
+    the text after the finish reason `length`, as if the row had succeeded."""
+    data = write_parquet(tmp_path / "in.parquet", keyed_rows(2, "r", 5))
+    out = tmp_path / "out"
+    run_job(compose_job(job_overrides(tiny_model, data, out, "dataset.id_column=uid", "sampling.max_new_tokens=3",
+                                      "sampling.regex='[0-9]{20}'")))
+    row = latest(out).to_pylist()[0]
+    assert row["error"].startswith("invalid_output: ") and row["generation"] and row["finish_reason"] == "length"
+    assert main([str(out), "-n", "1"]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line.split()[1] == "length" and "'invalid_output: " in line and repr(row["generation"]) not in line, line

@@ -72,3 +72,19 @@ def test_a_key_with_a_carriage_return_is_refused_at_start_naming_the_variable_ne
     assert refused.returncode == 2, refused.stderr
     assert "engine.api_key_env=BATCHGEN_TEST_KEY" in refused.stderr and "carriage return" in refused.stderr
     assert "APIKEY" not in refused.stderr + refused.stdout and not (tmp_path / "out").exists()
+
+
+def test_a_storage_option_catalog_or_extra_body_value_with_a_control_character_is_refused_never_shown(tiny_model,
+                                                                                                     data, tmp_path):
+    """A value read from a CRLF file (or with an escape) in output.storage_options, output.catalog or
+    engine.extra_body: exit 2 before anything runs, each key named, no value on the console."""
+    keys = ("output.storage_options={AWS_SECRET_ACCESS_KEY: \"S3SECRET-0d1e\r\", AWS_REGION: eu-west-1}",
+            "output.catalog={type: rest, uri: 'https://cat.example/api', token: \"CATTOKEN-4b5c\x1b\"}",
+            "engine.extra_body={api_token: \"XBODY-0b1c\r\n\", top_k: 5}")
+    refused = run_cli(overrides(tiny_model, data, tmp_path / "out", "http://127.0.0.1:9/v1", *keys))
+    said = refused.stdout + refused.stderr
+    assert refused.returncode == 2, said
+    assert "output.storage_options.AWS_SECRET_ACCESS_KEY holds a carriage return (\\r) at its end" in said, said
+    assert "output.catalog.token holds a control character (0x1b) at character 14" in said, said
+    assert "engine.extra_body.api_token holds a carriage return (\\r) at its end" in said, said
+    assert not [s for s in ("S3SECRET", "CATTOKEN", "XBODY") if s in said] and not (tmp_path / "out").exists()

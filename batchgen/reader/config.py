@@ -14,6 +14,8 @@ FORMATS = ("auto", "parquet", "jsonl", "hf", "openai_batch")
 VERIFY = ("footers", "pages")
 MAX_DEPTH = 32  # nesting of a JSONL value beyond which its row is a too_deep error (Parquet readers choke deeper)
 BOM = b"\xef\xbb\xbf"
+TEMPLATE_FILE_SUFFIXES = (".txt", ".text", ".md", ".jinja", ".jinja2", ".j2", ".tmpl", ".tpl", ".prompt", ".yaml",
+                          ".yml", ".json")  # a dataset.template ending so, with no placeholder, is a path
 
 
 
@@ -81,9 +83,28 @@ class DatasetConfig:
             out.append(f"dataset.max_line_bytes must be >= 1 (got {self.max_line_bytes})")
         if self.template is not None and self.messages_column is not None:
             out.append("dataset.template and dataset.messages_column are exclusive: set one of them")
+        if self.template is not None and _looks_like_a_path(self.template):
+            out.append(f"dataset.template={self.template!r} looks like a file's path, but dataset.template is the "
+                       f"prompt text itself, a format string with {{column}} placeholders rendered per row "
+                       f"('Summarize:\\n{{text}}'): every row's prompt would be this path. Write the file's "
+                       f"text as the value: in a job preset's YAML (dataset: template: |, then its lines), or on the "
+                       f"command line 'dataset.template=\"...\"' with \\n for each newline")
         if self.choice_column and self.schema_column:
             out.append("dataset.choice_column and dataset.schema_column are exclusive: a row has one constraint")
         return out
+
+
+def _looks_like_a_path(template: str) -> bool:
+    """A template with no `{` placeholder that names an existing file, or is one word ending in a file suffix
+    (.txt, .md, .jinja, ...) or holding a path separator: a path given where the text was meant."""
+    if "{" in template:
+        return False
+    if os.path.isfile(template):
+        return True
+    word = template.strip()
+    if not word or any(ch.isspace() for ch in word):
+        return False
+    return word.lower().endswith(TEMPLATE_FILE_SUFFIXES) or "/" in word or os.sep in word
 
 
 def _path_problems(path: str, fmt: str) -> list[str]:

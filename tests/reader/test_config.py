@@ -55,3 +55,28 @@ def test_a_url_whose_filesystem_package_is_not_installed_names_the_scheme():
     (problem,) = DatasetConfig(path="wandb://project/x.jsonl").problems()
     assert problem.startswith("dataset.path: wandb:// needs a package that is not installed: ")
     assert "wandbfs" in problem
+
+
+@pytest.mark.parametrize("template", ["prompts/q.txt", "q.TXT", "prompt.md", "chat.jinja", "t.j2", "dir/question"])
+def test_a_template_that_looks_like_a_path_is_refused_as_the_text_it_would_be(tmp_path, template):
+    problems = DatasetConfig(path=str(tmp_path), template=template).problems()
+    assert len(problems) == 1 and problems[0].startswith(f"dataset.template={template!r} looks like a file's path")
+    assert "a format string with {column} placeholders" in problems[0]
+
+
+def test_a_template_naming_an_existing_file_is_refused_and_text_or_placeholders_are_not(tmp_path):
+    existing = tmp_path / "question"
+    existing.write_text("Summarize:\n{text}")
+    assert DatasetConfig(path=str(tmp_path), template=str(existing)).problems()[0].startswith("dataset.template=")
+    for template in ("{text}", "See docs/{path}.md", "Answer yes or no.", "Hello", "Summarize:\n{text}", ""):
+        assert DatasetConfig(path=str(tmp_path), template=template).problems() == [], template
+
+
+def test_the_command_line_refuses_a_template_path_with_exit_2(tiny_model, tmp_path):
+    from tests.conftest import dummy_overrides, run_cli, write_jsonl
+
+    data = write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
+    (tmp_path / "q.txt").write_text("Summarize:\n{text}")
+    refused = run_cli(dummy_overrides(tiny_model, data, tmp_path / "out", f"dataset.template={tmp_path}/q.txt"))
+    assert refused.returncode == 2 and "dataset.template=" in refused.stderr, refused.stderr
+    assert "{column} placeholders" in refused.stderr and not (tmp_path / "out").exists()

@@ -59,3 +59,23 @@ def test_a_worker_that_reads_other_model_prompt_files_refuses_to_run(tiny_model,
             call()
         assert "restore those files and rerun to resume" in str(refused.value)
     assert not list((tmp_path / "out").glob("part-*.parquet"))
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_requeued_parts_console_warning_shows_a_hostile_row_id_escaped(tiny_model, tmp_path):
+    """run.on_bad_row=fail under launcher=ray: the driver's console warning for the failed part quotes the row's id
+    and error; the CLI's console handler (commands/terminal.py ConsoleFormatter) escapes it."""
+    pytest.importorskip("ray", reason="launcher=ray needs ray: pip install 'batchgen[ray]'")
+    from tests.commands.test_terminal import HOSTILE, assert_safe
+    from tests.conftest import run_cli
+
+    rows = [{"uid": f"u{HOSTILE}", "prompt": ""}, {"uid": "ok", "prompt": "question"}]
+    data = write_parquet(tmp_path / "in.parquet", rows)
+    done = run_cli(dummy_overrides(tiny_model, data, tmp_path / "out", "dataset.id_column=uid", "launcher=ray",
+                                   "launcher.num_workers=1", "launcher.max_attempts=2", "run.on_bad_row=fail"))
+    assert done.returncode == 1, done.stderr[-3000:]
+    console = done.stdout + done.stderr  # Hydra's console handler writes to stdout
+    warned = [line for line in console.splitlines() if "part 0 failed on worker 0 (attempt 1 of 2)" in line]
+    assert warned and "ux\\x1b]0;pwned\\x07\\x1b[2J\\u202etxt.exe\\x9b1m === row 2" in warned[0], console[-3000:]
+    assert_safe(console)

@@ -84,7 +84,8 @@ def gather(output_dir: Path) -> dict[str, Any]:
     for a in attempts(output_dir)[1:]:
         here = attempt_dir(output_dir, a)
         recorded = json.loads((here / "_retry.json").read_text()) if (here / "_retry.json").exists() else {}
-        retries.append({"attempt": a, "complete": (here / "_SUCCESS").exists(), **recorded})
+        retries.append({"attempt": a, "complete": (here / "_SUCCESS").exists(), **recorded,
+                        "tokens": sum(h.get("generated_tokens", 0) for h in history(here))})  # its own history
     return {"manifest": manifest, "rows": rows, "samples": len(generated), "prompt": prompt, "generated": generated,
             "reasons": reasons, "errors": errors, "error_counts": counts, "history": history(output_dir),
             "beats": [(p.name, b) for p, b in read_heartbeats(output_dir)], "retries": retries,
@@ -95,8 +96,7 @@ def gather(output_dir: Path) -> dict[str, Any]:
 def _svg(fig: Any) -> str:
     buf = io.StringIO()
     fig.savefig(buf, format="svg", bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
+    import matplotlib.pyplot as plt  # matplotlib made `fig`: importable here
     plt.close(fig)
     text = buf.getvalue()
     return text[text.index("<svg"):]  # inline: without the XML prolog
@@ -270,7 +270,8 @@ def _summary_rows(facts: dict[str, Any]) -> list[list[Any]]:
             ["error samples (latest view: after retries)", sum(facts["error_counts"].values())],
             ["rows skipped (run.skip_existing)", sum(b.rows_skipped for _, b in facts["beats"])],
             ["invalid outputs", sum(b.invalid_outputs for _, b in facts["beats"])],
-            ["generated tokens (history)", sum(h.get("generated_tokens", 0) for h in hist)],
+            ["generated tokens (history, retries included)", sum(h.get("generated_tokens", 0) for h in hist)
+             + sum(r["tokens"] for r in facts["retries"])],
             *([["cost (history; output.prices)", f"{sum(h.get('cost', 0) for h in hist):.6g}"]]
               if any("cost" in h for h in hist) else []),
             *([["rows needing review (history; task=decide)", sum(h.get("needs_review", 0) for h in hist)]]
@@ -353,8 +354,7 @@ def _copy_row_columns(remote: RemoteOutput, into: Path) -> None:
         if PART_RE.match(name):
             with remote.fs.open(key, "rb") as f:
                 part = open_part(f"{remote.url.rstrip('/')}/{name}", source=f)
-                read = part.read(columns=list(ROW_COLUMNS))
-                schema = part.schema_arrow
+                read, schema = part.read(columns=list(ROW_COLUMNS)), part.schema_arrow
                 arrays = [read.column(c) if c in ROW_COLUMNS else pa.nulls(read.num_rows, schema.field(c).type)
                           for c in OUTPUT_COLUMNS]
                 pq.write_table(pa.Table.from_arrays(arrays, names=list(OUTPUT_COLUMNS)), into / name)

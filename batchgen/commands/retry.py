@@ -5,12 +5,11 @@ engine.max_model_len, run.too_long=truncate_left, another sampling.seed...).
 Each retry is an attempt: attempt N writes `OUTPUT_DIR/_attempts/attempt-NNN/`, a job of its own (manifest, journals,
 parts, _SUCCESS, so resumable and exactly-once like any job), whose input is `_input.parquet` there: the erring rows
 of the job's input, read once, with their original ids and which row of their id each is (view.OCCURRENCE: ids
-may repeat). Its parts carry an `attempt` column and that occurrence. The job's own parts are never touched;
-`batchgen.output.view` gives the latest successful attempt per row.
-
-A retry killed at any point is finished by running the same command again (or `batchgen retry OUTPUT_DIR` alone,
-which takes the unfinished attempt's recorded kinds and overrides); a new attempt starts only once the last one is
-complete. Knows the output layout and the job runner; the config comes from the CLI (`config_from`).
+may repeat). Its parts carry an `attempt` column and that occurrence. Once complete, it is published
+(output/publish.py): the top-level parts show the latest attempt per row, the job's own kept in _attempts/original/.
+A retry killed at any point (publishing included) is finished by the same command again, or `batchgen retry
+OUTPUT_DIR` alone (the unfinished attempt's recorded kinds and overrides); a new attempt starts only once the last
+is complete. Knows the output layout and the job runner; the config comes from the CLI (`config_from`).
 """
 
 from __future__ import annotations
@@ -28,13 +27,15 @@ from typing import Any, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.commands.terminal import error_text, lines
+from batchgen.commands.terminal import error_text, lines, one_line
 from batchgen.errors import BatchgenError, ConfigError, LockedError
 from batchgen.fsutil import replace_durably, write_json_atomic
 from batchgen.job import JobConfig
 from batchgen.output.lock import is_held, lock_name
 from batchgen.output.manifest import MANIFEST, diff, read_manifest, refuse_quoted
 from batchgen.output.parts import part_schema
+from batchgen.output.publish import pending, publish, published_line
+from batchgen.output.remote import is_remote
 from batchgen.output.rows.schema import ATTEMPT_FIELD, OPTIONAL_FIELDS, OUTPUT_COLUMNS, SUCCESS
 from batchgen.output.rows.stats import error_kind
 from batchgen.output.view import OCCURRENCE, attempt_dir, attempts, keyed_batches, latest_batches, part_files
@@ -319,6 +320,30 @@ def passthrough_of(output_dir: Path, manifest: dict[str, Any]) -> list[str]:
     return [name for name in part_schema(parts[0]).names if name not in own] if parts else []
 
 
+def _local_dir(text: str) -> Path:
+    """The output directory: local (an object store cannot rename a part over another atomically)."""
+    if is_remote(text):
+        raise argparse.ArgumentTypeError(f"{text}: retry works on a local output_dir: copy it here, retry, copy back")
+    return Path(text)
+
+
+def _finish(output_dir: Path, attempt: int) -> int:
+    """After a complete attempt: publish it (output/publish.py), then the job's OpenAI results file from the latest
+    attempts. 0, or 1 where a write failed (a rerun of `batchgen retry OUTPUT_DIR` publishes again)."""
+    from batchgen.output.openai_out import write_if_wanted
+
+    try:
+        print(one_line(published_line(output_dir, publish(output_dir, attempt))))
+    except OSError as exc:
+        print(f"batchgen retry: error: publishing attempt {attempt} over {output_dir}'s parts failed ({exc}); every "
+              f"row is still there once: rerun `batchgen retry {output_dir}` to finish it", file=sys.stderr)
+        return 1
+    written = write_if_wanted(output_dir)  # the job's results file, now from the latest attempts
+    if written:
+        print(f"OpenAI batch results rewritten from the latest attempts: {written}")
+    return 0
+
+
 def main(argv: list[str], config_from: Callable[[dict[str, Any], list[str]], JobConfig]) -> int:
     """The CLI's `batchgen retry`; `config_from` (cli.py, the one module that knows Hydra) builds the config."""
     from batchgen.run.runner import run_job
@@ -326,13 +351,15 @@ def main(argv: list[str], config_from: Callable[[dict[str, Any], list[str]], Job
 
     parser = argparse.ArgumentParser(prog="batchgen retry", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("output_dir", type=Path)
+    parser.add_argument("output_dir", type=_local_dir)
     parser.add_argument("--kinds", help=f"error kinds to retry, comma-separated (default {','.join(DEFAULT_KINDS)})")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides for the retried rows")
     args = parser.parse_intermixed_args(argv)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     try:
+        if (unpublished := pending(args.output_dir)) is not None:  # a retry killed while it published: finish that
+            return _finish(args.output_dir, unpublished)
         job = prepare(args.output_dir, kinds, args.overrides, config_from)
         if job is None:
             print(f"batchgen retry: no row of {args.output_dir} erred with {', '.join(kinds or DEFAULT_KINDS)}; "
@@ -346,12 +373,8 @@ def main(argv: list[str], config_from: Callable[[dict[str, Any], list[str]], Job
         print(f"batchgen retry: {exc}; rerun the same command to finish this attempt", file=sys.stderr)
         return exc.exit_code
     print(lines(summary.render()))
-    if summary.state == "done":
-        from batchgen.output.openai_out import write_if_wanted
-
-        written = write_if_wanted(args.output_dir)  # the job's results file, now from the latest attempts
-        if written:
-            print(f"OpenAI batch results rewritten from the latest attempts: {written}")
+    if summary.state == "done" and _finish(args.output_dir, job[1]["retry"]["attempt"]):
+        return 1
     print(f"latest attempt per row: batchgen.output.view.latest({str(args.output_dir)!r}) "
           f"(docs/output-and-resume.md, \"Retry\")")
     return 0

@@ -72,10 +72,11 @@ def _describe(shown: str, files: Path, local: Optional[Path], parts: int, *, par
     """`files`: where the manifest, status files and _SUCCESS are; `local`: where the journals and locks are (the
     output directory, or an object-storage output's staging directory; None where it is not on this machine);
     `parts_here`: whether the committed parts are in `local` too (not on object storage)."""
-    lines = [f"{shown}: {'complete' if (files / SUCCESS).exists() else 'incomplete'}"]
     journals = read_journals(local) if local else None  # None: on the machine that runs it
     shards = [_Shard.seen(path.name, beat, local if parts_here else None, journals)
               for path, beat in read_heartbeats(files)]
+    lines = [f"{shown}: {'complete' if (files / SUCCESS).exists() else 'incomplete'}"
+             + _after_retries(files, sum(sh.done.error_rows for sh in shards))]
     for shard in shards:
         lines += shard.lines("stopped (no live writer)" if local and writer_is_gone(local, shard.beat)
                              else shard.beat.state)
@@ -105,8 +106,21 @@ def _table(files: Path) -> list[str]:
     return [f"  table: {line}"] if line else []
 
 
+def _after_retries(output_dir: Path, before: int) -> str:
+    """The headline's rows still failing after the last published retry (what reading the directory shows)."""
+    from batchgen.output.publish import published
+    from batchgen.output.view import attempts
+
+    done = [(a, record) for a in attempts(output_dir)[1:] if (record := published(output_dir, a))]
+    if not done:
+        return ""
+    a, record = done[-1]
+    return (f"; after retry attempt-{a:03d}: {record['error_rows']} error rows of {record['rows']} ({before} before "
+            f"retries)")
+
+
 def _attempts(output_dir: Path) -> list[str]:
-    """One line per `batchgen retry` attempt beside the job's parts."""
+    """One line per `batchgen retry` attempt beside the job's parts, with the rows that still fail after it."""
     from batchgen.output.view import attempt_dir, attempts
 
     lines = []
@@ -117,8 +131,20 @@ def _attempts(output_dir: Path) -> list[str]:
         overrides = one_line(" ".join(recorded.get("overrides", [])) or "none")
         lines.append(f"  {here.name}: {state}: {recorded.get('rows', '?')} rows retried "
                      f"({one_line(', '.join(recorded.get('kinds', [])))}; overrides: {overrides}), "
-                     f"{len(list(here.glob('part-*.parquet')))} committed parts")
+                     f"{len(list(here.glob('part-*.parquet')))} committed parts" + _after(output_dir, a))
     return lines
+
+
+def _after(output_dir: Path, attempt: int) -> str:
+    """An attempt's rows still failing once it was published; where its publish is pending, how to finish it."""
+    from batchgen.output.publish import pending, published
+
+    record = published(output_dir, attempt)
+    if record is None:
+        return f"; not yet published: `batchgen retry {output_dir}` publishes it" if pending(output_dir) == attempt \
+            else ""
+    errors = ", ".join(f"{k}={v}" for k, v in sorted(record["errors"].items()))
+    return f"; {record['error_rows']} rows still fail after it" + (f" ({one_line(errors)})" if errors else "")
 
 
 def _journal_lines(journals: dict[int, Any]) -> list[str]:

@@ -2,8 +2,10 @@
 added.
 
 An output holds the job's parts (attempt 0, `part-*.parquet`) and, after retries, each retry's parts in
-`_attempts/attempt-NNN/` beside them, with an `attempt` column. Reading the directory itself still gives the job's
-own rows (its `_` names are skipped by every Parquet reader); this view is how to read the latest. Ids may repeat
+`_attempts/attempt-NNN/` beside them, with an `attempt` column. Once a retry completes, batchgen.output.publish
+writes this view's rows over the top-level part files (so reading the directory gives the latest), keeping each
+replaced part as first committed in `_attempts/original/`: attempt 0 here is the job's parts as committed
+(`own_parts`), never the published ones. Ids may repeat
 (docs/output-and-resume.md, "Duplicate ids"), so a row is keyed by (id, occurrence, sample_index), occurrence being
 which row of its id it is (0-based, in the job's output order): counted here for the job's parts, recorded by the
 retry in its parts' hidden OCCURRENCE column (a retry written before that column existed matches by id alone). Per
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection, Iterator
+from itertools import groupby
 from pathlib import Path
 from typing import Optional
 
@@ -35,7 +38,8 @@ from batchgen.output.rows.schema import PART_RE
 ATTEMPT_RE = re.compile(r"^attempt-(\d{3,})$")
 
 
-ATTEMPTS = "_attempts"  # '_': reading output_dir (or output_dir/*.parquet) gives the job's own rows, as before
+ATTEMPTS = "_attempts"  # '_': reading output_dir (or output_dir/*.parquet) never reads a retry's parts
+ORIGINALS = "original"  # _attempts/original/part-KKKKK.parquet: a job part as committed, once a publish replaced it
 # a retry's parts: which row of its id (0-based, in the job's output order) each row retries. Ids may repeat, so the
 # view's key is (id, occurrence, sample_index), unique by construction; never a column of the view itself
 OCCURRENCE = "_batchgen_occurrence"
@@ -55,6 +59,18 @@ def attempts(output_dir: Path) -> list[int]:
     return [0, *sorted(found)]
 
 
+def own_parts(output_dir: Path) -> list[Path]:
+    """The job's own parts as it committed them (attempt 0): each top-level part, or its original where a retry's
+    publish replaced it (the original is kept before its part is replaced, so it exists whenever they differ)."""
+    kept = output_dir / ATTEMPTS / ORIGINALS
+    return [kept / p.name if (kept / p.name).is_file() else p for p in part_files(output_dir)]
+
+
+def attempt_parts(output_dir: Path, attempt: int) -> list[Path]:
+    """Attempt `attempt`'s committed parts: the job's own as committed (0), or a retry's."""
+    return own_parts(output_dir) if attempt == 0 else part_files(attempt_dir(output_dir, attempt))
+
+
 def part_files(directory: Path) -> list[Path]:
     if not directory.is_dir():
         return []
@@ -64,8 +80,7 @@ def part_files(directory: Path) -> list[Path]:
 
 def view_schema(output_dir: Path, columns: Optional[list[str]] = None) -> pa.Schema:
     """Every part's columns, unified (a retry may write an optional column the job did not), plus `attempt`."""
-    schemas = [part_schema(p).remove_metadata() for a in attempts(output_dir)
-               for p in part_files(attempt_dir(output_dir, a))]
+    schemas = [part_schema(p).remove_metadata() for a in attempts(output_dir) for p in attempt_parts(output_dir, a)]
     if not schemas:
         raise FileNotFoundError(f"{output_dir} holds no committed part (part-*.parquet)")
     schema = pa.unify_schemas(schemas)
@@ -126,16 +141,17 @@ def _winners(output_dir: Path, schema: pa.Schema) -> dict[Key, Winner]:
 
 
 def _view(output_dir: Path, columns: Optional[list[str]], track: Collection[str]
-          ) -> Iterator[tuple[pa.Table, Optional[list[Optional[int]]]]]:
-    """The view's tables, each with its rows' occurrences where a row's id was retried or is in `track` (None for
-    a table with no such row). Occurrences are counted for those ids only: memory stays with the retried rows."""
+          ) -> Iterator[tuple[int, pa.Table, Optional[list[Optional[int]]]]]:
+    """The view's tables, each with the position of the job's part it comes from (in part order) and its rows'
+    occurrences where a row's id was retried or is in `track` (None for a table with no such row). Occurrences are
+    counted for those ids only: memory stays with the retried rows."""
     schema = view_schema(output_dir, columns)
     wide = _with_keys(schema)
     winners = _winners(output_dir, wide)
     keyed = {k[0] for k in winners} | set(track)
     value_set = pa.array(sorted(keyed), pa.string())
     seen: dict[str, int] = {}
-    for path in part_files(output_dir):
+    for k, path in enumerate(own_parts(output_dir)):
         pf = open_part(path)
         for g in range(pf.num_row_groups):
             table = _read(lambda cols, g=g, pf=pf: pf.read_row_group(g, columns=cols), pf.schema_arrow.names, wide, 0)
@@ -143,20 +159,28 @@ def _view(output_dir: Path, columns: Optional[list[str]], track: Collection[str]
             if keyed and pc.any(pc.is_in(table.column("id"), value_set=value_set)).as_py():
                 occurrences = _occurrences(table, keyed, seen)
                 table = _replace(table, winners, occurrences)
-            yield table.select(schema.names), occurrences
+            yield k, table.select(schema.names), occurrences
 
 
 def latest_batches(output_dir: str | Path, columns: Optional[list[str]] = None) -> Iterator[pa.Table]:
     """The latest-attempt view, one table per row group of the job's parts, in the job's output order. `columns`:
     the columns to read (default all; `attempt` is always available)."""
-    for table, _ in _view(Path(output_dir), columns, ()):
+    for _, table, _ in _view(Path(output_dir), columns, ()):
         yield table
+
+
+def part_views(output_dir: Path) -> Iterator[tuple[Path, pa.Table]]:
+    """The view part by part: each of the job's parts as committed (own_parts) with its rows in the view, every
+    column and `attempt`. What a retry's publish writes over the top-level part."""
+    parts = own_parts(output_dir)
+    for k, group in groupby(_view(output_dir, None, ()), key=lambda item: item[0]):
+        yield parts[k], pa.concat_tables([table for _, table, _ in group])
 
 
 def keyed_batches(output_dir: str | Path, columns: list[str], ids: Collection[str]) -> Iterator[pa.Table]:
     """latest_batches with an OCCURRENCE column last: which row of its id each row is (0-based, in the job's output
     order) where its id is in `ids`, else null. What `batchgen retry` records of the rows it retries."""
-    for table, occurrences in _view(Path(output_dir), columns, ids):
+    for _, table, occurrences in _view(Path(output_dir), columns, ids):
         values = pa.array(occurrences or [None] * table.num_rows, pa.int64())
         yield table.append_column(pa.field(OCCURRENCE, pa.int64()), values)
 
@@ -208,7 +232,7 @@ def duckdb_sql(output_dir: str | Path) -> str:
     """A duckdb query giving the latest-attempt view straight from the Parquet files (the same rows as `latest`;
     order by your own key, SQL keeps none): `duckdb.sql(duckdb_sql(path)).df()`."""
     output_dir = Path(output_dir)
-    files = [(a, i, p) for a in attempts(output_dir) for i, p in enumerate(part_files(attempt_dir(output_dir, a)))]
+    files = [(a, i, p) for a in attempts(output_dir) for i, p in enumerate(attempt_parts(output_dir, a))]
     if not files:
         raise FileNotFoundError(f"{output_dir} holds no committed part (part-*.parquet)")
     listed = ", ".join(_quoted(str(p)) for _, _, p in files)

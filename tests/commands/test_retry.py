@@ -53,13 +53,14 @@ def finished_job(model: str, tmp_path: Path, name: str = "out", overrides=dummy_
 
 def test_a_retry_with_truncation_leaves_every_id_once_in_the_latest_attempt_view(tiny_model, tmp_path):
     out, long_ids = finished_job(tiny_model, tmp_path)
-    before = {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
+    before = {p.name: p.read_bytes() for p in out.glob("part-*.parquet")}
     done = run_cli(["retry", str(out), "--kinds", "too_long", "run.too_long=truncate_left"])
     assert done.returncode == 0, done.stderr[-3000:]
     attempt = out / "_attempts" / "attempt-001"
     assert (attempt / "_SUCCESS").exists()
-    assert {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")} == before  # the job's parts untouched
-    assert pq.read_table(out).num_rows == 24  # reading the directory still gives the job's own rows, once each
+    kept = out / "_attempts" / "original"  # the job's parts as committed, kept when the publish replaced them
+    assert {p.name: p.read_bytes() for p in kept.glob("part-*.parquet")} == before
+    assert pq.read_table(out).num_rows == 24  # reading the directory gives the latest attempt's rows, once each
     retried = pq.read_table(attempt).to_pylist()  # its parts (_input.parquet is skipped, as by any reader)
     assert sorted(r["id"] for r in retried) == long_ids
     assert {r["attempt"] for r in retried} == {1} and all(r["error"] is None for r in retried)

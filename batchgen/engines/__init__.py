@@ -101,13 +101,15 @@ class EngineSpec:
     check_sampling: Optional[Callable[[Any, Any, Any], list[str]]] = None  # (engine, sampling, dataset) it refuses
     tasks: tuple[str, ...] = ("generate",)  # the job tasks it runs (task=loglik, embed, decide)
     for_task: Optional[Callable[[Any, str, Any], Any]] = None  # (engine config, task, embed config) -> its config
+    draw: Optional[str] = None  # its seeded rows' draw, where batchgen makes it (recorded: seeded_draw)
 
 
 ENGINES: dict[str, EngineSpec] = {
     "hf": EngineSpec(HFConfig, _load_hf, rows_per_part=256,
                      quantization=("int8", "int8_wo", "int4", "bnb-int8", "bnb-nf4"),
                      choice_scores=True, check_quantization=_hf_quantization, tasks=("generate", "loglik", "embed",
-                                                                                   "decide")),
+                                                                                   "decide"),
+                     draw="counter-hash"),  # engines/hf/sampling/draw.py VERSION
     # vllm: one window per part keeps its scheduler busy
     "vllm": EngineSpec(VLLMConfig, _load_vllm, rows_per_part=1024,
                        quantization=("awq", "gptq", "fp8", "compressed-tensors", "bitsandbytes", "gguf", "awq_marlin",
@@ -121,6 +123,14 @@ ENGINES: dict[str, EngineSpec] = {
     "dummy": EngineSpec(DummyConfig, _load_dummy, rows_per_part=256, quantization=(), beam_search=False,
                         constraints=False),
 }
+
+
+def seeded_draw(name: str, samples: bool) -> dict[str, str]:
+    """{"draw": engine `name`'s draw} where the job's rows may sample (EngineSpec.draw), else {}: in the output's
+    config hash, so that a resume of an output whose rows were drawn otherwise (the hf engine's CPU draw before
+    docs/output-and-resume.md's one change) is refused, while a greedy output's hash stays as it was."""
+    draw = ENGINES[name].draw if name in ENGINES else None
+    return {"draw": draw} if draw and samples else {}
 
 
 def default_rows_per_part(name: str) -> int:

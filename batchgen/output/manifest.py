@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
+from batchgen.engines import seeded_draw
 from batchgen.engines.base import WEIGHT_FILES
 from batchgen.errors import ConfigError, ResumeMismatchError
 from batchgen.fsutil import content_digest, file_sha256, write_json_atomic
@@ -65,7 +66,8 @@ def output_config(cfg: JobConfig) -> dict[str, Any]:
         "sampling": _sampling(cfg),
         "engine": {"name": engine.name, "model": _local(engine.model), "tokenizer": _local(engine.tokenizer),
                    "quantization": engine.quantization, "max_model_len": engine.max_model_len,
-                   **_endpoint(engine)},
+                   **_endpoint(engine),
+                   **seeded_draw(engine.name, not cfg.sampling.greedy or cfg.dataset.temperature_column is not None)},
         **_output(cfg),
         **({"task": cfg.task} if cfg.task != "generate" else {}),
         **({"embed": dataclasses.asdict(cfg.embed)} if cfg.task == "embed" else {}),

@@ -58,7 +58,7 @@ class HFEngine:
                                                                            cfg.max_batch_size)
         self.eos_ids = eos_ids(self.model, tokenizer)
         vocab = getattr(self.model.config, "vocab_size", None)
-        self.sampler = Sampler(tokenizer, self.eos_ids, self.device, vocab_size=vocab)
+        self.sampler = Sampler(tokenizer, self.eos_ids, self.device, vocab_size=vocab, ops=self.backend.draw_ops())
         self.fast = True  # continuous batching on the pre-allocated cache where the architecture allows
         self._stepper: Optional[LlamaStepper] = None
         self.counters = SchedulerStats()  # summed over every window and stream, live (stats())

@@ -12,7 +12,7 @@ from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
 from batchgen.engines.hf.config import HFConfig
 from batchgen.engines.hf.device import resolve_dtype
 from batchgen.engines.hf.engine import HFEngine
-from batchgen.engines.hf.sampling.sampler import sample_token
+from batchgen.engines.hf.sampling.draw import RowParams, sample
 from batchgen.records import Request
 from batchgen.run.runner import run_job
 from batchgen.sampling import SampleParams
@@ -137,12 +137,16 @@ def test_stop_string_late_in_a_long_generation_stops_at_the_first_token_that_com
 
 
 def test_sampling_filters_keep_only_allowed_tokens():
-    logits = torch.tensor([5.0, 4.0, 3.0, -1.0, -2.0])
-    gen = torch.Generator().manual_seed(0)
+    logits = torch.tensor([5.0, 4.0, 3.0, -1.0, -2.0]).expand(200, -1)
+    steps = torch.arange(200)  # one row's 200 draws
+
+    def drawn(p: SampleParams) -> set[int]:
+        return set(sample(logits, RowParams.of_rows([p] * 200, [7] * 200, logits.device), steps).tolist())
+
     top_k = SampleParams(max_new_tokens=1, temperature=1.0, top_p=1.0, top_k=2, stop=(), ignore_eos=False)
-    assert {sample_token(logits, top_k, gen) for _ in range(200)} <= {0, 1}
+    assert drawn(top_k) <= {0, 1}
     top_p = SampleParams(max_new_tokens=1, temperature=1.0, top_p=0.5, top_k=0, stop=(), ignore_eos=False)
-    assert {sample_token(logits, top_p, gen) for _ in range(200)} == {0}
+    assert drawn(top_p) == {0}
 
 
 def test_auto_dtype_follows_the_measured_gemm_speed_and_an_explicit_dtype_wins(monkeypatch, tmp_path, caplog):

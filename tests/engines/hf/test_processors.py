@@ -1,16 +1,16 @@
 """The hf engine's logits processors (engines/hf/sampling/processors.py) and min_p: token for token equal to HF
-generate with the same processors (float32; greedy, and seeded sampling, whose draws HF makes from the same
-generator stream), on both decode paths; penalised greedy rows pick from their penalised logits, not the step's
-argmax; min_tokens holds EOS and stop strings off; rows without processors keep their logits untouched."""
+generate with the same processors (float32; greedy, and seeded sampling, HF's greedy search taking the draw's
+token from its noise added last), on both decode paths; penalised greedy rows pick from their penalised logits, not
+the step's argmax; min_tokens holds EOS and stop strings off; rows without processors keep their logits untouched."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from batchgen.engines.hf.backends.cuda.sampling import filter_logits
 from batchgen.engines.hf.sampling import processors
-from batchgen.engines.hf.sampling.sampler import Sampler, sample_token
+from batchgen.engines.hf.sampling.draw import RowParams, as_int64, filter_logits, gumbel, sample
+from batchgen.engines.hf.sampling.sampler import Sampler
 from batchgen.records import Request
 from batchgen.sampling import SampleParams
 from tests.conftest import corpus, generate_generic
@@ -38,11 +38,27 @@ def params(**kw) -> SampleParams:
     return SampleParams(**(base | kw))
 
 
+class CounterHashDraw:
+    """HF's last logits processor: the draw's noise (draw.gumbel) for the row's seed and step added to the warped
+    scores, so that HF's greedy search takes the token the draw takes."""
+
+    def __init__(self, seed: int, prompt_len: int):
+        self.seed, self.prompt_len = torch.tensor([as_int64(seed)]), prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = torch.tensor([input_ids.shape[1] - self.prompt_len])
+        return scores + gumbel(self.seed, step, scores.shape[-1])
+
+
 def hf_generate(model, ids: list[int], n: int, seed=None, **kw) -> list[int]:
-    """HF generate on one row alone; seeded: sampled from the global generator seeded so (top-k off)."""
+    """HF generate on one row alone; seeded: HF's processors, then its temperature and min-p warpers, then the draw's
+    noise for the seed (top-k and top-p off), HF taking the largest."""
     if seed is not None:
-        torch.manual_seed(seed)
-        kw |= dict(do_sample=True, top_k=0, top_p=1.0)
+        from transformers import LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper
+
+        warpers = [TemperatureLogitsWarper(kw.pop("temperature"))]
+        warpers += [MinPLogitsWarper(kw.pop("min_p"))] if "min_p" in kw else []
+        kw["logits_processor"] = LogitsProcessorList([*warpers, CounterHashDraw(seed, len(ids))])
     with torch.inference_mode():
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              max_new_tokens=n, do_sample=kw.pop("do_sample", False), **kw)
@@ -81,7 +97,7 @@ def test_greedy_rows_equal_hf_generate_with_the_same_processors(engine, referenc
 
 
 def test_seeded_samples_equal_hf_generate_with_the_same_processors(engine, reference, tokenizer):
-    """On CPU each row draws from its own generator, seeded as HF's global one: the same draws, token for token."""
+    """Each row's draw after HF's processors and warpers: the same tokens (the noise a function of seed and step)."""
     p = params(max_new_tokens=16, temperature=0.8, repetition_penalty=1.3, min_p=0.05, logit_bias=EOS_BIAS,
                min_tokens=3)
     reqs = [Request(key=i, prompt_ids=tokenizer(t).input_ids, params=p, seed=100 + i)
@@ -99,8 +115,8 @@ def test_min_p_draws_only_what_hf_and_the_device_sampler_keep():
     kept = set(torch.isfinite(MinPLogitsWarper(0.1)(None, x.clone())[0]).nonzero().flatten().tolist())
     device = filter_logits(x.clone(), torch.tensor([0]), torch.tensor([1.0]), torch.tensor([0.1]))
     assert kept == set(torch.isfinite(device[0]).nonzero().flatten().tolist()) and 1 < len(kept) < 50
-    gen = torch.Generator().manual_seed(0)
-    assert {sample_token(logits[0], p, gen) for _ in range(300)} <= kept
+    drawn = sample(logits.expand(300, -1), RowParams.of_rows([p] * 300, [7] * 300, logits.device), torch.arange(300))
+    assert set(drawn.tolist()) <= kept
 
 
 def test_processors_match_their_definitions_and_leave_other_rows_alone():

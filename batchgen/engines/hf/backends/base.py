@@ -9,6 +9,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from batchgen.engines.hf.config import HFConfig
+from batchgen.engines.hf.sampling.draw import DrawOps
 from batchgen.engines.hf.step import LlamaStepper
 
 
@@ -39,4 +40,8 @@ class Backend(Protocol):
 
     def stepper(self, model: Any, prepared: Prepared, dtype: torch.dtype, cfg: HFConfig) -> LlamaStepper:
         """The prefill and decode steps on this device (built once per engine)."""
+        ...
+
+    def draw_ops(self) -> DrawOps:
+        """What the sampler may run this device's way without changing a token (sampling/draw.py)."""
         ...

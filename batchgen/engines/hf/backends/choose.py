@@ -8,6 +8,7 @@ import torch
 
 from batchgen.engines.hf.backends.base import Backend, Prepared
 from batchgen.engines.hf.config import HFConfig
+from batchgen.engines.hf.sampling.draw import TORCH_OPS, DrawOps
 from batchgen.engines.hf.step import LlamaStepper
 
 
@@ -25,6 +26,9 @@ class TorchBackend:
 
     def stepper(self, model: Any, prepared: Prepared, dtype: torch.dtype, cfg: HFConfig) -> LlamaStepper:
         return LlamaStepper(model, prepared.activation_dtype)
+
+    def draw_ops(self) -> DrawOps:
+        return TORCH_OPS
 
 
 def for_device(device: torch.device) -> Backend:

@@ -2,11 +2,11 @@
 (EOS masked), the repetition penalty (HF's, over the prompt's and the generated tokens), then the presence and
 frequency penalties (OpenAI's and vLLM's, over the generated tokens only). That is vLLM's order and HF generate's
 (sequence_bias, repetition_penalty, min_new_tokens: a masked EOS stays masked under any penalty). min_p is not here:
-it only filters what a sampled row draws from (sampler.sample_token, backends/cuda/sampling.py).
+it only filters what a sampled row draws from (draw.py).
 
 The rows that have any are processed together, in float32, as HF generate's processors see its scores; the other
-rows keep their logits as they are and cost the caller one scan of a list. Greedy and sampled rows, drawn on the host
-or on the device, then choose from the processed logits. Knows token ids, SampleParams and tensors; nothing about
+rows keep their logits as they are and cost the caller one scan of a list. Greedy and sampled rows then choose from
+the processed logits. Knows token ids, SampleParams and tensors; nothing about
 models, caches or requests.
 """
 

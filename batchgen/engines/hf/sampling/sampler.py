@@ -1,12 +1,13 @@
 """Token choice and finishing for the hf engine: greedy or seeded sampling per row, EOS, stop strings,
 the row's own cap, structured-output constraints (grammar.py: a matcher per constrained sample masks its
 logits), the logits processors (processors.py: penalties, logit_bias and min_tokens, applied once to the logits
-before either draw, the host's or the device's, and before a greedy row's argmax), and the Result a finished
-sequence becomes.
+before the draw and before a greedy row's argmax), the draw itself (draw.py: the same on every device, each seeded
+row's noise from its seed and its step), and the Result a finished sequence becomes.
 
 Both decode paths (the scheduler over the slot cache, and the generic path for any architecture) ask
 the same Sampler, so a row finishes and reads the same whichever path served it. Knows token ids,
-sampling params and the tokenizer; nothing about caches, slots or models.
+sampling params and the tokenizer; nothing about caches, slots, models or devices (a platform's faster ops come in
+as draw.DrawOps).
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from typing import Any, Optional
 import torch
 
 from batchgen.engines.base import answer_text, reasoning_tokens, split_answer, with_tokens
-from batchgen.engines.hf.backends.cpu import kernels as cpu_kernels
-from batchgen.engines.hf.backends.cpu import ops as cpu_ops
 from batchgen.engines.hf.sampling import processors
+from batchgen.engines.hf.sampling.draw import TORCH_OPS, DrawOps, RowParams, sample
 from batchgen.records import Request, Result
 from batchgen.sampling import SampleParams, find_stop
 
@@ -28,7 +28,7 @@ from batchgen.sampling import SampleParams, find_stop
 class Draw:
     """A sample's own token-choice state, made when it arrives and kept until it finishes."""
 
-    generator: Optional[torch.Generator]  # its RNG, seeded from the request; None for greedy
+    seed: Optional[int]  # a sampled row's seed (with `drawn`, its noise: draw.py); None for greedy
     matcher: Any = None  # its xgrammar GrammarMatcher, for a constrained sample
     token_logprobs: Optional[list[float]] = None  # sampling.logprobs: each picked token's log-probability
     top_logprobs: Optional[list[list[list]]] = None  # and the top k per position, [token_id, logprob] pairs
@@ -36,7 +36,6 @@ class Draw:
     thought: int = 0  # tokens generated while thinking
     tail: tuple[int, ...] = ()  # the last tokens, to see the end marker complete
     forced: Optional[list[int]] = None  # tokens still to feed in: a scored choice's, or the reasoning end marker
-    seed: Optional[int] = None  # a sample drawn on the device (device_sampling): its seed, with `drawn` its noise
     drawn: int = 0  # tokens picked so far: the step of the next draw
     shaped: bool = False  # a logits processor applies (SampleParams.shapes_logits)
     history: Optional[processors.History] = None  # its penalties' token history, made at its first step
@@ -44,26 +43,23 @@ class Draw:
 
 class Sampler:
     def __init__(self, tokenizer: Any, eos_ids: set[int], device: torch.device, vocab_size: Optional[int] = None,
-                 device_sampling: Optional[bool] = None):
-        """device_sampling: sampled rows drawn together on the device, each from a counter-based hash of (its seed,
-        its step) (backends/cuda/sampling.py: one sync a step instead of one a row, and a draw independent of the
-        batch); default on CUDA. Elsewhere each sampled row draws from its own torch.Generator (the CPU's measured
-        sampler)."""
+                 ops: DrawOps = TORCH_OPS):
+        """ops: the platform's way to pick greedy rows (Backend.draw_ops), which changes no token; the default is
+        plain torch."""
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.device = device
         self.vocab_size = vocab_size  # the model's logits width (None: the tokenizer's length)
-        self.device_sampling = device.type == "cuda" if device_sampling is None else device_sampling
+        self.ops = ops
         self._grammars: Any = None  # grammar.Grammars, made at the first constrained request
 
     def start(self, req: Request) -> Draw:
-        """A new sample's Draw: its RNG (None for greedy, or where it draws on the device), its grammar matcher where
-        it is constrained."""
-        on_device = self.device_sampling and not req.params.greedy
-        gen = None if req.params.greedy or on_device else torch.Generator(device=self.device).manual_seed(req.seed)
+        """A new sample's Draw: its seed (None for greedy), its grammar matcher where it is constrained."""
+        if not req.params.greedy and req.seed is None:
+            raise ValueError(f"request {req.key}: a sampled row needs a seed (sampling.derive_seed)")
         constraint = req.params.constraint
-        draw = Draw(gen, self.grammars().matcher(constraint) if constraint is not None else None,
-                    seed=req.seed if on_device else None)
+        draw = Draw(None if req.params.greedy else req.seed,
+                    self.grammars().matcher(constraint) if constraint is not None else None)
         if req.params.logprobs is not None:
             draw.token_logprobs, draw.top_logprobs = [], []
         draw.thinking = req.params.reasoning is not None
@@ -93,13 +89,7 @@ class Sampler:
         constrained = self._grammars is not None and any(m is not None for m in matchers)
         if constrained:
             logits, picks = self._grammars.mask(logits, matchers), None
-        drawn = [j for j, d in enumerate(draws) if d.seed is not None]  # sampled on the device, all at once
-        tokens = pick_tokens(logits, [r.params for r in reqs], [d.generator for d in draws], picks, skip=set(drawn))
-        if drawn:
-            rows = logits if len(drawn) == len(draws) else logits[torch.tensor(drawn, device=logits.device)]
-            chosen = device_tokens(rows, [reqs[j].params for j in drawn], [draws[j] for j in drawn])
-            for j, token in zip(drawn, chosen):
-                tokens[j] = token
+        tokens = self._choose(logits, reqs, draws, picks)
         for j, d in enumerate(draws):
             d.drawn += 1
             if d.forced:
@@ -114,6 +104,23 @@ class Sampler:
                 self._think(req, d, token)
             elif m is not None and not m.is_terminated():
                 m.accept_token(token)
+        return tokens
+
+    def _choose(self, logits: torch.Tensor, reqs: list[Request], draws: list[Draw], picks: Optional[torch.Tensor]
+                ) -> list[int]:
+        """Each row's token: greedy rows the step's `picks` where given, else the platform's argmax; sampled rows the
+        draw (draw.sample), all at once: one host read for all of them."""
+        drawn = [j for j, d in enumerate(draws) if d.seed is not None]
+        tokens = [0] * len(draws)
+        if len(drawn) < len(draws):
+            tokens = (picks if picks is not None else self.ops.argmax(logits)).tolist()
+        if drawn:
+            rows = logits if len(drawn) == len(draws) else logits[torch.tensor(drawn, device=logits.device)]
+            params = RowParams.of_rows([reqs[j].params for j in drawn], [draws[j].seed for j in drawn], logits.device)
+            steps = torch.tensor([draws[j].drawn for j in drawn], dtype=torch.int64).to(logits.device,
+                                                                                       non_blocking=True)
+            for j, token in zip(drawn, sample(rows, params, steps).tolist()):
+                tokens[j] = token
         return tokens
 
     def _process(self, logits: torch.Tensor, reqs: list[Request], draws: list[Draw], shaped: list[int],
@@ -216,56 +223,6 @@ def record_logprobs(logp: torch.Tensor, draws: list[Draw], tokens: list[int], ks
         draw.token_logprobs.append(picked[j])  # type: ignore[union-attr]
         pairs = [] if top is None else list(map(list, zip(top.indices[j, :k].tolist(), top.values[j, :k].tolist())))
         draw.top_logprobs.append(pairs)  # type: ignore[union-attr]
-
-
-def device_tokens(logits: torch.Tensor, params: list[SampleParams], draws: list[Draw]) -> list[int]:
-    """The next token of rows that draw on the device, all at once (backends/cuda/sampling.py pick, each row's noise
-    from its seed and its step): one host read for all of them."""
-    from batchgen.engines.hf.backends.cuda import sampling
-
-    rows = sampling.SlotParams.of_rows(params, [d.seed for d in draws], logits.device)
-    steps = torch.tensor([d.drawn for d in draws], dtype=torch.int64).to(logits.device, non_blocking=True)
-    return sampling.pick(logits, rows, len(draws), steps).tolist()
-
-
-def pick_tokens(logits: torch.Tensor, params: list[SampleParams], generators: list[Optional[torch.Generator]],
-                picks: Optional[torch.Tensor] = None, skip: frozenset[int] | set[int] = frozenset()) -> list[int]:
-    """Next token per row: argmax for greedy rows (`picks` where given: the step's own), a draw from the row's own
-    generator otherwise; rows in `skip` are left to the caller (device draws)."""
-    # logits: [B, V]. The first index of the largest value (NaN counts as largest): batchgen's kernel on CPU float32
-    # (one read on every thread), else max's indices, not argmax: the same answer, 4.2x faster on [64, 151936]
-    # float32 logits at 2 threads (2.4 against 10.0 ms a step, Sapphire Rapids)
-    if picks is not None:
-        tokens = picks.tolist()
-    else:
-        lib = cpu_kernels.load() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
-        if lib is not None and hasattr(lib, "batchgen_argmax_rows") and logits.is_contiguous() and logits.shape[-1]:
-            tokens = cpu_ops.argmax_rows(lib, logits).tolist()
-        else:
-            tokens = logits.max(dim=-1).indices.tolist()
-    for j, (p, gen) in enumerate(zip(params, generators)):
-        if not p.greedy and j not in skip:
-            tokens[j] = sample_token(logits[j], p, gen)
-    return tokens
-
-
-def sample_token(logits: torch.Tensor, p: SampleParams, gen: Optional[torch.Generator]) -> int:
-    """Temperature, then top-k, then top-p (nucleus), then min-p, then one multinomial draw (HF's warpers' order,
-    and the device sampler's). logits: [V]."""
-    x = logits.float() / p.temperature
-    if p.top_k and p.top_k < x.numel():
-        kth = torch.topk(x, p.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
-        x = x.scatter(0, order[drop], float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    if p.min_p > 0.0:  # the tokens under min_p times the likeliest's probability (which always stays)
-        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-        probs = torch.softmax(x, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=gen).item())
 
 
 def eos_ids(model: Any, tokenizer: Any) -> set[int]:

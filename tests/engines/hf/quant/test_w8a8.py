@@ -292,9 +292,9 @@ def test_with_w8a8_a_rows_logits_do_not_depend_on_the_rows_beside_it(scheme):
 
 @pytest.mark.parametrize("isa", ISAS or ["none"])
 def test_the_argmax_kernel_picks_what_torch_max_does_on_every_variant(isa):
-    """Greedy picks (sampler.pick_tokens) on CPU: the first largest value's index, a NaN counting as largest, equal to
-    torch's max(dim=-1).indices: ties, NaN in the vector body and in the tail, all -inf, short rows, a wide vocabulary
-    split over threads."""
+    """Greedy picks on CPU (cpu/backend.py argmax_rows, the platform's draw ops): the first largest value's index, a
+    NaN counting as largest, equal to torch's max(dim=-1).indices: ties, NaN in the vector body and in the tail, all
+    -inf, short rows, a wide vocabulary split over threads."""
     lib = cpu_kernels.load(isa) if isa != "none" else None
     if lib is None:
         pytest.skip("batchgen's CPU kernels are not built here (x86-64 with AVX2 and FMA, a C compiler)")

@@ -15,10 +15,11 @@ import torch
 
 from batchgen.engines.hf import quant
 from batchgen.engines.hf.backends.base import Prepared
-from batchgen.engines.hf.backends.cpu import kernels, onednn, runtime, threads
+from batchgen.engines.hf.backends.cpu import kernels, onednn, ops, runtime, threads
 from batchgen.engines.hf.backends.cpu.step import CpuStepper
 from batchgen.engines.hf.config import HFConfig
 from batchgen.engines.hf.fusion import fuse_projections
+from batchgen.engines.hf.sampling.draw import DrawOps, first_largest
 
 cpu_has_fast_bf16 = runtime.has_native_bf16  # the flag; engine.dtype=auto measures instead (calibration.py)
 
@@ -54,6 +55,18 @@ class CpuBackend:
     def stepper(self, model: Any, prepared: Prepared, dtype: torch.dtype, cfg: HFConfig) -> CpuStepper:
         # around bf16 GEMMs the cache is bf16, as a bf16 model's would be
         return CpuStepper(model, prepared.activation_dtype, dtype)
+
+    def draw_ops(self) -> DrawOps:
+        return DrawOps(argmax=argmax_rows)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[n] int64: each row's first index of its largest value, NaN counting as largest (draw.first_largest's
+    answer): batchgen's kernel on float32 logits, one read on every thread; torch's where it is not built."""
+    lib = kernels.load() if logits.dtype == torch.float32 and logits.is_contiguous() and logits.shape[-1] else None
+    if lib is not None and hasattr(lib, "batchgen_argmax_rows"):
+        return ops.argmax_rows(lib, logits)
+    return first_largest(logits)
 
 
 def mixed_bf16_pays(cfg: HFConfig, dtype: torch.dtype) -> bool:

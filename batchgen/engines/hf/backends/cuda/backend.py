@@ -13,6 +13,7 @@ from batchgen.engines.hf.backends.base import Prepared
 from batchgen.engines.hf.backends.cuda.step import CudaStepper
 from batchgen.engines.hf.config import GPU_MEMORY_UTILIZATION, HFConfig
 from batchgen.engines.hf.fusion import concatenate_linears, fuse_projections
+from batchgen.engines.hf.sampling.draw import TORCH_OPS, DrawOps
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,9 @@ class CudaBackend:
                  "%.1f GB kept for activations)", stepper.device, stepper.kv_budget_bytes / 1e9,
                  utilization, total / 1e9, (total - free) / 1e9, reserve / 1e9)
         return stepper
+
+    def draw_ops(self) -> DrawOps:
+        return TORCH_OPS  # torch's: the draw as it is, on the device (no host sync)
 
 
 def kv_budget(total: int, free: int, utilization: float, reserve: int) -> int:

@@ -135,10 +135,12 @@ def test_captured_graphs_give_what_the_eager_step_gives(tiny_model):
 
 
 def test_device_sampled_rows_draw_the_same_alone_in_any_batch_and_after_a_resume(tiny_model):
-    """Sampling as on CUDA (Sampler(device_sampling=True): each row's noise from its seed and step): a seeded row's
-    tokens are the same generated alone, beside other rows in another slot, and again from a fresh scheduler."""
+    """Sampling as on every device (draw.py: each row's noise from its seed and step) with the CUDA platform's draw
+    ops: a seeded row's tokens are the same generated alone, beside other rows in another slot, and again from a
+    fresh scheduler."""
     from transformers import AutoTokenizer
 
+    from batchgen.engines.hf.backends.cuda.backend import CudaBackend
     from batchgen.engines.hf.sampling.sampler import Sampler, eos_ids
     from batchgen.engines.hf.scheduler import Scheduler
     from batchgen.records import Request
@@ -154,8 +156,8 @@ def test_device_sampled_rows_draw_the_same_alone_in_any_batch_and_after_a_resume
               for i, p in enumerate(rows)]
 
     def run(reqs: list[Request], slots: int) -> dict:
-        sampler = Sampler(tokenizer, eos_ids(model, tokenizer), torch.device("cpu"), device_sampling=True)
-        assert sampler.start(target).generator is None  # no generator state: drawn on the device
+        sampler = Sampler(tokenizer, eos_ids(model, tokenizer), torch.device("cpu"), ops=CudaBackend().draw_ops())
+        assert sampler.start(target).seed == 1234  # no generator state: the seed and the step draw
         with torch.no_grad():
             results = Scheduler(sampler, CudaStepper(model), max_batch_tokens=4096, max_batch_size=slots).run(reqs,
                                                                                                               None)

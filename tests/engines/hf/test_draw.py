@@ -1,17 +1,19 @@
-"""The device sampler (backends/cuda/sampling.py) on CPU tensors: no op syncs the host (the syncguard, itself tested
-here); a seeded row draws the same token alone, among others in another slot, after a move and after a resume;
-draws follow the filtered, renormalised softmax (within 4 sigma over 20,000 (seed, step) pairs); greedy rows take
-argmax's first index; logprobs are log_softmax's and topk's."""
+"""The one draw (engines/hf/sampling/draw.py), on CPU tensors: no op syncs the host (the syncguard, itself tested
+here, so a CUDA step can run it); a seeded row draws the same token alone, among others in another slot and after a
+resume; draws follow the filtered, renormalised softmax (within 4 sigma over 20,000 (seed, step) pairs); greedy rows
+take argmax's first index; logprobs are log_softmax's and topk's."""
 
 from __future__ import annotations
 
+import json
 import math
+from dataclasses import replace
 from typing import Optional
 
 import pytest
 import torch
 
-from batchgen.engines.hf.backends.cuda.sampling import SlotParams, as_int64, gumbel, hash_bits, logprobs, pick
+from batchgen.engines.hf.sampling.draw import RowParams, as_int64, gumbel, hash_bits, logprobs, pick, sample
 from batchgen.sampling import SampleParams
 from tests.engines.hf.backends.cuda.syncguard import no_host_sync
 
@@ -26,12 +28,9 @@ def sp(temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> SamplePa
                         ignore_eos=False)
 
 
-def table(rows: list[tuple[SampleParams, Optional[int], float]]) -> SlotParams:
-    """SlotParams with row i = (params, seed, min_p) in slot i."""
-    params = SlotParams(len(rows) + 2, CPU)  # spare slots, as a real table has
-    for slot, (p, seed, min_p) in enumerate(rows):
-        params.set(slot, p, seed, min_p=min_p)
-    return params
+def table(rows: list[tuple[SampleParams, Optional[int], float]]) -> RowParams:
+    """RowParams with row i = (params, seed, min_p)."""
+    return RowParams.of_rows([replace(p, min_p=min_p) for p, _, min_p in rows], [seed for _, seed, _ in rows], CPU)
 
 
 def step_logits(seed: int, vocab: int = 100) -> torch.Tensor:
@@ -66,14 +65,12 @@ def test_the_guard_lets_fixed_shape_ops_through():
 def test_pick_and_logprobs_run_under_the_guard():
     rows = [(sp(0.0), None, 0.0), (sp(0.7, 5, 0.9), 3, 0.0), (sp(1.0), 4, 0.1), (sp(1.3, 0, 0.5), 5, 0.0)]
     params, logits = table(rows), torch.randn(4, 300)
-    steps, out = torch.tensor([0, 7, 2, 3]), torch.empty(4, dtype=torch.int64)
+    steps = torch.tensor([0, 7, 2, 3])
     with no_host_sync():
-        tokens = pick(logits, params, 4, steps)
-        pick(logits, params, 4, steps, out=out)
-        pick(logits, params, 4, steps, filtered=False)
-        pick(logits, params, 4, steps, sampled=False)
+        tokens = pick(logits, params, steps)
+        drawn = sample(logits, params, steps)
         logprobs(logits, tokens, 5)
-    assert torch.equal(out, tokens)
+    assert torch.equal(torch.where(params.greedy, logits.argmax(dim=-1), drawn), tokens)
 
 
 # repeatability
@@ -85,19 +82,19 @@ OTHERS = [(sp(0.0), None, 0.0), (sp(1.5), 11, 0.0), (sp(0.6, 3), 12, 0.0), (sp(1
 
 def alone(steps: range) -> list[int]:
     params = table([ROW])
-    return [int(pick(step_logits(s)[None], params, 1, torch.tensor([s]))[0]) for s in steps]
+    return [int(pick(step_logits(s)[None], params, torch.tensor([s]))[0]) for s in steps]
 
 
-def among_others(steps: range, slot: int, params: Optional[SlotParams] = None) -> list[int]:
+def among_others(steps: range, slot: int) -> list[int]:
     """The row at `slot` of a batch of 5, the other rows with their own params, logits and steps."""
-    params = params or table(OTHERS[:slot] + [ROW] + OTHERS[slot:])
+    params = table(OTHERS[:slot] + [ROW] + OTHERS[slot:])
     tokens = []
     for s in steps:
         logits = torch.stack([step_logits(1000 * r + s) for r in range(5)])
         logits[slot] = step_logits(s)
         own = torch.tensor([3 * s + r for r in range(5)])
         own[slot] = s
-        tokens.append(int(pick(logits, params, 5, own)[slot]))
+        tokens.append(int(pick(logits, params, own)[slot]))
     return tokens
 
 
@@ -108,13 +105,6 @@ def test_a_seeded_row_draws_the_same_tokens_alone_in_any_slot_and_after_a_resume
     assert among_others(steps, slot=3) == reference
     assert among_others(steps, slot=0) == reference
     assert among_others(range(25, 60), slot=1) == reference[25:]  # resumed: fresh params, the same seed and steps
-
-
-def test_a_moved_row_draws_as_before():
-    params = table(OTHERS + [ROW])  # the row in slot 4
-    params.move(4, 2)  # slot 2's row finished: the last live row takes it
-    assert among_others(range(30), slot=2, params=params) == alone(range(30))
-    assert params.mode(5) == (True, True)
 
 
 def test_the_noise_depends_on_seed_and_step_only():
@@ -135,13 +125,10 @@ def test_the_noise_depends_on_seed_and_step_only():
 def draw(params: SampleParams, min_p: float = 0.0, logits: Optional[torch.Tensor] = None) -> torch.Tensor:
     """DRAWS tokens from one distribution, a row per (seed, step) pair: 200 seeds by 100 steps. Counts per token."""
     logits = torch.log(PROBS[torch.argsort(PERM)]) if logits is None else logits
-    slots = SlotParams(DRAWS, CPU)
-    slots.set(0, params, 1, min_p=min_p)
-    for t in slots.tensors():
-        t[:] = t[0].clone()
-    slots.seed[:] = torch.arange(DRAWS) % 200 * 7919 + 1
+    rows = table([(params, 1, min_p)] * DRAWS)
+    rows.seed[:] = torch.arange(DRAWS) % 200 * 7919 + 1
     steps = torch.arange(DRAWS) // 200
-    tokens = pick(logits.expand(DRAWS, -1), slots, DRAWS, steps)
+    tokens = pick(logits.expand(DRAWS, -1), rows, steps)
     return torch.bincount(tokens, minlength=logits.shape[-1])
 
 
@@ -205,17 +192,10 @@ def test_filters_compose_after_temperature():
 def test_greedy_rows_take_the_first_index_of_the_largest_logit():
     logits = torch.randint(0, 3, (40, 16), generator=torch.Generator().manual_seed(0)).float()  # ties everywhere
     rows = [(sp(0.0), None, 0.0) if r % 3 else (sp(1.0, 2), r + 1, 0.0) for r in range(40)]
-    tokens = pick(logits, table(rows), 40, torch.zeros(40, dtype=torch.int64))
+    tokens = pick(logits, table(rows), torch.zeros(40, dtype=torch.int64))
     for r in range(1, 40):
         if r % 3:
             assert int(tokens[r]) == int(torch.argmax(logits[r])) == logits[r].tolist().index(float(logits[r].max()))
-
-
-def test_out_is_written_in_place():
-    params, logits = table([(sp(0.0), None, 0.0), (sp(1.0), 5, 0.0)]), torch.randn(2, 30)
-    out = torch.full((2,), -1, dtype=torch.int64)
-    got = pick(logits, params, 2, torch.tensor([4, 4]), out=out)
-    assert got.data_ptr() == out.data_ptr() and torch.equal(out, pick(logits, params, 2, torch.tensor([4, 4])))
 
 
 def test_logprobs_are_the_raw_log_softmax_and_its_top_k():
@@ -227,3 +207,74 @@ def test_logprobs_are_the_raw_log_softmax_and_its_top_k():
     top = torch.topk(logp, 4, dim=-1)
     assert torch.equal(values, top.values) and torch.equal(indices, top.indices)
     assert logprobs(logits, tokens, 0)[1].shape == (6, 0)
+
+
+# one draw on every platform
+
+
+def test_a_seeded_row_draws_the_same_through_the_cpu_path_and_the_cuda_platforms_draw(tiny_model, tokenizer):
+    """The CPU platform's engine (its stepper and its draw ops) and the CUDA platform's stepper and draw run on CPU
+    tensors: the same tokens for every seeded row, in batches of 1, 7 and 64 (sampled with and without filters, and
+    greedy), each platform filling its slots its own way (16 and 5 slots); row 0 the same in each batch."""
+    from transformers import AutoModelForCausalLM
+
+    from batchgen.engines.hf.backends.cuda.backend import CudaBackend
+    from batchgen.engines.hf.backends.cuda.step import CudaStepper
+    from batchgen.engines.hf.config import HFConfig
+    from batchgen.engines.hf.engine import HFEngine
+    from batchgen.engines.hf.sampling.sampler import Sampler, eos_ids
+    from batchgen.engines.hf.scheduler import Scheduler
+    from batchgen.records import Request
+
+    kinds = [sp(0.9, 40, 0.9), sp(0.0), sp(1.2), sp(0.7, 0, 0.8), replace(sp(1.0), min_p=0.05)]
+    reqs = [Request(key=i, prompt_ids=tokenizer(f"the river {'town ' * (i % 9)}").input_ids,
+                    params=replace(kinds[i % 5], max_new_tokens=6 + i % 7), seed=1000 + i) for i in range(64)]
+    cpu = HFEngine(HFConfig(model=tiny_model, dtype="float32", max_batch_size=16), tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    sampler = Sampler(tokenizer, eos_ids(model, tokenizer), CPU, ops=CudaBackend().draw_ops())
+    firsts = set()
+    for batch in (1, 7, 64):
+        with torch.inference_mode():
+            cuda = Scheduler(sampler, CudaStepper(model), max_batch_tokens=4096, max_batch_size=5).run(reqs[:batch],
+                                                                                                       None)
+        got = {r.key: r.text for r in cpu.generate(reqs[:batch])}
+        assert {r.key: r.text for r in cuda} == got, batch
+        firsts.add(got[0])
+    greedy = cpu.generate([replace(reqs[0], params=replace(reqs[0].params, temperature=0.0))])[0].text
+    assert len(firsts) == 1 and greedy not in firsts  # row 0 samples, the same in every batch
+
+
+def test_a_seeded_job_resumed_in_other_batches_gives_the_same_rows_and_an_output_of_another_draw_is_refused(
+        tiny_model, tmp_path):
+    """A sampled job (sampling.n=2, seeded) half written with one row a batch, then finished with 16 a batch: the
+    rows of one uninterrupted run with 3 a batch. Its manifest records the draw (a greedy job's does not), and an
+    output recorded without it (started by a batchgen whose CPU draw was a generator per row) is refused."""
+    from batchgen.errors import ResumeMismatchError
+    from batchgen.output.manifest import MANIFEST, config_hash, output_config
+    from batchgen.run.runner import run_job
+    from tests.conftest import compose_job, job_overrides, read_output, write_jsonl
+
+    data = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": "the river " * (1 + i % 5)}
+                                               for i in range(8)])
+
+    def run(out: str, *extra: str):
+        return run_job(compose_job(job_overrides(tiny_model, data, tmp_path / out, "dataset.id_column=id",
+                                                 "sampling=sample", "sampling.n=2", "sampling.max_new_tokens=8",
+                                                 "sampling.seed=5", "run.rows_per_part=4", *extra)))
+
+    def rows(out: str) -> list[tuple]:
+        return sorted((r["id"], r["sample_index"], r["generation"]) for r in read_output(tmp_path / out).to_pylist())
+
+    assert run("whole", "engine.max_batch_size=3").state == "done"
+    halves = ("run.num_shards=2", "run.shard=0", "engine.max_batch_size=1"), ("run.num_shards=2", "run.shard=1")
+    assert run("resumed", *halves[0]).state == "partial"
+    assert run("resumed", *halves[1], "engine.max_batch_size=16").state == "done"
+    assert rows("resumed") == rows("whole") and len({g for *_, g in rows("whole")}) > 8
+    manifest = json.loads((tmp_path / "whole" / MANIFEST).read_text())
+    assert manifest["output_config"]["engine"]["draw"] == "counter-hash"
+    greedy = compose_job(job_overrides(tiny_model, data, tmp_path / "g", "sampling.max_new_tokens=8"))
+    assert "draw" not in output_config(greedy)["engine"] and config_hash(greedy)
+    del manifest["output_config"]["engine"]["draw"]
+    (tmp_path / "whole" / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(ResumeMismatchError, match=r"output_config.engine.draw: was None, now 'counter-hash'"):
+        run("whole", "engine.max_batch_size=3")

@@ -24,6 +24,9 @@ def main() -> None:
     if (out / "config.json").exists():
         print(f"demo model already at {out}")
         return
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bar: one line says what was built
     build_model(out, demo_texts(Path(args.data)), size=args.size)
     print(f"built a random-weight {args.size} Llama stand-in at {out}")
 

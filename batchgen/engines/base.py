@@ -10,6 +10,7 @@ device placement. It knows nothing about files, parts, ids or Hydra.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Callable
@@ -103,6 +104,23 @@ class EngineStats:
     kv_positions: int = 0  # positions per slot
     kv_cache_bytes: int = 0  # its keys and values, every layer
     response_cache: Optional[ResponseCacheCounts] = None  # run.dedupe / run.cache_dir (None: both off)
+
+    def since(self, start: EngineStats) -> EngineStats:
+        """What the engine did after `start` (its stats when a run began; a batchgen.Session's engine serves many
+        runs): each counter less its value then, a level (LEVEL_COUNTERS, the kv_* fields: what it holds now) as
+        it is now, the response cache's counts as they are (each run wraps the engine in its own)."""
+        counters = {k: v if k in LEVEL_COUNTERS or not _count(v) or not _count(start.counters.get(k))
+                    else v - start.counters[k] for k, v in self.counters.items()}
+        return dataclasses.replace(self, counters=counters,
+                                   prefix_tokens_reused=self.prefix_tokens_reused - start.prefix_tokens_reused)
+
+
+LEVEL_COUNTERS = frozenset({"kv_slots", "kv_positions", "kv_cache_bytes", "prefix_cache_bytes"})  # counters that
+# say what an engine holds now (hf's KV cache and prefix cache), not a sum of its work: EngineStats.since keeps them
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class Engine(Protocol):

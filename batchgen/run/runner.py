@@ -12,7 +12,7 @@ import time
 from typing import Any, Optional
 
 from batchgen.checks import validate
-from batchgen.engines.base import Engine
+from batchgen.engines.base import Engine, EngineStats
 from batchgen.job import JobConfig
 from batchgen.output.committer import Committer
 from batchgen.output.manifest import MANIFEST, check_engine
@@ -92,9 +92,10 @@ class LocalDriver:
             if out.remote:
                 out.remote.push(MANIFEST)
         out.committer.metadata["batchgen.engine"] = json.dumps(loaded.identity)  # resolved dtype, device, version
-        progress.engine_stats = engine.stats
+        started = engine.stats()  # a held engine's (batchgen.Session) work so far: this run reports its own
+        progress.engine_stats = lambda: engine.stats().since(started)
         try:
-            return self._generate(engine, out.committer, summary, progress, loaded)
+            return self._generate(engine, out.committer, summary, progress, loaded, started)
         finally:
             progress.duplicate_ids = self.planner.duplicate_ids
 
@@ -104,7 +105,7 @@ class LocalDriver:
         self.engine = None
 
     def _generate(self, engine: Engine, committer: Committer, summary: Summary, progress: Progress,
-                  loaded: Loaded) -> Driven:
+                  loaded: Loaded, started: EngineStats) -> Driven:
         """Stream this shard's uncommitted parts through the engine (feed.Feed: a bounded look-ahead of parts in
         flight, each committed as soon as its last sample is in)."""
         cfg, planner = self.cfg, self.planner
@@ -123,8 +124,8 @@ class LocalDriver:
             feed.finish()
         finally:
             feed.close()
-        return Driven(planner.total_parts, planner.total_rows, loaded, engine.stats(), lookahead, feed.max_in_flight,
-                      planner.duplicate_ids, planner.reader.rows_read, planner.reader.rows_typed)
+        return Driven(planner.total_parts, planner.total_rows, loaded, engine.stats().since(started), lookahead,
+                      feed.max_in_flight, planner.duplicate_ids, planner.reader.rows_read, planner.reader.rows_typed)
 
 
 

@@ -11,7 +11,7 @@ from batchgen.output.view import latest
 from tests.conftest import dummy_overrides, keyed_rows, run_cli, write_parquet
 
 
-def test_view_exports_the_latest_attempts_where_the_directory_still_shows_the_errors(tiny_model, tmp_path):
+def test_view_exports_the_latest_attempts_as_the_published_directory_shows_them(tiny_model, tmp_path):
     rows = keyed_rows(12, "r", 4)
     rows[3]["prompt"] = rows[7]["prompt"] = " ".join(["long"] * 300)  # too long for max_model_len=64
     data = write_parquet(tmp_path / "in.parquet", rows)
@@ -21,7 +21,8 @@ def test_view_exports_the_latest_attempts_where_the_directory_still_shows_the_er
     assert run_cli(job).returncode == 0
     retried = run_cli(["retry", str(out), "--kinds", "too_long", "run.too_long=truncate_left"])
     assert retried.returncode == 0, retried.stderr[-3000:]
-    assert pq.read_table(out).column("error").null_count == 10  # the directory: the job's own rows, 2 errors
+    assert pq.read_table(out).column("error").null_count == 12  # the directory: published, the 2 errors mended
+    assert pq.read_table(out / "_attempts" / "original").column("error").null_count == 8  # parts 0, 1 as committed
 
     expected = latest(out)
     assert expected.column("error").null_count == 12

@@ -162,7 +162,7 @@ def test_a_resumed_output_has_one_token_total(tiny_model, tmp_path, monkeypatch)
     out = tmp_path / "out"
     rows = pq.read_table(out, columns=["num_generated_tokens"]).column(0).to_pylist()
     status = json.loads((out / "_status.json").read_text())
-    said = dict((k, v) for k, v in _summary_rows(gather(out)))["generated tokens (history)"]
+    said = dict((k, v) for k, v in _summary_rows(gather(out)))["generated tokens (history, retries included)"]
     assert said == status["generated_tokens"] == sum(rows) == summary.totals.generated_tokens
     part1 = next(h for h in history(out) if h["part"] == 1)
     assert 0 < part1["reused_tokens"] < part1["generated_tokens"]  # 2 of its 3 samples from the stopped run

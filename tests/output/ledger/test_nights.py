@@ -83,3 +83,22 @@ def test_the_union_of_the_nights_holds_each_id_once_with_retried_answers_in_view
     sql = duckdb.sql(docs_union_query(root)).arrow()
     sql = sql.read_all() if hasattr(sql, "read_all") else sql
     assert sorted(sql.select(pick).to_pylist(), key=key) == view  # the docs' line reads the same rows
+
+
+@pytest.mark.slow
+def test_increment_into_a_delta_table_holds_each_id_once_after_a_missed_night_run_late(tiny_model, tmp_path):
+    """output.sink=delta: every night commits its rows to the one Delta table; a missed night run late with --date,
+    then the next night, generate nothing twice, so the table itself holds each id once."""
+    pytest.importorskip("deltalake", reason="output.sink=delta needs deltalake: pip install 'batchgen[delta]'")
+    from deltalake import DeltaTable
+
+    root, data, table = tmp_path / "nights", tmp_path / "in.parquet", tmp_path / "delta-table"
+    job = dummy_overrides(tiny_model, data, root, "dataset.id_column=uid", "run.rows_per_part=4",
+                          "output.sink=delta", f"output.table={table}")
+    for date, last in (("2026-12-05", 5), ("2026-12-07", 8), ("2026-12-06", 8), ("2026-12-08", 10)):
+        tickets(data, last)  # 2026-12-06 was missed: run late, after 2026-12-07, with --date
+        done = run_cli(["increment", "--date", date, *job])
+        assert done.returncode == 0, (date, done.stderr[-3000:])
+    ids = DeltaTable(str(table)).to_pyarrow_table(columns=["id"]).column("id").to_pylist()
+    assert sorted(ids) == [f"t{i:02d}" for i in range(10)]  # each id once: 10 rows, not 13 or 18
+    assert sorted(read_output(root / "2026-12-08").column("id").to_pylist()) == ["t08", "t09"]

@@ -5,8 +5,9 @@ Every row is greedy (the first index of its largest logit) or sampled: temperatu
 Gumbel-max, argmax(logits + g), where g's uniforms come from a counter-based hash of (seed, step, token index).
 There is no generator state: a row's noise is a function of its seed and its step only. No op here reads a value on
 the host or has a value-dependent shape (tests/engines/hf/backends/cuda/syncguard.py checks it), so a CUDA step can
-run it. Everything is plain torch, so it runs, and is tested, on CPU tensors; a platform may pick greedy rows with
-its own kernel (DrawOps.argmax: the same first index of the largest value), nothing else.
+run it. Everything is plain torch, so it runs, and is tested, on CPU tensors. A platform may do two steps with its
+own kernels where they give the same values (DrawOps): greedy rows' first index of the largest value, and the
+integer hash's signed halves (exact integer work; the logarithms stay torch's).
 
 The penalties, logit_bias and min_tokens are not applied here: the Sampler applies them to the logits it passes
 in (processors.py), once, before this draw and before a greedy row's argmax, so they hold for every row.
@@ -42,6 +43,8 @@ class DrawOps:
     """What a platform may do its own way without changing a token (backends/: Backend.draw_ops)."""
 
     argmax: Callable[[torch.Tensor], torch.Tensor] = first_largest  # greedy rows' pick: logits [n, V] -> [n] int64
+    # the signed halves of (key1 [n], key2 [n], V) from row_keys: [n, V] float32, halves_of_keys' values
+    halves: Optional[Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]] = None
 
 
 TORCH_OPS = DrawOps()  # plain torch: any device
@@ -89,16 +92,18 @@ def pick(logits: torch.Tensor, params: RowParams, steps: torch.Tensor, ops: Draw
     greedy_tokens = ops.argmax(logits)  # the first index of the largest value, ties included
     if not params.sampled:
         return greedy_tokens
-    return torch.where(params.greedy, greedy_tokens, sample(logits, params, steps))
+    return torch.where(params.greedy, greedy_tokens, sample(logits, params, steps, ops))
 
 
-def sample(logits: torch.Tensor, params: RowParams, steps: torch.Tensor) -> torch.Tensor:
+def sample(logits: torch.Tensor, params: RowParams, steps: torch.Tensor, ops: DrawOps = TORCH_OPS) -> torch.Tensor:
     """Each row's draw, greedy or not: [n] int64 (logits [n, V], steps [n]). Temperature, then the filters where a
     row has one (params.filtered: else no sort), then argmax(x + g)."""
     x = logits.float() / params.temperature[:, None]
     if params.filtered:
         x = filter_logits(x, params.top_k, params.top_p, params.min_p)
-    return x.add_(gumbel(params.seed, steps, x.shape[-1])).argmax(dim=-1)
+    key1, key2 = row_keys(params.seed, steps)
+    signed = (ops.halves or halves_of_keys)(key1, key2, x.shape[-1])
+    return x.add_(gumbel_of_halves(signed)).argmax(dim=-1)
 
 
 def filter_logits(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -130,9 +135,21 @@ def gumbel(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
     near 1, so the lower half uses -log(u) and the upper half -log1p(-(1 - u)), each from the smaller of u and
     1 - u, which float32 holds to 24 significant bits; -log(u) is then finite and positive. In-place ops where the
     values are the same as out of place (a CPU's time goes to allocating [n, V] tensors otherwise)."""
-    x = hash_bits(seed, step, vocab)
+    return gumbel_of_halves(halves_of_keys(*row_keys(seed, step), vocab))
+
+
+def halves_of_keys(key1: torch.Tensor, key2: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[n, V] float32: min(u, 1 - u) for each token's u (hash_bits of the row's keys), negative where u >= 1/2."""
+    x = hash_of_keys(key1, key2, vocab)
     low = x < HALF
     small = torch.where(low, x, x ^ MASK32).float().add_(0.5).mul_(2.0 ** -32)  # min(u, 1 - u), in (0, 1/2]
+    return torch.where(low, small, small.neg())
+
+
+def gumbel_of_halves(signed: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise from halves_of_keys' values (consumed)."""
+    low = signed > 0
+    small = signed.abs_()
     expo = torch.where(low, torch.log(small).neg_(), small.neg_().log1p_().neg_())  # -log(u): exponential(1)
     return expo.log_().neg_()
 
@@ -142,8 +159,12 @@ def hash_bits(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tenso
 
     Each row's 64-bit key is mixed from its seed and step ([n] work); each token's bits are two mixing rounds of
     its index with the key's two lanes ([n, V] work)."""
-    key1, key2 = row_keys(seed, step)
-    index = torch.arange(vocab, dtype=torch.int64, device=seed.device).mul_(GOLDEN).bitwise_and_(MASK32)
+    return hash_of_keys(*row_keys(seed, step), vocab)
+
+
+def hash_of_keys(key1: torch.Tensor, key2: torch.Tensor, vocab: int) -> torch.Tensor:
+    """hash_bits from the rows' keys (row_keys)."""
+    index = torch.arange(vocab, dtype=torch.int64, device=key1.device).mul_(GOLDEN).bitwise_and_(MASK32)
     h = mix32(index[None, :] ^ key1[:, None])
     h ^= key2[:, None]
     return mix32(h)

@@ -44,8 +44,8 @@ class Draw:
 class Sampler:
     def __init__(self, tokenizer: Any, eos_ids: set[int], device: torch.device, vocab_size: Optional[int] = None,
                  ops: DrawOps = TORCH_OPS):
-        """ops: the platform's way to pick greedy rows (Backend.draw_ops), which changes no token; the default is
-        plain torch."""
+        """ops: the platform's kernels for the draw's steps (Backend.draw_ops), which change no token; the default
+        is plain torch."""
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.device = device
@@ -119,7 +119,7 @@ class Sampler:
             params = RowParams.of_rows([reqs[j].params for j in drawn], [draws[j].seed for j in drawn], logits.device)
             steps = torch.tensor([draws[j].drawn for j in drawn], dtype=torch.int64).to(logits.device,
                                                                                        non_blocking=True)
-            for j, token in zip(drawn, sample(rows, params, steps).tolist()):
+            for j, token in zip(drawn, sample(rows, params, steps, self.ops).tolist()):
                 tokens[j] = token
         return tokens
 

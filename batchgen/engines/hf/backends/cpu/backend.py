@@ -9,6 +9,7 @@ while loading goes back to the OS; and a thread governor times every step (threa
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -57,7 +58,9 @@ class CpuBackend:
         return CpuStepper(model, prepared.activation_dtype, dtype)
 
     def draw_ops(self) -> DrawOps:
-        return DrawOps(argmax=argmax_rows)
+        lib = kernels.load()
+        halves = None if lib is None or not hasattr(lib, "batchgen_draw_halves") else partial(ops.draw_halves, lib)
+        return DrawOps(argmax=argmax_rows, halves=halves)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -227,3 +227,29 @@ void batchgen_scale_rows_argmax(float *y, long M, long N, const float *scale, co
         out[m] = argmax_row(y + m * N, N);
     }
 }
+
+/* The draw's signed halves (engines/hf/sampling/draw.py halves), a row at a time: token n of row m hashes to the
+ * 32-bit x = mix(mix(n * GOLDEN ^ key1[m]) ^ key2[m]) (murmur3's finaliser, as draw.mix32 computes it in int64),
+ * then min(u, 1 - u) = ((x below 2^31 ? x : ~x) + 1/2) / 2^32 in float32, negative where u >= 1/2. The integers are
+ * exact and the float steps are single correctly rounded operations, so the values are draw.py's bit for bit, in
+ * one pass instead of torch's twenty over [M, N] int64. */
+static inline uint32_t draw_mix32(uint32_t h) {
+    h ^= h >> 16;
+    h *= 0x85EBCA6Bu;
+    h ^= h >> 13;
+    h *= 0xC2B2AE35u;
+    return h ^ (h >> 16);
+}
+
+void batchgen_draw_halves(const int64_t *key1, const int64_t *key2, long M, long N, float *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (M * N >= 65536)
+    for (long m = 0; m < M; m++) {
+        const uint32_t k1 = (uint32_t)key1[m], k2 = (uint32_t)key2[m];
+        float *row = out + m * N;
+        for (long n = 0; n < N; n++) {
+            const uint32_t x = draw_mix32(draw_mix32((uint32_t)n * 0x9E3779B9u ^ k1) ^ k2);
+            const float small = ((float)(x < 0x80000000u ? x : ~x) + 0.5f) * 0x1p-32f;
+            row[n] = x < 0x80000000u ? small : -small;
+        }
+    }
+}

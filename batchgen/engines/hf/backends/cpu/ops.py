@@ -96,6 +96,17 @@ def argmax_rows(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def draw_halves(lib: ctypes.CDLL, key1: torch.Tensor, key2: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[M, vocab] float32: the draw's signed halves (sampling/draw.py halves) from each row's two keys ([M] int64,
+    draw.row_keys), in one pass."""
+    require(key1.dtype == key2.dtype == torch.int64 and key1.is_contiguous() and key2.is_contiguous(),
+            "draw_halves: keys [M] int64 contiguous")
+    out = torch.empty(key1.shape[0], vocab, dtype=torch.float32)
+    lib.batchgen_draw_halves(key1.data_ptr(), key2.data_ptr(), key1.shape[0], vocab, out.data_ptr(),
+                             torch.get_num_threads())
+    return out
+
+
 def scale_rows_argmax(lib: ctypes.CDLL, y: torch.Tensor, scale: torch.Tensor,
                       bias: Optional[torch.Tensor]) -> torch.Tensor:
     """scale_rows(y, scale, bias) in place, then argmax_rows(y), in one pass a row at a time (a W8A8 LM head's output

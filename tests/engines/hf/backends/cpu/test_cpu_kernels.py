@@ -402,3 +402,17 @@ def test_split_attention_gives_the_pre_split_bits(compare):
                 for out in (torch.float32, torch.bfloat16):
                     compare.both(cpu_ops.decode_layer_attention, qkv.to(qkv_dtype), cos, sin, k.to(kv), v.to(kv),
                                  torch.tensor(lengths) - 1, heads, 0.125, out, mutated=(0, 3, 4))
+
+
+@every_isa
+def test_the_draw_halves_kernel_gives_the_draws_values_bit_for_bit(isa):
+    """batchgen_draw_halves (the CPU platform's DrawOps.halves) equals sampling/draw.py's torch halves for 64-bit
+    seeds, huge steps and vocabularies of 1 to 151,936 (threads split the rows), so its draws are the same tokens."""
+    from batchgen.engines.hf.sampling import draw
+
+    lib = kernels(isa)
+    seeds = torch.tensor([draw.as_int64(2 ** 64 - 5), 0, 7, 2 ** 62, -1, 123456789012345] * 3)
+    steps = torch.tensor([3, 0, 2 ** 40, 1, 99, 5] * 3) + torch.arange(18)
+    key1, key2 = draw.row_keys(seeds, steps)
+    for vocab in (1, 17, 1000, 151936):
+        assert torch.equal(cpu_ops.draw_halves(lib, key1, key2, vocab), draw.halves_of_keys(key1, key2, vocab))

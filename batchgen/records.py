@@ -80,6 +80,9 @@ class Result:
     latency_s: float | None = field(default=None, compare=False)  # from the engine taking the request to its result
     loglik: list[float] | None = None  # task=loglik: [total log-likelihood, scored tokens] of the scored span
     embedding: list[float] | None = None  # task=embed: the pooled final hidden state
+    # not generated for this request: "deduplicated" (an identical request's answer, run.dedupe) or "cache"
+    # (run.cache_dir); None: the engine generated (or scored) it. The run's throughput counts only the engine's work
+    answered: str | None = field(default=None, compare=False)
 
 
 @dataclass(slots=True)

@@ -55,7 +55,8 @@ class PartProgress(Protocol):
 
     def start_part(self, index: int, planned: int, reused: int, rows: int = 0) -> None: ...
 
-    def journaled(self, index: int, count: int, tokens: int = 0, prompt_tokens: int = 0) -> None: ...
+    def journaled(self, index: int, count: int, tokens: int = 0, prompt_tokens: int = 0,
+                  made: Optional[int] = None) -> None: ...
 
     def committed(self, index: int, stats: PartStats, generated_tokens: int) -> None: ...
 
@@ -70,7 +71,8 @@ class Unreported:
     def start_part(self, index: int, planned: int, reused: int, rows: int = 0) -> None:
         pass
 
-    def journaled(self, index: int, count: int, tokens: int = 0, prompt_tokens: int = 0) -> None:
+    def journaled(self, index: int, count: int, tokens: int = 0, prompt_tokens: int = 0,
+                  made: Optional[int] = None) -> None:
         pass
 
     def committed(self, index: int, stats: PartStats, generated_tokens: int) -> None:
@@ -156,9 +158,11 @@ class Feed:
         with self.progress.stop.shielded(), writing(op.path):
             op.journal.append_all(done)
             kill_point("samples journaled")
-        tokens = sum(r.num_generated_tokens for r in done)
-        self.progress.journaled(op.planned.part.index, len(done), tokens, sum(r.num_prompt_tokens for r in done))
-        self.summary.took_samples(generated=len(done))
+        made = [r for r in done if r.answered is None]  # not a duplicate's or run.cache_dir's answer: the engine's
+        tokens = sum(r.num_generated_tokens for r in made)
+        self.progress.journaled(op.planned.part.index, len(done), tokens, sum(r.num_prompt_tokens for r in made),
+                                made=len(made))
+        self.summary.took_samples(generated=len(made))
         op.results += done
         op.generated_tokens += tokens
         op.left -= len(done)

@@ -22,6 +22,7 @@ from batchgen.output.heartbeat import status_name
 from batchgen.output.openai_out import RESULTS, write_if_wanted
 from batchgen.output.remote import is_remote
 from batchgen.output.rows.schema import SUCCESS
+from batchgen.output.throughput import RunWork
 from batchgen.run.prepare import JobInput, JobOutput, open_output
 from batchgen.run.progress import Progress, Summary, find_resumed, numerics_said, tokens_said
 from batchgen.run.stopping import GracefulStop
@@ -69,7 +70,7 @@ def run(cfg: JobConfig, job: JobInput, resolved: Optional[dict[str, Any]], stop:
         started: float) -> Summary:
     """The run's steps in order (the module docstring); `started`: time.perf_counter() when the run began."""
     with open_output(cfg, job, resolved) as out:
-        summary = Summary(out.shown, "partial", out.committer.totals(cfg.share().owns))
+        summary = Summary(out.shown, "partial", out.committer.totals(cfg.share().owns), work=RunWork(cfg.task))
         if (out.output_dir / SUCCESS).exists():
             return _already_done(cfg, out, summary)
         summary.rows_already_committed = summary.totals.rows

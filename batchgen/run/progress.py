@@ -75,7 +75,8 @@ class Summary:
         lines = [
             f"batchgen: {self.state.replace('_', ' ')}: {self.output_dir}",
             f"  rows {t.rows} (samples {t.samples}), error rows {t.error_rows}: {errors}",
-            f"  tokens: prompt {t.prompt_tokens}, generated {t.generated_tokens}"
+            (f"  tokens: prompt {t.prompt_tokens} (task={self.work.task}: scored, none generated)"
+             if self.work.scoring else f"  tokens: prompt {t.prompt_tokens}, generated {t.generated_tokens}")
             + (f" ({self.token_source})" if self.token_source else ""),
         ]
         if t.needs_review:
@@ -213,7 +214,7 @@ class Progress:
         self.shown: dict[int, float] = {}  # parts in flight: the rows the bar has advanced for their samples
         self.part_rows: dict[int, int] = {}  # parts in flight: their rows
         self.part_tokens: dict[int, int] = {}  # parts in flight: tokens generated in this run, journaled
-        self.run_progress = 0.0  # rows this run, committed or advanced per journaled sample
+        self.run_progress = 0.0  # rows this run's engine did (run.dedupe's and cache_dir's answers not), per sample
         self.written_at = 0.0
         self.opened: dict[int, float] = {}  # parts in flight: when this run opened them (their time in the history)
         # once loaded: the engine's counters (decode steps, OOM backoffs; Ray's per-worker breakdown) in the status
@@ -239,30 +240,33 @@ class Progress:
         if index not in self.shown:  # a part opened again (requeued on a Ray worker) keeps what the bar showed
             self.shown[index], self.part_tokens[index] = 0.0, 0
             self._move(-self.preshown.pop(index, 0.0))  # the bar started with an estimate: now the part's own count
-            self._advance(index, reused, this_run=False)
+            self._advance(index, reused)
         self.write("running")
 
     def loaded(self) -> None:
         """The engine is ready: this run's generation time starts now."""
         self.loaded_at = time.time()
 
-    def journaled(self, index: int, count: int, tokens: int = 0, prompt_tokens: int = 0) -> None:
-        """`count` samples of part `index` journaled, `tokens` generated for them from `prompt_tokens`."""
+    def journaled(self, index: int, count: int, tokens: int = 0, prompt_tokens: int = 0,
+                  made: Optional[int] = None) -> None:
+        """`count` samples of part `index` journaled, `made` of them by the engine (None: all; the rest are answers
+        run.dedupe or run.cache_dir gave), which generated `tokens` for them from (or scored) `prompt_tokens`."""
         self.parts[index]["samples_journaled"] += count
         self.part_tokens[index] = self.part_tokens.get(index, 0) + tokens
         self.run_tokens += tokens
         self.run_prompt_tokens += prompt_tokens
-        self._advance(index, count)
+        self._advance(index, count, made=count if made is None else made)
         if time.monotonic() - self.written_at >= self.HEARTBEAT_S:
             self._postfix()
             self.write("running")
 
-    def _advance(self, index: int, samples: int, this_run: bool = True) -> None:
+    def _advance(self, index: int, samples: int, made: int = 0) -> None:
+        """The bar by the rows `samples` stand for; this run's work (its rows figure) by those of the `made` ones."""
         planned = self.parts[index]["samples_planned"]
         if planned and samples:
             step = self.part_rows.get(index, 0) * samples / planned
             self.shown[index] = self.shown.get(index, 0.0) + step
-            self.run_progress += step if this_run else 0.0
+            self.run_progress += step * made / samples
             self._move(step)
 
     def _move(self, rows: float) -> None:

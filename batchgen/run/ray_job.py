@@ -334,8 +334,9 @@ class _JournalWatch:
             planned = self.progress.parts.get(k, {}).get("samples_planned", 0)
             new = min(len(results), planned) - self.seen[k]
             if new > 0 and k in self.progress.parts:
-                self.progress.journaled(k, new, sum(r.num_generated_tokens for r in results[-new:]),
-                                        sum(r.num_prompt_tokens for r in results[-new:]))
+                made = [r for r in results[-new:] if r.answered is None]  # not run.dedupe's or cache_dir's
+                self.progress.journaled(k, new, sum(r.num_generated_tokens for r in made),
+                                        sum(r.num_prompt_tokens for r in made), made=len(made))
                 self.seen[k] += new
 
 

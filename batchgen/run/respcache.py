@@ -214,7 +214,7 @@ class CachedEngine:
                     self.cache_stats.stored += 1
             on_result(result)
             for key in followers.pop(result.key, ()):
-                on_result(dataclasses.replace(result, key=key))
+                on_result(dataclasses.replace(result, key=key, answered="deduplicated"))
 
         stream = self.engine.stream
         stream(wrapped_source, wrapped_result)
@@ -233,7 +233,7 @@ class CachedEngine:
             return False
         stored = self.store.get(content) if self.store is not None else None
         if stored is not None:
-            hits.append(Result(key=req.key, latency_s=0.0, **stored))
+            hits.append(Result(key=req.key, latency_s=0.0, answered="cache", **stored))
             self.cache_stats.hits += 1
             return False
         leaders[content] = req.key

@@ -167,3 +167,28 @@ def test_a_resumed_output_has_one_token_total(tiny_model, tmp_path, monkeypatch)
     part1 = next(h for h in history(out) if h["part"] == 1)
     assert 0 < part1["reused_tokens"] < part1["generated_tokens"]  # 2 of its 3 samples from the stopped run
     assert part1["made_tokens"] == part1["generated_tokens"] - part1["reused_tokens"]
+
+
+def test_answers_the_engine_did_not_make_are_not_this_runs_work(tiny_model, tmp_path):
+    """6 rows, 2 of them repeating another's prompt (run.dedupe answers them once): the output's token total counts
+    every row's tokens, but this run's figure (the summary's "this run", the status file's this_run and its tok/s)
+    counts the 4 samples the engine generated, not the 2 copies. A scoring task's summary and its rate say rows and
+    prompt tokens scored, with no generated tokens and no generated tok/s."""
+    from batchgen.run.runner import run_job
+
+    prompts = ["alpha beta", "gamma", "alpha beta", "delta epsilon", "gamma", "zeta"]
+    data = write_parquet(tmp_path / "in.parquet", [{"uid": f"r{i}", "prompt": p} for i, p in enumerate(prompts)])
+    summary = run_job(compose_job(dummy_overrides(tiny_model, data, tmp_path / "gen", "dataset.id_column=uid",
+                                                  "sampling.max_new_tokens=8", "+engine.extra_args.eos_rate=0.0")))
+    assert summary.cache is not None and summary.cache.deduplicated == 2
+    assert summary.totals.generated_tokens == 6 * 8 and summary.work.generated_tokens == 4 * 8
+    assert "this run: 32 generated tokens" in summary.render(), summary.render()
+    status = json.loads((tmp_path / "gen" / "_status.json").read_text())
+    assert status["generated_tokens"] == 48 and status["this_run"]["generated_tokens"] == 32
+
+    scored = run_job(compose_job(job_overrides(tiny_model, data, tmp_path / "loglik", "dataset.id_column=uid",
+                                               "task=loglik")))
+    said = scored.render()
+    assert scored.work.rows == 4 and "this run: 4 rows scored" in said, said
+    assert "generated tok" not in said and ", generated 0" not in said and "prompt tok/s scored" in said, said
+    assert "(task=loglik: scored, none generated)" in said

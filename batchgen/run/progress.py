@@ -302,8 +302,8 @@ class Progress:
     def _history(self, index: int, stats: PartStats, generated_tokens: int, worker: Optional[str]) -> None:
         """Append the committed part to the shard's history (`_history*.jsonl`, read by `batchgen report`): one line
         per part, appended; a line torn by a kill is skipped by its reader. A failed write costs the line only.
-        `generated_tokens` is the part's, as its file counts them; `reused_tokens` those of its samples an earlier run
-        generated and journaled (the rest, this run's, are what its time in flight produced)."""
+        `generated_tokens` is the part's, as its file counts them; `reused_tokens` those of its samples this run's
+        engine did not generate (journaled by an earlier run, or run.dedupe's and run.cache_dir's answers)."""
         opened = self.opened.pop(index, None)
         record = {"t": round(time.time(), 3), "part": index, "rows": stats.rows, "samples": stats.samples,
                   "generated_tokens": stats.generated_tokens, "prompt_tokens": stats.prompt_tokens,

@@ -27,14 +27,14 @@ from typing import Any, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchgen.commands.terminal import error_text, lines, one_line
+from batchgen.commands.terminal import error_text, escape_console, lines, one_line
 from batchgen.errors import BatchgenError, ConfigError, LockedError
 from batchgen.fsutil import replace_durably, write_json_atomic
 from batchgen.job import JobConfig
 from batchgen.output.lock import is_held, lock_name
 from batchgen.output.manifest import MANIFEST, diff, read_manifest, refuse_quoted
 from batchgen.output.parts import part_schema
-from batchgen.output.publish import pending, publish, published_line
+from batchgen.output.publish import pending, publish, published_line, reading_line
 from batchgen.output.remote import is_remote
 from batchgen.output.rows.schema import ATTEMPT_FIELD, OPTIONAL_FIELDS, OUTPUT_COLUMNS, SUCCESS
 from batchgen.output.rows.stats import error_kind
@@ -91,7 +91,7 @@ def prepare(output_dir: Path, kinds: Optional[list[str]], overrides: list[str],
     recorded = _recorded(output_dir, last) if last else None
     unfinished = last and not (attempt_dir(output_dir, last) / SUCCESS).exists() and recorded is not None
     if unfinished and _resumes(output_dir, last, recorded, kinds, overrides):  # type: ignore[arg-type]
-        log.info("finishing attempt %d (kinds %s, overrides %s)", last, recorded["kinds"], recorded["overrides"])
+        print(f"finishing the unfinished attempt {last} with its recorded kinds and overrides")
         return _job(output_dir, last, recorded["overrides"], manifest, config_from)  # type: ignore[index]
     attempt = last if last and (recorded is None or unfinished) else last + 1  # never completed, or replaced: anew
     kinds = list(kinds or DEFAULT_KINDS)
@@ -107,7 +107,7 @@ def prepare(output_dir: Path, kinds: Optional[list[str]], overrides: list[str],
     rows = write_input(base, manifest, failed, here / INPUT_FILE)
     write_json_atomic(here / RETRY_FILE, {"attempt": attempt, "kinds": kinds, "overrides": overrides,
                                           "ids": len(failed), "rows": rows})
-    log.info("attempt %d: %d rows erred with %s; their input is in %s", attempt, rows, ", ".join(kinds), here)
+    print(one_line(f"attempt {attempt}: retrying {rows} rows that erred with {', '.join(kinds)}, in {here}"))
     return _job(output_dir, attempt, overrides, manifest, config_from)
 
 
@@ -338,9 +338,9 @@ def _finish(output_dir: Path, attempt: int) -> int:
         print(f"batchgen retry: error: publishing attempt {attempt} over {output_dir}'s parts failed ({exc}); every "
               f"row is still there once: rerun `batchgen retry {output_dir}` to finish it", file=sys.stderr)
         return 1
-    written = write_if_wanted(output_dir)  # the job's results file, now from the latest attempts
-    if written:
+    if written := write_if_wanted(output_dir):  # the job's results file, now from the latest attempts
         print(f"OpenAI batch results rewritten from the latest attempts: {written}")
+    print(one_line(reading_line(output_dir)))
     return 0
 
 
@@ -353,10 +353,14 @@ def main(argv: list[str], config_from: Callable[[dict[str, Any], list[str]], Job
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("output_dir", type=_local_dir)
     parser.add_argument("--kinds", help=f"error kinds to retry, comma-separated (default {','.join(DEFAULT_KINDS)})")
+    parser.add_argument("-v", "--verbose", action="store_true", help="the run's INFO log lines on the console too")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides for the retried rows")
     args = parser.parse_intermixed_args(argv)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,  # plain lines on the console
+                        format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s" if args.verbose
+                        else "batchgen retry: %(levelname)s: %(message)s")
+    escape_console(logging.getLogger())  # a warning may quote a row's id: escaped
     try:
         if (unpublished := pending(args.output_dir)) is not None:  # a retry killed while it published: finish that
             return _finish(args.output_dir, unpublished)
@@ -373,8 +377,4 @@ def main(argv: list[str], config_from: Callable[[dict[str, Any], list[str]], Job
         print(f"batchgen retry: {exc}; rerun the same command to finish this attempt", file=sys.stderr)
         return exc.exit_code
     print(lines(summary.render()))
-    if summary.state == "done" and _finish(args.output_dir, job[1]["retry"]["attempt"]):
-        return 1
-    print(f"latest attempt per row: batchgen.output.view.latest({str(args.output_dir)!r}) "
-          f"(docs/output-and-resume.md, \"Retry\")")
-    return 0
+    return _finish(args.output_dir, job[1]["retry"]["attempt"]) if summary.state == "done" else 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -82,6 +83,12 @@ def published_line(output_dir: Path, record: dict[str, Any]) -> str:
             f"row ({record['parts_replaced']} parts replaced; the job's own kept in {output_dir}/{ATTEMPTS}/"
             f"{ORIGINALS}/): {record['error_rows']} of {record['rows']} rows still fail" + (f" ({errors})" if errors
                                                                                              else ""))
+
+
+def reading_line(output_dir: Path) -> str:
+    """Where to read the published rows, as `batchgen retry`'s last line says it: the command line's reader last."""
+    return (f"the top-level parts now show each row's latest attempt: pd.read_parquet({str(output_dir)!r}) reads "
+            f"them; to see them with their attempt: batchgen view {shlex.quote(str(output_dir))}")
 
 
 def _level(path: Path) -> int:

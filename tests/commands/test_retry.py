@@ -228,3 +228,24 @@ def test_an_input_column_named_as_retrys_own_is_refused_at_the_jobs_start(tiny_m
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert f"has a column '{ID_COLUMN}': names starting with '_batchgen_' are batchgen's own" in refused.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_retry_prints_plain_lines_and_ends_pointing_at_batchgen_view(tiny_model, tmp_path):
+    """The console had the run's INFO log lines (`[time][batchgen.commands.retry][INFO] - attempt 1: ...`) and ended
+    on Python's `batchgen.output.view.latest(...)`; now plain lines, INFO only with -v, and the last line says that
+    the top-level parts show the latest attempts and names `batchgen view OUTPUT_DIR`."""
+    out, _ = finished_job(tiny_model, tmp_path, name="my out")
+    done = run_cli(["retry", str(out), "--kinds", "too_long", "run.max_error_rate=1"])  # every row errs again
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[INFO]" not in done.stdout + done.stderr and done.stderr == "", done.stderr[-3000:]
+    said = done.stdout.splitlines()
+    assert said[0] == f"attempt 1: retrying 6 rows that erred with too_long, in {out}/_attempts/attempt-001"
+    assert "published attempt 1:" in done.stdout and "6 of 24 rows still fail (too_long=6)" in done.stdout
+    assert "batchgen.output.view" not in done.stdout
+    assert said[-1] == (f"the top-level parts now show each row's latest attempt: pd.read_parquet('{out}') reads "
+                        f"them; to see them with their attempt: batchgen view '{out}'")
+    verbose = run_cli(["retry", "-v", str(out), "run.too_long=truncate_left"])
+    assert verbose.returncode == 0, verbose.stderr[-3000:]
+    assert "][INFO] - " in verbose.stderr  # the run's log lines, asked for
+    assert "0 of 24 rows still fail" in verbose.stdout
+    assert verbose.stdout.splitlines()[-1].endswith(f"batchgen view '{out}'")

@@ -5,7 +5,10 @@ the status file behind them), the samples its part journals hold, and the run's 
 (output/throughput.py, as the summary says it). An output on object storage
 (`s3://...`) is read through fsspec: its manifest, status files and `_SUCCESS` from the bucket, its parts from the
 listing, and the journals and locks from its staging directory where this is the machine that runs it
-(remote.RemoteOutput); `fetch_remote` is shared with `batchgen report`."""
+(remote.RemoteOutput); `fetch_remote` is shared with `batchgen report`.
+`batchgen status ROOT`, ROOT a `batchgen increment` root (ROOT/YYYY-MM-DD): one line per night (complete, unfinished
+or being written; its rows and error rows, and those after its last published retry), the nights' totals, and how
+many ids their union holds (`batchgen view ROOT`) and how many of those still fail."""
 
 from __future__ import annotations
 
@@ -32,9 +35,15 @@ from batchgen.output.throughput import throughput, work_from
 
 
 def describe(output_dir: Path) -> str:
-    """The run's state, one line per fact; ConfigError where there is no run or its manifest is torn."""
+    """The run's state, one line per fact (a `batchgen increment` root: its nights, describe_nights); ConfigError
+    where there is no run or its manifest is torn."""
+    from batchgen.output.ledger.nights import is_root
+
     if read_manifest(output_dir) is None:
-        raise ConfigError([f"{output_dir}: no batchgen run here (no {MANIFEST})"])
+        if is_root(output_dir):
+            return describe_nights(output_dir)
+        raise ConfigError([f"{output_dir}: no batchgen run here (no {MANIFEST}): name a job's output_dir, or a "
+                           f"batchgen increment root (its YYYY-MM-DD nights)"])
     return _describe(str(output_dir), output_dir, output_dir, len(list(output_dir.glob("part-*.parquet"))),
                      parts_here=True)
 
@@ -47,6 +56,67 @@ def describe_remote(url: str) -> str:
             raise ConfigError([f"{url}: no batchgen run here (no {MANIFEST})"])
         local = remote.staging if remote.staging.is_dir() else None
         return _describe(remote.url, Path(tmp), local, len(remote.committed()))
+
+
+def describe_nights(root: Path) -> str:
+    """A `batchgen increment` root (ROOT/YYYY-MM-DD): one line per night, oldest first (its state, committed rows,
+    error rows, and those after its last published retry), then the nights' totals and what their union holds (each
+    id once: `batchgen view ROOT`)."""
+    from batchgen.output.ledger.nights import finished, nights, union_counts
+
+    found = nights(root)
+    lines = [f"{root}: batchgen increment root, {len(found)} nights ({sum(map(finished, found))} complete)"]
+    rows = before = after = retried = 0
+    for night in found:
+        if read_manifest(night) is None:
+            lines.append(f"  {night.name}: no batchgen output (no {MANIFEST})")
+            continue
+        line, done, last = _night(night)
+        lines.append(line)
+        rows, before = rows + done.rows - done.skipped, before + done.error_rows
+        after += done.error_rows if last is None else last[1]["error_rows"]
+        retried += last is not None
+    errors = f"error rows {after} after retries ({before} before)" if retried else f"error rows {before}"
+    ids, failing = union_counts(root)
+    lines.append(f"  all nights: rows {rows}, {errors}")
+    lines.append(f"  their union (batchgen view {root}): {ids} ids, each once; {failing} of them erred in every "
+                 f"night that has them")
+    return "\n".join(lines)
+
+
+def _night(night: Path) -> tuple[str, PartStats, Optional[tuple[int, dict[str, Any]]]]:
+    """A night's line, its committed counts (as the job wrote them) and its last published retry (attempt, record)."""
+    from batchgen.output.ledger.nights import finished
+
+    done, totals = PartStats(), []
+    for _, beat in read_heartbeats(night):
+        done.add(_committed(beat, night))
+        totals.append(beat.rows_total)
+    writers = live_writers(night)  # a lock without its holder's note (another tool's) is named without it
+    holders = "; ".join(f"pid {h['pid']} on {h.get('host', '?')} since {h.get('since', '?')}" for h in writers
+                        if "pid" in h)
+    said = f"rows {done.rows - done.skipped}" + (f" ({done.skipped} skipped: other nights')" if done.skipped else "")
+    if finished(night):
+        state = "complete"
+    else:
+        state = ("being written" + (f" ({holders})" if holders else "") if writers else "unfinished (no live "
+                 "writer: a rerun the same night resumes it, a later night generates its rows again)")
+        said += f", {done.rows}/{sum(totals) if totals and None not in totals else '?'} input rows committed"
+    kinds = ", ".join(f"{k}={v}" for k, v in sorted(done.errors.items()))
+    line = (f"  {night.name}: {state}: {said}, error rows {done.error_rows}" + (f" ({kinds})" if kinds else "")
+            + _after_retries(night, done.error_rows) + _unpublished(night))
+    return one_line(line), done, _last_published(night)
+
+
+def _unpublished(output_dir: Path) -> str:
+    """Where the last retry attempt is not published (unfinished, or killed while it published): how to finish it."""
+    from batchgen.output.publish import published
+    from batchgen.output.view import attempts
+
+    last = attempts(output_dir)[-1]
+    if not last or published(output_dir, last) is not None:
+        return ""
+    return f"; retry attempt-{last:03d} not finished: `batchgen retry {output_dir}` finishes it"
 
 
 def fetch_remote(url: str, into: Path) -> Optional[RemoteOutput]:
@@ -106,15 +176,21 @@ def _table(files: Path) -> list[str]:
     return [f"  table: {line}"] if line else []
 
 
-def _after_retries(output_dir: Path, before: int) -> str:
-    """The headline's rows still failing after the last published retry (what reading the directory shows)."""
+def _last_published(output_dir: Path) -> Optional[tuple[int, dict[str, Any]]]:
+    """The last published retry attempt and its publish record (the counts after it), None where none is."""
     from batchgen.output.publish import published
     from batchgen.output.view import attempts
 
     done = [(a, record) for a in attempts(output_dir)[1:] if (record := published(output_dir, a))]
-    if not done:
+    return done[-1] if done else None
+
+
+def _after_retries(output_dir: Path, before: int) -> str:
+    """The headline's rows still failing after the last published retry (what reading the directory shows)."""
+    last = _last_published(output_dir)
+    if last is None:
         return ""
-    a, record = done[-1]
+    a, record = last
     return (f"; after retry attempt-{a:03d}: {record['error_rows']} error rows of {record['rows']} ({before} before "
             f"retries)")
 
@@ -263,8 +339,9 @@ def _part_stats(path: Path) -> PartStats:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="batchgen status", description=__doc__)
-    parser.add_argument("output_dir", help="a directory, or an fsspec URL (s3://bucket/prefix)")
-    where = parser.parse_args(argv).output_dir
+    parser.add_argument("output_dir", help="a directory, or an fsspec URL (s3://bucket/prefix); a batchgen "
+                                           "increment root lists its nights")
+    where = parser.parse_args(argv).output_dir  # a batchgen increment root: its nights (describe_nights)
     try:
         print(describe_remote(where) if is_remote(where) else describe(Path(where)))
     except ConfigError as exc:  # no run, or a torn manifest: named, exit 2 (docs/contract.md section 7)

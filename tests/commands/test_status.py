@@ -12,10 +12,20 @@ import subprocess
 import sys
 import time
 
+import pyarrow.parquet as pq
+import pytest
+from filelock import FileLock
+
+from batchgen.commands.compose import config_from
+from batchgen.commands.retry import main as retry_main
 from batchgen.commands.status import describe
+from batchgen.commands.status import main as status_main
+from batchgen.commands.view import main as view_main
+from batchgen.errors import BatchgenError
 from batchgen.output.journal import Journal, journal_key, journal_path, read_journal
 from batchgen.records import Result
 from tests.conftest import REPO, dummy_overrides, keyed_rows, read_output, run_cli, write_parquet
+from tests.output.ledger.test_nights import night, tickets
 
 HEADLINE = re.compile(r"_status\.json: (?P<state>[a-z ()]+): rows (?P<rows>\d+)/(?P<total>\d+) \([\d.]+%\) committed"
                       r"(?: \+ (?P<journaled>\d+) samples journaled[^,]*)?, error rows \d+ \([^)]*\), "
@@ -119,3 +129,38 @@ def test_a_failure_quoting_a_row_reaches_the_terminal_escaped_on_the_console_and
     said = describe(out)
     assert "last error: row u0x\\x1b]0;pwned\\x07" in said
     assert_safe(said)
+
+
+def test_status_of_an_increment_root_lists_its_nights_with_retries_and_a_total(tiny_model, tmp_path, capsys):
+    """`batchgen status ROOT` on a `batchgen increment` root answered `no batchgen run here`. Now: each night
+    (complete, unfinished, being written), its rows and error rows and those after a published retry, the totals and
+    the union; and `batchgen view ROOT` reads the retried night's published rows once, the retry's answers winning."""
+    root, data = tmp_path / "nights", tmp_path / "in.parquet"
+    limits = ("engine.max_model_len=64", "sampling.max_new_tokens=4", "run.too_long=skip", "run.max_error_rate=0.9")
+    tickets(data, 6, long=frozenset({1, 4}))
+    night(tiny_model, root, "2026-12-05", data, *limits)  # t01, t04 too long: error rows
+    assert retry_main([str(root / "2026-12-05"), "run.too_long=truncate_left"], config_from) == 0
+    tickets(data, 9, long=frozenset({1, 4, 7}))
+    night(tiny_model, root, "2026-12-06", data, *limits)  # t06..t08, t07 errs
+    tickets(data, 14, long=frozenset({1, 4, 7}))  # t07 again: over run.max_error_rate, the night stops unfinished
+    with pytest.raises(BatchgenError, match="run.max_error_rate"):
+        night(tiny_model, root, "2026-12-07", data, *limits[:3], "run.max_error_rate=0.1")
+    capsys.readouterr()
+    assert status_main([str(root)]) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert said == [
+        f"{root}: batchgen increment root, 3 nights (2 complete)",
+        "  2026-12-05: complete: rows 6, error rows 2 (too_long=2); after retry attempt-001: 0 error rows of 6 "
+        "(2 before retries)",
+        "  2026-12-06: complete: rows 3 (6 skipped: other nights'), error rows 1 (too_long=1)",
+        "  2026-12-07: unfinished (no live writer: a rerun the same night resumes it, a later night generates its "
+        "rows again): rows 1 (7 skipped: other nights'), 8/14 input rows committed, error rows 1 (too_long=1)",
+        "  all nights: rows 10, error rows 2 after retries (4 before)",
+        f"  their union (batchgen view {root}): 9 ids, each once; 1 of them erred in every night that has them"]
+    with FileLock(str(root / "2026-12-07" / "_lock")):  # a live writer of that night (a rerun of it)
+        assert "  2026-12-07: being written: rows 1 (7 skipped: other nights'), 8/14 input" in describe(root)
+    assert view_main([str(root), "--to", str(tmp_path / "union.parquet")]) == 0
+    rows = pq.read_table(tmp_path / "union.parquet").to_pylist()
+    assert sorted(r["id"] for r in rows) == [f"t{i:02d}" for i in range(9)]  # every committed id once
+    assert {r["id"]: r["attempt"] for r in rows if r["attempt"]} == {"t01": 1, "t04": 1}  # the retry's answers
+    assert [r["id"] for r in rows if r["error"] is not None] == ["t07"]

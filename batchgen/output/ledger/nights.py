@@ -74,8 +74,19 @@ def _with_parts(root: Path) -> list[Path]:
     return out
 
 
+def union_counts(root: Path) -> tuple[int, int]:
+    """The union's ids, and how many of them erred in the night it takes them from (erred in every night)."""
+    ranks = _ranks(_with_parts(root))
+    return len(ranks), sum(not ok for ok, _ in ranks.values())
+
+
 def _chosen(held: list[Path]) -> dict[int, int]:
     """Per id (hashed): the index in `held` of the night its union row comes from (module doc)."""
+    return {h: i for h, (_, i) in _ranks(held).items()}
+
+
+def _ranks(held: list[Path]) -> dict[int, tuple[bool, int]]:
+    """Per id (hashed): whether its union night's rows have no error, and that night's index in `held`."""
     best: dict[int, tuple[bool, int]] = {}
     for i, night in enumerate(held):
         seen: set[int] = set()
@@ -87,7 +98,7 @@ def _chosen(held: list[Path]) -> dict[int, int]:
             rank = (h not in erred, i)
             if h not in best or rank > best[h]:
                 best[h] = rank
-    return {h: i for h, (_, i) in best.items()}
+    return best
 
 
 def union_batches(root: Path, columns: Optional[list[str]] = None) -> Iterator[pa.Table]:

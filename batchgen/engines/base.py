@@ -207,9 +207,10 @@ def answer_text(tokenizer: Any, ids: list[int], answer: list[int], params: Sampl
 
 def decode(tokenizer: Any, ids: list[int], params: SampleParams) -> str:
     """Generated ids as text, as vLLM's skip_special_tokens and spaces_between_special_tokens say (the latter only
-    changes a slow tokenizer's decoding, as in vLLM, whose fast detokenizer ignores it too)."""
-    return tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens,
-                            spaces_between_special_tokens=params.spaces_between_special_tokens)
+    changes a slow tokenizer's decoding, as in vLLM, whose fast detokenizer ignores it too; passed only where it is
+    off, so that a tokenizer whose decode does not know it serves every job that leaves it at its default)."""
+    spacing = {} if params.spaces_between_special_tokens else {"spaces_between_special_tokens": False}
+    return tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens, **spacing)
 
 
 def reasoning_tokens(ids: list[int], answer: list[int], params: SampleParams) -> Optional[int]:

@@ -6,8 +6,9 @@ Gumbel-max, argmax(logits + g), where g's uniforms come from a counter-based has
 There is no generator state: a row's noise is a function of its seed and its step only. No op here reads a value on
 the host or has a value-dependent shape (tests/engines/hf/backends/cuda/syncguard.py checks it), so a CUDA step can
 run it. Everything is plain torch, so it runs, and is tested, on CPU tensors. A platform may do two steps with its
-own kernels where they give the same values (DrawOps): greedy rows' first index of the largest value, and the
-integer hash's signed halves (exact integer work; the logarithms stay torch's).
+own kernels where they give the same values (DrawOps): greedy rows' first index of the largest value, the
+filter's stable descending sort (one permutation, whichever algorithm finds it), and the integer hash's signed
+halves (exact integer work; the logarithms stay torch's).
 
 The penalties, logit_bias and min_tokens are not applied here: the Sampler applies them to the logits it passes
 in (processors.py), once, before this draw and before a greedy row's argmax, so they hold for every row.
@@ -45,6 +46,8 @@ class DrawOps:
     argmax: Callable[[torch.Tensor], torch.Tensor] = first_largest  # greedy rows' pick: logits [n, V] -> [n] int64
     # the signed halves of (key1 [n], key2 [n], V) from row_keys: [n, V] float32, halves_of_keys' values
     halves: Optional[Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]] = None
+    # x [n, V] float32 -> (values, indices [n, V] int64): torch.sort(x, -1, descending=True, stable=True)'s
+    sort: Optional[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = None
 
 
 TORCH_OPS = DrawOps()  # plain torch: any device
@@ -100,22 +103,23 @@ def sample(logits: torch.Tensor, params: RowParams, steps: torch.Tensor, ops: Dr
     row has one (params.filtered: else no sort), then argmax(x + g)."""
     x = logits.float() / params.temperature[:, None]
     if params.filtered:
-        x = filter_logits(x, params.top_k, params.top_p, params.min_p)
+        x = filter_logits(x, params.top_k, params.top_p, params.min_p, sort=ops.sort)
     key1, key2 = row_keys(params.seed, steps)
     signed = (ops.halves or halves_of_keys)(key1, key2, x.shape[-1])
     return x.add_(gumbel_of_halves(signed)).argmax(dim=-1)
 
 
-def filter_logits(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def filter_logits(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, *,
+                  sort: Optional[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = None) -> torch.Tensor:
     """x [n, V] with the tokens each row's top-k, then top-p, then min-p drop set to -inf; one sort serves all three.
 
     top-k keeps every token at least as large as the k-th largest (ties at the k-th value all stay, as in the CPU
     sampler and vLLM); 0 or k >= V keeps all. top-p keeps the smallest prefix of the sorted, top-k-renormalised
     distribution whose mass reaches top_p (a token stays while the mass before it is at most top_p; tokens of
     equal value enter in index order); 1 keeps all. min-p drops tokens whose probability is below min_p times the
-    largest; 0 keeps all, 1 keeps the largest (and its ties). The largest token always stays."""
+    largest; 0 keeps all, 1 keeps the largest (and its ties). The largest token always stays. sort: DrawOps.sort."""
     n, vocab = x.shape
-    sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    sorted_x, order = sort(x) if sort is not None else torch.sort(x, dim=-1, descending=True, stable=True)
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
     kth = sorted_x.gather(1, (k - 1)[:, None])
     drop = sorted_x < kth

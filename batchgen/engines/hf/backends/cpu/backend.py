@@ -60,7 +60,8 @@ class CpuBackend:
     def draw_ops(self) -> DrawOps:
         lib = kernels.load()
         halves = None if lib is None or not hasattr(lib, "batchgen_draw_halves") else partial(ops.draw_halves, lib)
-        return DrawOps(argmax=argmax_rows, halves=halves)
+        sort = None if lib is None or not hasattr(lib, "batchgen_sort_desc_rows") else partial(ops.sort_desc_rows, lib)
+        return DrawOps(argmax=argmax_rows, halves=halves, sort=sort)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -253,3 +253,72 @@ void batchgen_draw_halves(const int64_t *key1, const int64_t *key2, long M, long
         }
     }
 }
+
+/* Each row of x sorted in descending order, stably (equal values keep their index order; -0 equals +0; a NaN counts
+ * as the largest): torch.sort(x, descending=True, stable=True)'s values and indices, which are one permutation, as
+ * the draw's top-k/top-p/min-p filter takes them. An LSD radix sort on an order-preserving 32-bit key, 8 bits a pass
+ * (a pass whose byte every value shares is skipped): O(N) a row instead of a comparison sort's O(N log N). */
+static inline uint32_t sort_desc_key(float v) {
+    uint32_t u;
+    if (v != v)
+        return 0u;  /* a NaN: first */
+    if (v == 0.0f)
+        v = 0.0f;  /* -0 as +0 */
+    memcpy(&u, &v, 4);
+    return (u & 0x80000000u) ? u : ~u & 0x7FFFFFFFu;  /* larger value, smaller key; keys of numbers >= 1 */
+}
+
+static void sort_desc_row(const float *x, long N, float *values, int64_t *order, uint32_t *buf) {
+    uint32_t *key = buf, *idx = buf + N, *key2 = buf + 2 * N, *idx2 = buf + 3 * N;
+    long count[4][256] = {{0}};
+    for (long n = 0; n < N; n++) {
+        const uint32_t k = sort_desc_key(x[n]);
+        key[n] = k;
+        idx[n] = (uint32_t)n;
+        for (int b = 0; b < 4; b++)
+            count[b][(k >> (8 * b)) & 255u]++;
+    }
+    for (int b = 0; b < 4; b++) {
+        const int shift = 8 * b;
+        if (count[b][(key[0] >> shift) & 255u] == N)
+            continue;  /* every key has this byte: the pass would not move anything */
+        long start = 0;
+        for (int d = 0; d < 256; d++) {
+            const long c = count[b][d];
+            count[b][d] = start;
+            start += c;
+        }
+        for (long n = 0; n < N; n++) {
+            const long at = count[b][(key[n] >> shift) & 255u]++;
+            key2[at] = key[n];
+            idx2[at] = idx[n];
+        }
+        uint32_t *t = key; key = key2; key2 = t;
+        t = idx; idx = idx2; idx2 = t;
+    }
+    for (long n = 0; n < N; n++) {
+        order[n] = idx[n];
+        values[n] = x[idx[n]];
+    }
+}
+
+/* Returns 0, or -1 where the scratch could not be allocated (nothing written then). */
+int batchgen_sort_desc_rows(const float *x, long M, long N, float *values, int64_t *order, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (M > 1 && M * N >= 65536)
+    {
+        uint32_t *buf = malloc((size_t)N * 4 * sizeof(uint32_t));
+        if (buf == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (long m = 0; m < M; m++)
+                sort_desc_row(x + m * N, N, values + m * N, order + m * N, buf);
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}

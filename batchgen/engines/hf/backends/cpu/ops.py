@@ -107,6 +107,19 @@ def draw_halves(lib: ctypes.CDLL, key1: torch.Tensor, key2: torch.Tensor, vocab:
     return out
 
 
+def sort_desc_rows(lib: ctypes.CDLL, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, N] float32 -> (values [M, N] float32, indices [M, N] int64): torch.sort(x, dim=-1, descending=True,
+    stable=True)'s, bit for bit (a radix sort a row; sampling/draw.py's filter), torch's where the scratch is not
+    allocated."""
+    require(x.dtype == torch.float32 and x.dim() == 2, "sort_desc_rows: x [M, N] float32")
+    x = x.contiguous()
+    values, order = torch.empty_like(x), torch.empty(x.shape, dtype=torch.int64)
+    if x.numel() and lib.batchgen_sort_desc_rows(x.data_ptr(), x.shape[0], x.shape[1], values.data_ptr(),
+                                                 order.data_ptr(), torch.get_num_threads()):
+        return torch.sort(x, dim=-1, descending=True, stable=True)
+    return values, order
+
+
 def scale_rows_argmax(lib: ctypes.CDLL, y: torch.Tensor, scale: torch.Tensor,
                       bias: Optional[torch.Tensor]) -> torch.Tensor:
     """scale_rows(y, scale, bias) in place, then argmax_rows(y), in one pass a row at a time (a W8A8 LM head's output

@@ -58,6 +58,9 @@ def _declare_w8a8(lib: ctypes.CDLL, ptr: type) -> None:
     if hasattr(lib, "batchgen_draw_halves"):
         lib.batchgen_draw_halves.restype = None
         lib.batchgen_draw_halves.argtypes = [ptr, ptr, ctypes.c_long, ctypes.c_long, ptr, ctypes.c_int]
+    if hasattr(lib, "batchgen_sort_desc_rows"):
+        lib.batchgen_sort_desc_rows.restype = ctypes.c_int
+        lib.batchgen_sort_desc_rows.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ptr, ctypes.c_int]
     if hasattr(lib, "batchgen_scale_rows_argmax"):
         lib.batchgen_scale_rows_argmax.restype = None
         lib.batchgen_scale_rows_argmax.argtypes = [ptr, ctypes.c_long, ctypes.c_long, ptr, ptr, ptr, ctypes.c_int]

@@ -416,3 +416,21 @@ def test_the_draw_halves_kernel_gives_the_draws_values_bit_for_bit(isa):
     key1, key2 = draw.row_keys(seeds, steps)
     for vocab in (1, 17, 1000, 151936):
         assert torch.equal(cpu_ops.draw_halves(lib, key1, key2, vocab), draw.halves_of_keys(key1, key2, vocab))
+
+
+@every_isa
+def test_the_sort_kernel_gives_torchs_stable_descending_sort_bit_for_bit(isa):
+    """batchgen_sort_desc_rows (the CPU platform's DrawOps.sort, the draw's top-k/top-p/min-p filter) gives
+    torch.sort(descending=True, stable=True)'s values and indices: ties in index order (-0 equal to +0), NaN first,
+    infinities, rows of 1 to 151,936 values, one row and many (threads split the rows)."""
+    lib = kernels(isa)
+    gen = torch.Generator().manual_seed(5)
+    special = torch.tensor([0.0, -0.0, float("nan"), float("inf"), float("-inf"), 1.5, -1.5, 1e-45, -1e-45])
+    for rows, vocab in ((1, 1), (3, 17), (1, 32000), (8, 32000), (2, 151936)):
+        x = (torch.randn(rows, vocab, generator=gen) * 3).round(decimals=1)  # many ties
+        x.view(-1)[torch.randint(rows * vocab, (min(rows * vocab, 40),), generator=gen)] = special.repeat(5)[
+            :min(rows * vocab, 40)]
+        values, order = cpu_ops.sort_desc_rows(lib, x)
+        want = torch.sort(x, dim=-1, descending=True, stable=True)
+        assert torch.equal(order, want.indices)
+        assert torch.equal(values.view(torch.int32), want.values.view(torch.int32))  # -0 and +0 as they were

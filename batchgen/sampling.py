@@ -294,6 +294,9 @@ class SampleParams:
     pooling: Optional[str] = None  # task=embed: no generation; the prompt's final hidden states pooled (mean, last)
     normalize: bool = False  # task=embed: the pooled state scaled to unit length
     shared: int = 0  # task=decide: the first `shared` tokens are the row's prompt, prefilled once for its questions
+    # task=decide: each of the row's answers as its tokens after `shared`, in plan order; the engine prefills the row's
+    # whole set as one batch whatever part of it is asked (a resumed row's scores as an uninterrupted run's)
+    answers: tuple[tuple[int, ...], ...] = ()
     # logits processors (sampling.KEY, or the row's dataset.KEY_column), each off at its PROCESSORS value
     repetition_penalty: float = 1.0  # HF's, over the prompt's and the generated tokens
     presence_penalty: float = 0.0  # OpenAI's and vLLM's, over the generated tokens only

@@ -241,7 +241,8 @@ class Planner:
         question's prompt, then " answer" and EOS, scored from the answer on (EOS included, so an answer that is a
         prefix of another, "bug" and "bugfix", is not credited with the longer one's mass). The row's prompt is
         marked shared (all of it but its last token, whose state predicts the question's first): the engine prefills
-        it once for all of them. A row whose prompt, longest question and answer exceed max_model_len is too_long."""
+        it once for all of them, and the row's answers (params.answers, its whole set) as one batch. A row whose
+        prompt, longest question and answer exceed max_model_len is too_long."""
         questions, answers = self.questions()
         width = sum(len(a) for a in answers)
         longest = max(len(q) + max(map(len, opts)) for q, opts in questions)
@@ -255,11 +256,12 @@ class Planner:
                 errors[row] = (f"too_long: {len(base)} prompt tokens + {longest} of a question and its answer > "
                                f"engine.max_model_len={max_model_len}")
                 continue
+            every = tuple(tuple(base[-1:] + q_ids + option) for q_ids, opts in questions for option in opts)
             for q_ids, opts in questions:
                 for option in opts:
                     params = SampleParams(max_new_tokens=0, temperature=0.0, top_p=1.0, top_k=0, stop=(),
                                           ignore_eos=False, score_from=len(base) + len(q_ids),
-                                          shared=len(base) - 1)
+                                          shared=len(base) - 1, answers=every)
                     requests.append(Request(key=row * width + j, prompt_ids=base + q_ids + option, params=params,
                                             seed=None))
                     j += 1

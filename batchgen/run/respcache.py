@@ -48,6 +48,8 @@ def request_key(space: str, req: Request) -> Optional[str]:
     for key, default in (PROCESSORS | DECODING).items():  # keys added later: at their defaults, the key they had
         if params.get(key) in (default, {}, None):
             params.pop(key, None)
+    if not params.get("answers"):  # task=decide's row answer set, added later: absent elsewhere, the key they had
+        params.pop("answers", None)
     body = {"prompt": req.prompt_ids, "messages": req.messages, "seed": req.seed, "params": params}
     return hashlib.sha256((space + json.dumps(body, sort_keys=True, default=str)).encode()).hexdigest()
 

@@ -123,8 +123,8 @@ def test_scores_come_back_from_the_cache_whole(tiny_model, tmp_path):
 
 def test_the_sampling_keys_added_later_leave_an_existing_caches_keys_as_they_were():
     """The logits processors' keys (repetition_penalty, the penalties, min_p, min_tokens, logit_bias, vLLM's token
-    lists) and the decoding keys (vLLM's text switches) at their defaults: a request's key is the one batchgen computed
-    before those keys existed (a cache filled then still answers); set, they count."""
+    lists), the decoding keys (vLLM's text switches) and task=decide's answer set at their defaults: a request's key
+    is the one batchgen computed before those keys existed (a cache filled then still answers); set, they count."""
     import dataclasses
     import hashlib
     import json
@@ -135,7 +135,8 @@ def test_the_sampling_keys_added_later_leave_an_existing_caches_keys_as_they_wer
 
     params = SampleParams(max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=0, stop=("x",), ignore_eos=False)
     req = Request(key=0, prompt_ids=[5, 6, 7], params=params, seed=42)
-    before = {k: v for k, v in dataclasses.asdict(params).items() if k not in PROCESSORS | DECODING}
+    later = PROCESSORS.keys() | DECODING.keys() | {"answers"}  # answers: task=decide's row answer set
+    before = {k: v for k, v in dataclasses.asdict(params).items() if k not in later}
     body = {"prompt": req.prompt_ids, "messages": req.messages, "seed": req.seed, "params": before}
     assert request_key("s", req) == hashlib.sha256(("s" + json.dumps(body, sort_keys=True, default=str)).encode()
                                                    ).hexdigest()
@@ -143,3 +144,5 @@ def test_the_sampling_keys_added_later_leave_an_existing_caches_keys_as_they_wer
     assert request_key("s", penalised) != request_key("s", req)
     kept = dataclasses.replace(req, params=dataclasses.replace(params, include_stop_str_in_output=True))
     assert request_key("s", kept) != request_key("s", req)
+    decided = dataclasses.replace(req, params=dataclasses.replace(params, answers=((7,), (8,))))
+    assert request_key("s", decided) != request_key("s", req)

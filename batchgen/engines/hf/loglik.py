@@ -7,10 +7,12 @@ within engine.max_batch_tokens, each prompt of a group one prefill of the Llama-
 batchgen's kernels; every token's final hidden state) or of the model's own forward elsewhere; the LM head runs
 only over the scored positions, a row at a time, and log-softmax in float32.
 
-A row's scores are the same bits in any batch: each prompt (each decide answer after its row's shared prefix) is
-prefilled alone, so no sum of its depends on which rows share its group, their padding or its place among them, and
-the threads are the engine's configured count whatever a thread governor set for decode steps; a resumed job (other
-groups) writes what an uninterrupted one did. Groups still bound the work per call by engine.max_batch_tokens.
+A row's scores are the same bits in any batch: each prompt is prefilled alone, and a decide row's answers are
+prefilled together as one fixed batch, the row's whole answer set in its plan order after the row's shared prefix,
+whatever part of it is asked; so no sum of a row's depends on which rows share its group, their padding or its place
+among them, and the threads are the engine's configured count whatever a thread governor set for decode steps; a
+resumed job (other groups, a row's remaining answers) writes what an uninterrupted one did. Groups still bound the
+work per call by engine.max_batch_tokens.
 
 A row longer than engine.max_model_len is scored in windows of that many tokens: the first window scores its
 tokens from score_from; each next one starts half a window later and scores only its second half, so every token
@@ -30,6 +32,7 @@ from batchgen.engines.base import Source
 from batchgen.records import Request, Result
 
 Span = tuple[list[int], int]  # (token ids, the first position scored)
+Answers = tuple[tuple[int, ...], ...]  # task=decide: a row's answers, each its tokens after the row's shared prefix
 HEAD_CHUNK = 256  # scored positions per LM-head call: 256 x a 152k vocabulary of float32 logits is 155 MB
 
 
@@ -123,40 +126,55 @@ class LoglikScorer:
                        num_generated_tokens=0, embedding=v) for r, v in zip(requests, pooled)]
 
     def _shared(self, requests: list[Request]) -> list[Result]:
-        """task=decide: requests that share their first `params.shared` tokens (a row's prompt) prefill them once;
-        each then prefills only its own tokens after them (the question and an answer), attending over the
-        prefix's keys and values, loaded into its cache slot."""
-        groups: dict[tuple[int, ...], list[int]] = {}
+        """task=decide: a row's requests share their first `params.shared` tokens (its prompt), prefilled once; then
+        the row's whole answer set (params.answers; without it, the answers asked) is prefilled as one batch after
+        it, whatever part of the set is asked (a resumed row's remaining answers, a cache's misses)."""
+        rows: dict[tuple[tuple[int, ...], Answers], list[int]] = {}
         for i, r in enumerate(requests):
-            groups.setdefault(tuple(r.prompt_ids[:r.params.shared]), []).append(i)
+            rows.setdefault((tuple(r.prompt_ids[:r.params.shared]), r.params.answers), []).append(i)
         totals: list[tuple[float, int]] = [(0.0, 0)] * len(requests)
-        for prefix, members in groups.items():
-            cache = self.stepper.new_cache(1, len(prefix))
-            self.stepper.prefill(cache, 0, [list(prefix)])
-            k, v = cache.prefix_of(0, len(prefix))
-            self.tokens += len(prefix)
-            longest = max(len(requests[i].prompt_ids) for i in members)
-            step = max(1, self.max_batch_tokens // longest)
-            for start in range(0, len(members), step):
-                chunk = members[start:start + step]
-                for i, total in zip(chunk, self._suffixes([requests[i] for i in chunk], k, v)):
-                    totals[i] = total
+        for (prefix, answers), members in rows.items():
+            asked = [requests[i] for i in members]
+            answers = answers or tuple(dict.fromkeys(tuple(r.prompt_ids[len(prefix):]) for r in asked))
+            for i, total in zip(members, self._row(list(prefix), answers, asked)):
+                totals[i] = total
         return [Result(key=r.key, text="", finish_reason="scored", num_prompt_tokens=len(r.prompt_ids),
                        num_generated_tokens=0, loglik=[t, c]) for r, (t, c) in zip(requests, totals)]
 
-    def _suffixes(self, chunk: list[Request], k: torch.Tensor, v: torch.Tensor) -> list[tuple[float, int]]:
-        """Each request's tokens after the shared prefix prefilled alone (see _hidden), over the prefix's keys and
-        values loaded into the one slot again."""
-        shared = k.shape[2]
-        cache = self.stepper.new_cache(1, max(len(r.prompt_ids) for r in chunk))
+    def _row(self, prefix: list[int], answers: Answers, asked: list[Request]) -> list[tuple[float, int]]:
+        """The asked requests' scores, from one row's prefix and its whole answer set prefilled in the set's order,
+        in chunks of answers within max_batch_tokens: the batches' make-up and shapes depend on the row alone (each
+        answer attends over the prefix and itself only), so its bits do not depend on which rows or answers a call
+        holds."""
+        cache = self.stepper.new_cache(1, len(prefix))
+        self.stepper.prefill(cache, 0, [prefix])
+        k, v = cache.prefix_of(0, len(prefix))
+        self.tokens += len(prefix)
+        step = max(1, self.max_batch_tokens // max(map(len, answers)))
+        hidden: dict[tuple[int, ...], torch.Tensor] = {}
+        for start in range(0, len(answers), step):
+            hidden.update(zip(answers[start:start + step], self._suffixes(prefix, answers[start:start + step], k, v)))
         out = []
-        for r in chunk:
-            cache.load_prefix(0, k, v)
-            hidden = self.stepper.prefill_hidden(cache, 0, [r.prompt_ids], [shared])
-            # hidden[t] is position shared + t's state, which predicts ids[shared + t + 1]
-            out.append(self._span(hidden, -shared, r.prompt_ids, r.params.score_from))
-            self.tokens += len(r.prompt_ids) - shared
+        for r in asked:
+            own = hidden.get(tuple(r.prompt_ids[len(prefix):]))
+            if own is None:
+                raise ValueError(f"request {r.key}: its tokens after the shared prefix are not among its row's "
+                                 f"params.answers ({len(answers)} answers)")
+            # own[t] is position len(prefix) + t's state, which predicts ids[len(prefix) + t + 1]
+            out.append(self._span(own, -len(prefix), r.prompt_ids, r.params.score_from))
         return out
+
+    def _suffixes(self, prefix: list[int], answers: Answers, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+        """Each answer's final hidden states [len(answer), hidden], the answers one prefill after the prefix's keys
+        and values, loaded into each one's slot: packed in the given order, right-padded to the longest for
+        attention, which sees the slot's own prefix and tokens only."""
+        cache = self.stepper.new_cache(len(answers), len(prefix) + max(map(len, answers)))
+        for slot in range(len(answers)):
+            cache.load_prefix(slot, k, v)
+        prompts = [prefix + list(a) for a in answers]
+        hidden = self.stepper.prefill_hidden(cache, 0, prompts, [len(prefix)] * len(answers))
+        self.tokens += hidden.shape[0]
+        return list(torch.split(hidden, [len(a) for a in answers]))
 
     def _span(self, hidden: torch.Tensor, base: int, ids: list[int], at: int) -> tuple[float, int]:
         """The summed log-probability of ids[at:] and how many tokens that is, where hidden[base + t] is the state

@@ -184,9 +184,12 @@ def test_a_scoring_job_killed_after_journaling_resumes_to_the_same_rows(tiny_mod
                 assert g[k] == pytest.approx(w[k], rel=1e-6, abs=1e-6), (g["id"], k)
 
 
+DECIDE = ((" Is it a bug?", (" yes", " no")), (" Team:", (" web", " mobile", " payments", " infra")))
+
+
 def scoring_requests(tokenizer) -> list[Request]:
     """Rows of mixed lengths (4 to ~120 tokens) as task=loglik, task=embed and task=decide requests (each row's
-    prompt shared by two answers), keyed so that any order maps back."""
+    prompt shared by its 6 answers to two questions, as the planner plans them), keyed so that any order maps back."""
     texts = [" ".join(t.split()[:n]) for t, n in zip(corpus(9, seed=21), (2, 30, 9, 60, 4, 18, 45, 12, 90))]
     greedy = dict(max_new_tokens=0, temperature=0.0, top_p=1.0, top_k=0, stop=(), ignore_eos=False)
     out = []
@@ -195,11 +198,13 @@ def scoring_requests(tokenizer) -> list[Request]:
         out.append(Request(key=f"loglik{i}", prompt_ids=ids, params=SampleParams(**greedy, score_from=1), seed=None))
         out.append(Request(key=f"embed{i}", prompt_ids=ids, params=SampleParams(**greedy, pooling="mean"),
                            seed=None))
-        question = ids + tokenizer(" Is it a bug?", add_special_tokens=False).input_ids
-        for answer in (" yes", " no"):
-            full = question + tokenizer(answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-            params = SampleParams(**greedy, score_from=len(question), shared=len(ids) - 1)
-            out.append(Request(key=f"decide{i}{answer}", prompt_ids=full, params=params, seed=None))
+        asks = [(ids + tokenizer(q, add_special_tokens=False).input_ids,
+                 tokenizer(a, add_special_tokens=False).input_ids + [tokenizer.eos_token_id])
+                for q, answers in DECIDE for a in answers]
+        every = tuple(tuple(question[len(ids) - 1:] + answer) for question, answer in asks)
+        for j, (question, answer) in enumerate(asks):
+            params = SampleParams(**greedy, score_from=len(question), shared=len(ids) - 1, answers=every)
+            out.append(Request(key=f"decide{i}:{j}", prompt_ids=question + answer, params=params, seed=None))
     return out
 
 
@@ -217,10 +222,12 @@ def score_in(scorer: LoglikScorer, groups: list[list[Request]]) -> dict[str, tup
 @pytest.mark.parametrize("path", ["step", "model forward"])
 def test_a_rows_scores_are_the_same_bits_in_any_batch_whatever_threads_a_governor_left(tiny_model, tokenizer, path):
     """task=loglik, task=embed and task=decide: a row scored alone, with every other row in shuffled order, in
-    threes: the same bits (a resumed job prefills its remaining rows in other groups). The engine is configured for
+    threes: the same bits (a resumed job prefills its remaining rows in other groups). A decide row asked for only
+    some of its answers (each alone; all but the first two, as a resume after two were journaled) scores them as its
+    whole set did: the row's set is prefilled together whatever part of it is asked. The engine is configured for
     one thread and torch was left at two (a thread governor's count for decode steps): scoring runs on one, whose sums
     differ from two's for some rows here, so a scorer that ran on what it was left with fails too. One thread keeps
-    the test to seconds on a shared machine; rows alone are the same code at any count."""
+    the test to seconds on a shared machine."""
     engine = HFEngine(HFConfig(model=tiny_model, dtype="float32"), tokenizer)
     scorer = engine.loglik_scorer()
     if path == "model forward":
@@ -232,12 +239,14 @@ def test_a_rows_scores_are_the_same_bits_in_any_batch_whatever_threads_a_governo
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = score_in(scorer, [[r] for r in requests])
-        assert len(alone) == len(requests)
+        whole = score_in(scorer, [requests])
+        assert len(whole) == len(requests)
         torch.set_num_threads(2)  # what a governor left: scoring runs on scorer.threads
-        for groups in ([shuffled], [shuffled[i:i + 3] for i in range(0, len(shuffled), 3)]):
+        resumed = [r for r in requests if not r.key.startswith("decide") or int(r.key.split(":")[1]) >= 2]
+        for groups in ([[r] for r in requests], [shuffled], [shuffled[i:i + 3] for i in range(0, len(shuffled), 3)],
+                       [resumed]):
             got = score_in(scorer, groups)
-            assert [k for k in alone if got[k] != alone[k]] == [], len(groups)
+            assert [k for k in got if got[k] != whole[k]] == [], len(groups)
             assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

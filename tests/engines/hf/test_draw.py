@@ -107,6 +107,34 @@ def test_a_seeded_row_draws_the_same_tokens_alone_in_any_slot_and_after_a_resume
     assert among_others(range(25, 60), slot=1) == reference[25:]  # resumed: fresh params, the same seed and steps
 
 
+def test_a_small_draw_runs_on_one_thread_with_the_same_tokens_and_leaves_the_thread_count_as_it_was():
+    """A draw of up to draw.ONE_THREAD_VALUES values runs torch's ops on one thread (a second thread's wake-up costs
+    more than its share of such short passes), a larger one on the threads it was given; the tokens are those of a
+    draw on any thread count, and torch's thread count is as it was after each."""
+    from batchgen.engines.hf.sampling import draw
+
+    seen: list[int] = []
+
+    def halves(key1: torch.Tensor, key2: torch.Tensor, vocab: int) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return draw.halves_of_keys(key1, key2, vocab)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows, vocab, threads in ((8, 32000, 1), (2, draw.ONE_THREAD_VALUES // 2 + 1, 2)):
+            logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(rows)) * 3
+            params = table([(sp(0.8, top_p=0.95), 100 + i, 0.0) for i in range(rows)])
+            steps = torch.arange(rows) * 7
+            tokens = sample(logits, params, steps, draw.DrawOps(halves=halves))
+            assert seen.pop() == threads and torch.get_num_threads() == 2
+            torch.set_num_threads(1)
+            assert torch.equal(tokens, sample(logits, params, steps))
+            torch.set_num_threads(2)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_noise_depends_on_seed_and_step_only():
     seeds = torch.tensor([as_int64(2**64 - 5), 0, 7, 7, 2**62])
     steps = torch.tensor([3, 3, 0, 1, 2**40])

@@ -18,7 +18,8 @@ Knows tensors and SampleParams; nothing about models, caches, requests or device
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -31,6 +32,10 @@ MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B9  # 2^32 / phi: spreads consecutive token indices over the lanes before the first mix
 KEY_STARTS = (0x243F6A88, 0x85A308D3)  # digits of pi: the two key lanes' starting values
 HALF = 1 << 31
+# A sampled draw over at most this many values ([n, V]) runs on one of torch's threads: its ops are short passes
+# (a log over 32,000 values: 45 us on one AVX2 EPYC core) that a second thread's wake-up outlasts (8 ms on a busy
+# 2-core machine). The values are the same on any thread count.
+ONE_THREAD_VALUES = 1 << 20
 
 
 def first_largest(logits: torch.Tensor) -> torch.Tensor:
@@ -100,13 +105,33 @@ def pick(logits: torch.Tensor, params: RowParams, steps: torch.Tensor, ops: Draw
 
 def sample(logits: torch.Tensor, params: RowParams, steps: torch.Tensor, ops: DrawOps = TORCH_OPS) -> torch.Tensor:
     """Each row's draw, greedy or not: [n] int64 (logits [n, V], steps [n]). Temperature, then the filters where a
-    row has one (params.filtered: else no sort), then argmax(x + g)."""
+    row has one (params.filtered: else no sort), then argmax(x + g). On one thread up to ONE_THREAD_VALUES."""
+    with one_thread_up_to(logits.numel()):
+        return draw_rows(logits, params, steps, ops)
+
+
+def draw_rows(logits: torch.Tensor, params: RowParams, steps: torch.Tensor, ops: DrawOps) -> torch.Tensor:
+    """sample's work, on the threads it was given."""
     x = logits.float() / params.temperature[:, None]
     if params.filtered:
         x = filter_logits(x, params.top_k, params.top_p, params.min_p, sort=ops.sort)
     key1, key2 = row_keys(params.seed, steps)
     signed = (ops.halves or halves_of_keys)(key1, key2, x.shape[-1])
     return x.add_(gumbel_of_halves(signed)).argmax(dim=-1)
+
+
+@contextlib.contextmanager
+def one_thread_up_to(values: int) -> Iterator[None]:
+    """torch on one thread for the block where it works on at most ONE_THREAD_VALUES values, then as it was."""
+    before = torch.get_num_threads()
+    if values > ONE_THREAD_VALUES or before == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def filter_logits(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, *,

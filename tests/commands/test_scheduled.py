@@ -162,7 +162,8 @@ def test_increment_refuses_a_bad_date_and_the_keys_it_sets(project, monkeypatch)
     with pytest.raises(ConfigError, match=r"output_dir=fixed holds a job's output itself"):
         plan_night([*overrides, "output_dir=fixed"], "2026-12-05", compose_checked)
     night = plan_night([*overrides, f"output_dir={hydra_value(str(home / 'it s'))}"], "2026-12-05", compose_checked)
-    assert night.previous is None and night.overrides[-1] == f"output_dir='{home / 'it s' / '2026-12-05'}'"
+    assert night.previous == str(home / "it s")  # the ledger: every finished night under the root (none yet)
+    assert f"output_dir='{home / 'it s' / '2026-12-05'}'" in night.overrides
     assert hydra_value("data/outputs/tickets/2026-12-05") == "data/outputs/tickets/2026-12-05"
 
 

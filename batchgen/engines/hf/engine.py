@@ -33,12 +33,16 @@ from batchgen.errors import ModelLoadError
 from batchgen.records import Request, Result
 
 log = logging.getLogger(__name__)
+# engine.threads=null: all cores, as torch counts them when the process starts (read once, at import), so an engine
+# made after other code changed torch's threads (an earlier engine, a notebook cell) runs on the same count as a fresh
+# process, and a row's scores (summed on those threads) are the same bits in both
+ALL_CORES = torch.get_num_threads()
 
 
 class HFEngine:
     def __init__(self, cfg: HFConfig, tokenizer: Any):
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        if torch.get_num_threads() != (cfg.threads or ALL_CORES):
+            torch.set_num_threads(cfg.threads or ALL_CORES)
         self.cfg = cfg
         self.device = device.resolve_device(cfg.device)
         self.backend = backends.for_device(self.device)  # the device's plan and stepper (backends/)

@@ -37,7 +37,7 @@ from batchgen.commands.compose import (  # noqa: E402
 )
 from batchgen.commands.keynames import GROUPS  # noqa: E402
 from batchgen.commands.terminal import error_text, escape_console, lines, one_line  # noqa: E402
-from batchgen.errors import BatchgenError, ConfigError  # noqa: E402
+from batchgen.errors import BatchgenError, ConfigError, LockedError  # noqa: E402
 from batchgen.job import JobConfig  # noqa: E402
 from batchgen.output.remote import RemoteOutput, is_remote  # noqa: E402
 from batchgen.redact import redact, redact_logs, redact_text, remember_secrets  # noqa: E402
@@ -82,7 +82,7 @@ def _hydra_main(cfg: DictConfig) -> None:
         if advice:
             print(f"batchgen: {redact_text(advice)}", file=sys.stderr)
         if exc.exit_code == 2:
-            _forget_refused_run()
+            _forget_refused_run(other_writer=isinstance(exc, LockedError))
         elif exc.resumable:  # a runtime failure: what is committed and journaled stays, and the same command resumes
             print(f"batchgen: committed parts and journaled results are kept; {resume_line()}", file=sys.stderr)
         sys.exit(exc.exit_code)
@@ -134,18 +134,20 @@ def _entries(directory: Path) -> Optional[set[str]]:
         return None
 
 
-def _forget_refused_run() -> None:
+def _forget_refused_run(*, other_writer: bool = False) -> None:
     """A job refused at start (exit 2: config, input, a refused resume, another job's output, a live writer) writes
     nothing into output_dir: Hydra made this run's log folder (`_logs/<time>`, and output_dir itself where it was
     new) before the job's own checks ran; both go again, and `_logs` where it is left empty. Kept where the job
-    wrote a file beside the logs that was not there before, or where hydra.run.dir is the user's own place."""
+    wrote a file beside the logs that was not there before, or where hydra.run.dir is the user's own place; refused
+    by a live writer (`other_writer`), the new files beside the logs are that writer's, and this run's logs go."""
     if invocation.logs_home is None:
         return
     home, before = invocation.logs_home
     from hydra.core.hydra_config import HydraConfig
 
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
-    if run_dir.parent != home / LOGS or (_entries(home) or set()) - {LOGS} - (before or set()):
+    wrote = set() if other_writer else (_entries(home) or set()) - {LOGS} - (before or set())
+    if run_dir.parent != home / LOGS or wrote:
         return
     shutil.rmtree(run_dir, ignore_errors=True)
     for directory in (home / LOGS, home) if before is None else (home / LOGS,):
